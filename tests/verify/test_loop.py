@@ -1,0 +1,109 @@
+"""The generation loop: plain decoding, a noisy oracle drafter over a long generation (cache
+compaction), EOS and length handling, and bad inputs."""
+
+import pytest
+import torch
+
+from verify.loop import generate
+from verify.sampling import SamplingParams
+from verify.target import load_target
+from verify.tree import TokenTree
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_target(tiny="llama").model
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(prompt[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, min_new_tokens=n)
+    return out[0, len(prompt):]
+
+
+class NoisyOracle:
+    """Proposes a depth-3 tree whose first branch follows a known reference continuation for
+    a while and then goes wrong, and whose second branch is wrong from the start."""
+
+    wants_hidden = False
+
+    def __init__(self, reference, prompt_len):
+        self.reference, self.prompt_len = reference.tolist(), prompt_len
+        self.step = 0
+
+    def begin(self, prompt):
+        self.step = 0
+
+    def propose(self, ctx):
+        done = len(ctx.tokens) - self.prompt_len
+        good = self.reference[done:done + 3]
+        keep = self.step % 4  # 0..3 correct tokens, then a wrong one
+        wrong = [(t + 1) % 256 for t in good]
+        path = good[:keep] + wrong[keep:keep + 1]
+        self.step += 1
+        return TokenTree.from_paths(int(ctx.tokens[-1]), [path, wrong[:1]] if path else [wrong[:1]])
+
+    def update(self, tree, acceptance):
+        pass
+
+
+def test_plain_decoding_matches_hf_generate(model):
+    prompt = torch.arange(5, 25)
+    result = generate(model, prompt, 40)
+    assert torch.equal(result.tokens, hf_greedy(model, prompt, 40))
+    assert result.tau == 1.0 and len(result.steps) == 39
+
+
+def test_long_generation_with_compaction_stays_exact(model):
+    prompt = torch.arange(5, 25)
+    reference = hf_greedy(model, prompt, 300)
+    result = generate(model, prompt, 300, drafter=NoisyOracle(reference, len(prompt)))
+    assert torch.equal(result.tokens, reference)
+    assert 1.5 < result.tau < 4.0  # the oracle is right 0-3 tokens at a time
+    assert len(result.steps) < 200
+
+
+def test_stops_at_eos_and_includes_it(model):
+    prompt = torch.arange(5, 25)
+    reference = generate(model, prompt, 30).tokens
+    eos = int(reference[10])
+    first = reference.tolist().index(eos)
+    result = generate(model, prompt, 30, eos_token_id=eos,
+                      drafter=NoisyOracle(reference, len(prompt)))
+    assert result.tokens.tolist() == reference[: first + 1].tolist()
+
+
+def test_sampling_is_reproducible_with_a_seed(model):
+    prompt = torch.arange(5, 25)
+    params = SamplingParams(temperature=1.0)
+    runs = [generate(model, prompt, 20, params=params,
+                     generator=torch.Generator().manual_seed(3)).tokens for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("prompt, n, message", [
+    (torch.tensor([], dtype=torch.long), 5, "prompt is empty"),
+    (torch.arange(10), 0, "max_new_tokens must be positive"),
+    (torch.arange(10), -3, "max_new_tokens must be positive"),
+    (torch.zeros(510, dtype=torch.long), 5, "exceeds the model's context window"),
+    (torch.zeros(600, dtype=torch.long), 1, "exceeds the model's context window"),
+])
+def test_bad_inputs_are_refused(model, prompt, n, message):
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompt, n)
+
+
+def test_drafter_with_a_wrong_root_is_refused(model):
+    class WrongRoot(NoisyOracle):
+        def propose(self, ctx):
+            return TokenTree(torch.tensor([int(ctx.tokens[-1]) + 1]), torch.tensor([-1]))
+
+    with pytest.raises(ValueError, match="rooted at"):
+        generate(model, torch.arange(5, 25), 5, drafter=WrongRoot(torch.arange(5), 20))
+
+
+def test_tree_is_dropped_near_the_end_of_the_context(model):
+    prompt = torch.arange(500) % 200
+    reference = generate(model, prompt, 12).tokens
+    result = generate(model, prompt, 12, drafter=NoisyOracle(reference, len(prompt)))
+    assert torch.equal(result.tokens, reference)

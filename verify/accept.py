@@ -1,0 +1,164 @@
+"""Acceptance rules: given the target's logits at every tree node, which path is accepted.
+
+Every rule returns the accepted root-to-node path and one bonus token drawn from the target
+after the path's last node, so each target forward yields at least one token.
+
+- greedy: the longest path whose tokens equal the target's argmax; exact for greedy decoding.
+- sampling: recursive rejection sampling over siblings (SpecInfer / EAGLE style), drafts drawn
+  without replacement; a chain is Leviathan / Chen speculative sampling. Exact in distribution.
+- typical: Medusa's typical acceptance. Faster, lossy by design: never reported as exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verify.sampling import SamplingParams, sample, warp
+from verify.tree import TokenTree
+
+
+@dataclass
+class Acceptance:
+    """path: node indices from the root (path[0] == 0); bonus: the target's next token."""
+
+    path: list[int]
+    bonus: int
+
+    @property
+    def num_accepted(self) -> int:
+        """Draft tokens accepted (the bonus token not counted)."""
+        return len(self.path) - 1
+
+
+class AcceptanceRule:
+    """Base class. `logits` is (N, V): row i is the target's prediction after tree node i."""
+
+    name = "base"
+    exact = False
+
+    def __call__(self, tree: TokenTree, logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Acceptance:
+        raise NotImplementedError
+
+
+class GreedyRule(AcceptanceRule):
+    name = "greedy"
+    exact = True
+
+    def __call__(self, tree, logits, params, generator=None):
+        best = logits.argmax(-1).tolist()  # (N,)
+        path = [0]
+        while True:
+            match = [c for c in tree.children(path[-1]) if int(tree.tokens[c]) == best[path[-1]]]
+            if not match:
+                return Acceptance(path, best[path[-1]])
+            path.append(match[0])
+
+
+class SpeculativeSamplingRule(AcceptanceRule):
+    """Recursive rejection sampling. At a node with target distribution p and children
+    c1, c2, ... drawn in order without replacement from q: accept c_i with probability
+    min(1, p(c_i) / q(c_i)); on rejection p <- norm(max(p - q, 0)) and c_i is removed from q.
+    With no q (deterministic drafts) each child is a one-hot proposal."""
+
+    name = "sampling"
+    exact = True
+
+    def __call__(self, tree, logits, params, generator=None):
+        probs = warp(logits, params)  # (N, V)
+        path = [0]
+        while True:
+            node = path[-1]
+            child, residual = self._try_children(tree, node, probs[node], generator)
+            if child is None:
+                return Acceptance(path, sample(residual, generator))
+            path.append(child)
+
+    def _try_children(self, tree: TokenTree, node: int, p: torch.Tensor,
+                      generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
+        q = _draft_row(tree, node)
+        for child in tree.children(node):
+            token = int(tree.tokens[child])
+            q_child = q if q is not None else _one_hot(token, p)
+            ratio = p[token] / q_child[token].clamp_min(1e-20)
+            if torch.rand((), generator=generator) < ratio:
+                return child, p
+            p = self.residual(p, q_child)
+            if q is not None:
+                q = _without(q, token)
+        return None, p
+
+    def residual(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The target's distribution given that a draft from q was rejected."""
+        r = (p - q).clamp_min(0)
+        total = r.sum()
+        # p <= q everywhere means p == q: rejection had probability 0, only rounding got here.
+        return r / total if total > 0 else p
+
+
+class TypicalRule(AcceptanceRule):
+    """Medusa's typical acceptance: a draft token passes when its target probability exceeds
+    min(epsilon, alpha * exp(-entropy)); the deepest passing path wins (ties: higher target
+    log-probability). Lossy: the output distribution is not the target's."""
+
+    name = "typical"
+    exact = False
+
+    def __init__(self, epsilon: float = 0.09, alpha: float | None = None):
+        self.epsilon = epsilon
+        self.alpha = epsilon ** 0.5 if alpha is None else alpha
+
+    def __call__(self, tree, logits, params, generator=None):
+        probs = warp(logits, params)  # (N, V)
+        entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)
+        threshold = torch.minimum(torch.full_like(entropy, self.epsilon),
+                                  self.alpha * torch.exp(-entropy))
+        best, best_key = 0, (0, 0.0)
+        ok, score = [True] * len(tree), [0.0] * len(tree)
+        for i in range(1, len(tree)):
+            parent, token = int(tree.parents[i]), int(tree.tokens[i])
+            ok[i] = ok[parent] and bool(probs[parent, token] > threshold[parent])
+            score[i] = score[parent] + float(probs[parent, token].clamp_min(1e-20).log())
+            key = (int(tree.depths[i]), score[i])
+            if ok[i] and key > best_key:
+                best, best_key = i, key
+        path = tree.ancestor_mask()[best].nonzero().flatten().tolist()
+        return Acceptance(path, sample(probs[best], generator))
+
+
+RULES: dict[str, type[AcceptanceRule]] = {
+    rule.name: rule for rule in (GreedyRule, SpeculativeSamplingRule, TypicalRule)
+}
+
+
+def make_rule(name: str | None, params: SamplingParams) -> AcceptanceRule:
+    """The named rule, or by default greedy at temperature 0 and exact sampling otherwise."""
+    if name is None:
+        name = "greedy" if params.greedy else "sampling"
+    if name not in RULES:
+        raise ValueError(f"unknown acceptance rule {name!r}; choose from {sorted(RULES)}")
+    if name == "greedy" and not params.greedy:
+        raise ValueError("the greedy rule needs temperature 0; use 'sampling' or 'typical'")
+    return RULES[name]()
+
+
+def _draft_row(tree: TokenTree, node: int) -> torch.Tensor | None:
+    # A row of zeros marks a node whose children were chosen deterministically.
+    if tree.draft_probs is None or float(tree.draft_probs[node].sum()) == 0:
+        return None
+    return tree.draft_probs[node].float()
+
+
+def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q
+
+
+def _without(q: torch.Tensor, token: int) -> torch.Tensor:
+    q = q.clone()
+    q[token] = 0.0
+    total = q.sum()
+    return q / total if total > 0 else q

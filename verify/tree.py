@@ -1,0 +1,203 @@
+"""Token trees: what a drafter proposes and the verifier checks in one target forward.
+
+A tree has N nodes in topological order. Node 0 is the root: the last token already decided
+(the previous step's bonus token, or the first generated token) whose key/value the target has
+not computed yet. Every other node i has a parent `parents[i] < i`. A node's depth is its
+distance from the root, so the target sees node i at position `cache_len + depth[i]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TreeError(ValueError):
+    """A malformed tree, or one a drafter cannot fill."""
+
+
+@dataclass(frozen=True)
+class TreeTopology:
+    """A static tree shape in Medusa's "choices" format, without tokens.
+
+    A choice is a path of ranks from the root: (0,) is the root's best child, (1, 0) the best
+    child of the root's second-best child. The root itself is implicit (node 0).
+    """
+
+    choices: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...]  # (N,), -1 for the root
+    ranks: tuple[int, ...]  # (N,), rank among siblings; 0 for the root
+
+    @staticmethod
+    def from_choices(choices: Sequence[Sequence[int]]) -> TreeTopology:
+        paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+        index = {(): 0}
+        parents, ranks = [-1], [0]
+        for path in paths:
+            if not path or min(path) < 0:
+                raise TreeError(f"choice {list(path)} must be a non-empty list of ranks >= 0")
+            if path[:-1] not in index:
+                raise TreeError(f"choice {list(path)} has no parent {list(path[:-1])} in the tree")
+            index[path] = len(parents)
+            parents.append(index[path[:-1]])
+            ranks.append(path[-1])
+        return TreeTopology(tuple(paths), tuple(parents), tuple(ranks))
+
+    @staticmethod
+    def chain(length: int) -> TreeTopology:
+        return TreeTopology.from_choices([(0,) * d for d in range(1, length + 1)])
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max((len(c) for c in self.choices), default=0)
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node`, ordered by rank."""
+        kids = [i for i, p in enumerate(self.parents) if p == node]
+        return sorted(kids, key=lambda i: self.ranks[i])
+
+
+@dataclass
+class TokenTree:
+    """Draft tokens arranged as a tree.
+
+    tokens:      (N,) long, tokens[0] is the root.
+    parents:     (N,) long, parents[0] == -1, parents[i] < i otherwise.
+    draft_probs: optional (N, V) float; row u is the draft distribution from which u's children
+                 were drawn (in order, without replacement). None means the children were chosen
+                 deterministically, which exact sampling treats as one-hot proposals.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+    depths: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).flatten()
+        self.parents = torch.as_tensor(self.parents, dtype=torch.long).flatten()
+        self._validate()
+        depths = [0] * len(self.parents)
+        for i in range(1, len(depths)):
+            depths[i] = depths[int(self.parents[i])] + 1
+        self.depths = torch.tensor(depths, dtype=torch.long)
+
+    def _validate(self) -> None:
+        n = len(self.tokens)
+        if n == 0 or len(self.parents) != n:
+            raise TreeError(f"a tree needs a root and one parent per token: {n} tokens, "
+                            f"{len(self.parents)} parents")
+        if int(self.parents[0]) != -1:
+            raise TreeError("node 0 must be the root (parent -1)")
+        for i in range(1, n):
+            p = int(self.parents[i])
+            if not 0 <= p < i:
+                raise TreeError(f"node {i} has dangling parent {p}: parents must precede children")
+        seen = set()
+        for i in range(1, n):
+            key = (int(self.parents[i]), int(self.tokens[i]))
+            if key in seen:
+                raise TreeError(f"node {i} repeats token {key[1]} among its siblings")
+            seen.add(key)
+        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
+            raise TreeError(f"draft_probs has {self.draft_probs.shape[0]} rows for {n} nodes")
+
+    # -- construction -------------------------------------------------------------------------
+
+    @staticmethod
+    def from_paths(root: int, paths: Sequence[Sequence[int]]) -> TokenTree:
+        """Merge token paths (each starting below the root) into a trie; shared prefixes merge."""
+        builder = TreeBuilder(root)
+        for path in paths:
+            node = 0
+            for token in path:
+                node = builder.child(node, int(token))
+        return builder.build()
+
+    @staticmethod
+    def from_choices(root: int, topology: TreeTopology, tokens: Sequence[int]) -> TokenTree:
+        """Fill a static topology: `tokens[i]` is the token of topology node i (i >= 1)."""
+        if len(tokens) != topology.size - 1:
+            raise TreeError(f"{len(tokens)} tokens for a topology of {topology.size - 1} nodes")
+        return TokenTree(torch.tensor([root, *tokens]), torch.tensor(topology.parents))
+
+    # -- derived views --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return int(self.depths.max())
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` in the order they were proposed."""
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(N, N) bool: mask[i, j] is True when j is i or an ancestor of i."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            mask[i] |= mask[int(self.parents[i])]
+        return mask
+
+    def position_ids(self, offset: int) -> torch.Tensor:
+        """(N,) long: the position each node takes in the sequence after `offset` cached tokens."""
+        return self.depths + offset
+
+    def leaf_paths(self) -> list[list[int]]:
+        """Root-to-leaf node index paths, one per leaf, in node order of the leaves."""
+        has_child = torch.zeros(len(self), dtype=torch.bool)
+        has_child[self.parents[1:]] = True
+        mask = self.ancestor_mask()
+        return [mask[leaf].nonzero().flatten().tolist() for leaf in range(len(self))
+                if not has_child[leaf]]
+
+
+class TreeBuilder:
+    """Grow a TokenTree node by node (dynamic trees, tries)."""
+
+    def __init__(self, root: int):
+        self.tokens = [int(root)]
+        self.parents = [-1]
+        self.probs: list[torch.Tensor | None] = [None]
+
+    def add(self, parent: int, token: int) -> int:
+        """Append a new child of `parent`; returns its node index."""
+        if not 0 <= parent < len(self.tokens):
+            raise TreeError(f"parent {parent} does not exist (tree has {len(self.tokens)} nodes)")
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.probs.append(None)
+        return len(self.tokens) - 1
+
+    def child(self, parent: int, token: int) -> int:
+        """The child of `parent` holding `token`, added if missing."""
+        for i in range(1, len(self.tokens)):
+            if self.parents[i] == parent and self.tokens[i] == token:
+                return i
+        return self.add(parent, token)
+
+    def set_draft_probs(self, node: int, probs: torch.Tensor) -> None:
+        """Record the draft distribution (V,) that `node`'s children are drawn from."""
+        self.probs[node] = probs
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def build(self) -> TokenTree:
+        draft_probs = None
+        known = [p for p in self.probs if p is not None]
+        if known:
+            draft_probs = torch.zeros(len(self.tokens), known[0].shape[-1])
+            for i, p in enumerate(self.probs):
+                if p is not None:
+                    draft_probs[i] = p
+        return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents), draft_probs)

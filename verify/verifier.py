@@ -1,0 +1,84 @@
+"""Tree attention on any Hugging Face causal LM, through transformers' own extension points.
+
+The verifier owns the target's KV cache. A tree of N nodes is run as one forward pass: a float
+4D attention mask (1, 1, N, L + N) lets each node see the L cached tokens plus its own ancestors,
+and explicit position ids place each node at L + depth. No modeling file is copied: this is
+the public `attention_mask` / `position_ids` / `cache` interface of every causal LM.
+
+After acceptance the cache is compacted to the accepted path, so the cached sequence is always
+exactly the committed tokens (memory stays bounded; positions stay contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from verify.tree import TokenTree
+
+
+class TreeVerifier:
+    """Runs a target model over a growing sequence and token trees appended to it."""
+
+    def __init__(self, model: PreTrainedModel, want_hidden: bool = False):
+        self.model = model
+        self.want_hidden = want_hidden
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0  # tokens whose keys/values are cached (all committed)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cache the (T,) tokens; returns the last position's logits (V,) and the last-layer
+        hidden states of all T positions (T, H)."""
+        positions = torch.arange(self.length, self.length + len(input_ids))
+        logits, hidden = self._forward(input_ids, positions, None, logits_to_keep=1)
+        self.length += len(input_ids)
+        return logits[-1], hidden
+
+    @torch.no_grad()
+    def verify(self, tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run all N tree nodes at once; returns logits (N, V) and hidden states (N, H).
+
+        Row i is what the target predicts after the path root..i. The tree's keys/values are
+        appended to the cache until `commit` keeps the accepted path.
+        """
+        mask = self.tree_mask(tree, self.length, self.model.dtype)
+        return self._forward(tree.tokens, tree.position_ids(self.length), mask)
+
+    def commit(self, path: list[int]) -> None:
+        """Keep the cached keys/values of the accepted tree nodes `path` (root first) only."""
+        keep = torch.tensor(path, dtype=torch.long) + self.length
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise NotImplementedError(
+                    f"cache compaction supports full-attention layers, not {type(layer).__name__}")
+            layer.keys = torch.cat([layer.keys[..., : self.length, :],
+                                    layer.keys.index_select(-2, keep)], dim=-2)
+            layer.values = torch.cat([layer.values[..., : self.length, :],
+                                      layer.values.index_select(-2, keep)], dim=-2)
+        self.length += len(path)
+
+    @staticmethod
+    def tree_mask(tree: TokenTree, cached: int, dtype: torch.dtype) -> torch.Tensor:
+        """(1, 1, N, cached + N) additive mask: 0 where a node may attend, dtype-min elsewhere."""
+        allowed = torch.cat([torch.ones(len(tree), cached, dtype=torch.bool),
+                             tree.ancestor_mask()], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 attention_mask: torch.Tensor | None,
+                 logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = self.model.device
+        out = self.model(
+            input_ids=tokens[None].to(device),
+            position_ids=positions[None].to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=self.want_hidden,
+            logits_to_keep=logits_to_keep,
+        )
+        hidden = out.hidden_states[-1][0].float().cpu() if self.want_hidden else None
+        return out.logits[0].float().cpu(), hidden
