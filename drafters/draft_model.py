@@ -1,0 +1,247 @@
+"""Draft-model drafting: a separate small causal LM with the target's tokenizer proposes the tree.
+
+Leviathan et al. 2023 / Chen et al. 2023 draft a chain with a small model; SpecInfer expands a
+tree from its top-k. Here the shared topology decides the shape: the child of rank r under a node
+is the draft model's r-th best proposal after the path to that node (greedy: its top-k tokens;
+sampling: draws without replacement from its warped distribution, recorded for exact
+acceptance). The draft can be any compatible model, or the target itself cut to its first
+layers (`truncated_copy`, a self-draft that needs no training).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from drafters.base import check_depth
+from verify.accept import Acceptance
+from verify.protocol import DraftContext
+from verify.sampling import SamplingParams, warp
+from verify.target import Target, load_target
+from verify.tree import TokenTree, TreeBuilder, TreeTopology
+from verify.verifier import TreeVerifier
+
+
+class DraftModelDrafter:
+    """Drafts a tree with a small causal LM that keeps its own KV cache of committed tokens.
+
+    `cached` (T,) holds the tokens whose keys/values are in `cache`: after each proposal that
+    is exactly ctx.tokens, so the next step feeds only what was committed since. Tree nodes are
+    appended to the cache while drafting and cropped off before returning.
+    """
+
+    wants_hidden = False
+    max_depth = None  # a language model can continue any path
+
+    def __init__(self, model: PreTrainedModel, topology: TreeTopology, name: str = "draft_model"):
+        check_depth(topology, self.max_depth, name)
+        self.model = model.eval()
+        self.topology = topology
+        self.name = name
+        self.begin(torch.empty(0, dtype=torch.long))
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """Drop the cache: a new sequence starts (the prompt is fed on the first proposal)."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached = torch.empty(0, dtype=torch.long)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where the draft
+        distribution has too few tokens with mass."""
+        root_logits = self._catch_up(ctx.tokens)
+        try:
+            return self._expand(int(ctx.tokens[-1]), root_logits, ctx.params, ctx.generator)
+        finally:
+            self._crop(len(self.cached))  # the tree nodes must not linger in the cache
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """Nothing to do: the next proposal catches up from its context's tokens."""
+
+    def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Cache the (T,) committed tokens; returns the draft logits (V,) after the last one."""
+        tokens = tokens.cpu()
+        # Keep the common prefix (the cache may be ahead after a rejection or a new sequence),
+        # but always feed at least the root: its logits are the first level's distribution.
+        keep = min(_common_prefix(self.cached, tokens), len(tokens) - 1)
+        self._crop(keep)
+        self.cached = tokens[:keep]  # in step with the cache, should the forward fail
+        logits = self._forward(tokens[keep:], torch.arange(keep, len(tokens)), None, keep_last=True)
+        self.cached = tokens.clone()
+        return logits[-1]
+
+    def _expand(self, root: int, root_logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> TokenTree:
+        """Fill the topology level by level: one draft forward per level that has children."""
+        builder = TreeBuilder(root)
+        placed = {0: 0}  # topology node -> tree node
+        logits = {0: root_logits}  # tree node -> (V,) draft logits after its path
+        frontier = [0]  # topology nodes whose children the next level drafts
+        limit = self._depth_limit()
+        for depth in range(1, limit + 1):
+            first = len(builder)
+            for node in frontier:
+                self._add_children(builder, placed, node, logits[placed[node]], params, generator)
+            frontier = [t for t, i in placed.items() if i >= first and self.topology.children(t)]
+            if not frontier or depth == limit:
+                break
+            rows = self._forward_level(builder, first)  # (nodes of this level, V)
+            logits.update({placed[t]: rows[placed[t] - first] for t in frontier})
+        return builder.build()
+
+    def _depth_limit(self) -> int:
+        """The topology's depth, less near the end of the draft model's position range (a node
+        at depth d sits at position T - 1 + d; GPT-2's position table would overflow)."""
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        if max_positions is None:
+            return self.topology.depth
+        return min(self.topology.depth, max_positions - len(self.cached))
+
+    def _add_children(self, builder: TreeBuilder, placed: dict[int, int], node: int,
+                      logits: torch.Tensor, params: SamplingParams,
+                      generator: torch.Generator | None) -> None:
+        kids = self.topology.children(node)
+        tokens, q = propose_children(logits, len(kids), params, generator)
+        if q is not None:
+            builder.set_draft_probs(placed[node], q)
+        # Children in rank order take the proposals best first; a sampled child must be the
+        # next draw without replacement, so a gap in the ranks is closed up, never skipped.
+        for kid, token in zip(kids, tokens):
+            placed[kid] = builder.add(placed[node], token)
+
+    def _forward_level(self, builder: TreeBuilder, first: int) -> torch.Tensor:
+        """Run tree nodes first.. (the newest level) over the cache; returns logits (n, V)."""
+        tree = TokenTree(torch.tensor(builder.tokens), torch.tensor(builder.parents))
+        # The root is the last cached committed token, so tree node i sits at cache index
+        # root_index + i: the verifier's mask with `root_index` cached tokens fits exactly.
+        root_index = len(self.cached) - 1
+        mask = TreeVerifier.tree_mask(tree, root_index, self.model.dtype)[:, :, first:]
+        positions = tree.position_ids(root_index)[first:]
+        return self._forward(tree.tokens[first:], positions, mask)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 attention_mask: torch.Tensor | None, keep_last: bool = False) -> torch.Tensor:
+        """(n,) tokens at (n,) positions appended to the cache -> float logits (n or 1, V)."""
+        device = self.model.device
+        out = self.model(
+            input_ids=tokens[None].to(device),
+            position_ids=positions[None].to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1 if keep_last else 0,
+        )
+        return out.logits[0].float().cpu()
+
+    def _crop(self, length: int) -> None:
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)  # DynamicLayer.crop takes the number of tokens to remove
+
+
+def propose_children(logits: torch.Tensor, count: int, params: SamplingParams,
+                     generator: torch.Generator | None = None
+                     ) -> tuple[list[int], torch.Tensor | None]:
+    """Up to `count` distinct child tokens from (V,) draft logits, best first.
+
+    Greedy: the top-`count` tokens by logit, and None (deterministic children). Sampling: draws
+    in order without replacement from q = warp(logits) (Gumbel-top-k), and q (V,) itself.
+    Tokens with q = 0 are never proposed, so fewer than `count` may come back.
+    """
+    count = min(count, logits.shape[-1])
+    if params.greedy:
+        values, tokens = logits.float().topk(count)
+        return tokens[values > float("-inf")].tolist(), None
+    q = warp(logits, params)
+    # Sorting log q + Gumbel noise is sequential sampling without replacement; log 0 = -inf
+    # keeps tokens without mass out whatever the noise.
+    uniform = torch.rand(q.shape, generator=generator).clamp_min(torch.finfo(torch.float32).tiny)
+    keys = q.log() - (-uniform.log()).log()
+    values, tokens = keys.topk(count)
+    return tokens[values > float("-inf")].tolist(), q
+
+
+def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """The target cut to its first `num_layers` decoder layers (plus its final norm and head).
+
+    The copy shares the target's weight tensors (no memory, no training): it is built on the
+    meta device and every tensor is assigned from the target. Llama, Qwen2, GPT-2 and other
+    models whose config has `num_hidden_layers` (GPT-2: an alias of n_layer).
+    """
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"num_layers must be in [1, {total - 1}] for a target of {total} "
+                         f"layers, got {num_layers}")
+    config = copy.deepcopy(model.config)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:num_layers]  # Qwen2 checks the two agree
+    config.num_hidden_layers = num_layers
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(config)
+    result = draft.load_state_dict(model.state_dict(), strict=False, assign=True)
+    _check_dropped_only(result.missing_keys, result.unexpected_keys, num_layers)
+    # Non-persistent buffers (rotary inv_freq) are not in the state dict: share them too.
+    for name, buffer in draft.named_buffers():
+        if buffer.is_meta:
+            module, _, attr = name.rpartition(".")
+            setattr(draft.get_submodule(module), attr, model.get_buffer(name))
+    return draft.eval()
+
+
+def _check_dropped_only(missing: list[str], unexpected: list[str], num_layers: int) -> None:
+    # Every weight of the copy must come from the target, and only the dropped layers' weights
+    # may be left over; anything else means the layer list was not where the config says.
+    dropped = [k for k in unexpected if (m := re.search(r"\.(\d+)\.", k))
+               and int(m.group(1)) >= num_layers]
+    left = sorted(set(missing) | (set(unexpected) - set(dropped)))
+    if left:
+        raise ValueError(f"truncating to {num_layers} layers left weights unmatched: {left[:5]}")
+
+
+def check_compatible(target_model: PreTrainedModel, target_tokenizer,
+                     draft_model: PreTrainedModel, draft_tokenizer) -> None:
+    """Refuse a draft whose token ids mean something else than the target's (ValueError)."""
+    sizes = target_model.config.vocab_size, draft_model.config.vocab_size
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"vocabulary sizes differ: target {sizes[0]} vs draft {sizes[1]}")
+    if target_tokenizer is None and draft_tokenizer is None:
+        return  # tiny random models: ids are all there is
+    if target_tokenizer is None or draft_tokenizer is None:
+        which = "target" if target_tokenizer is None else "draft"
+        raise ValueError(f"tokenizers differ: the {which} has none")
+    difference = _first_difference(target_tokenizer.get_vocab(), draft_tokenizer.get_vocab())
+    if difference:
+        raise ValueError(f"tokenizers differ: {difference}")
+
+
+def _first_difference(target: dict[str, int], draft: dict[str, int]) -> str | None:
+    """The lowest id whose token differs between two vocabularies, described; or None."""
+    by_id = [{i: t for t, i in vocab.items()} for vocab in (target, draft)]
+    for i in sorted(by_id[0].keys() | by_id[1].keys()):
+        if by_id[0].get(i) != by_id[1].get(i):
+            return f"id {i} is {by_id[0].get(i)!r} in the target, {by_id[1].get(i)!r} in the draft"
+    return None
+
+
+def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> DraftModelDrafter:
+    """conf/drafter/draft_model.yaml: `path: null` + `num_layers: N` drafts with the target cut
+    to N layers; `path: <folder or hub id>` loads that model and checks it is compatible."""
+    path = cfg.get("path")
+    if path is None:
+        model = truncated_copy(target.model, int(cfg["num_layers"]))
+    else:
+        dtype = str(target.model.dtype).removeprefix("torch.")
+        draft = load_target(str(path), dtype=dtype)
+        check_compatible(target.model, target.tokenizer, draft.model, draft.tokenizer)
+        model = draft.model.to(target.model.device)
+    return DraftModelDrafter(model, topology, name=cfg.get("name", "draft_model"))
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n

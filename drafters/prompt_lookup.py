@@ -1,0 +1,114 @@
+"""Prompt lookup decoding: drafts copied from earlier in the context, no model at all.
+
+If the context's last n tokens occurred before, what followed them then is a good guess for
+what follows now (code edits, summaries, multi-turn chat quote their input). Every earlier
+occurrence of the trailing n-gram (longest n first, most recent first) gives a candidate
+continuation; the shared topology is filled from them: the child of rank r under a node is the
+r-th distinct next token among the candidates that agree with the path to that node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from drafters.base import check_depth
+from verify.accept import Acceptance
+from verify.protocol import DraftContext
+from verify.target import Target
+from verify.tree import TokenTree, TreeBuilder, TreeTopology
+
+
+class PromptLookupDrafter:
+    """Fills the topology with n-gram continuations found in the context.
+
+    The drafts are deterministic (draft_probs None), so exact sampling treats each as a
+    one-hot proposal. A context without a match gives a partial tree, down to the root alone.
+    """
+
+    wants_hidden = False
+
+    def __init__(self, topology: TreeTopology, max_ngram: int = 3, min_ngram: int = 1,
+                 max_depth: int = 8, name: str = "prompt_lookup"):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        # Long copied continuations are rarely right to the end: the depth is capped on purpose.
+        check_depth(topology, max_depth, name)
+        self.topology = topology
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_depth = max_depth
+        self.name = name
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """Nothing to reset: every proposal searches its own context."""
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        tokens = ctx.tokens.cpu()
+        starts = self.candidates(tokens)
+        return fill_topology(self.topology, tokens.tolist(), starts)
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """Nothing to learn."""
+
+    def candidates(self, tokens: torch.Tensor) -> list[int]:
+        """Where each candidate continuation starts in the (T,) context, best first.
+
+        Longest n-gram matches first, most recent first within one n; a shorter match ending
+        where a longer one ends adds nothing (same continuation) and is skipped.
+        """
+        starts: list[int] = []
+        seen: set[int] = set()
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) <= n:
+                continue
+            # Windows over tokens[:-1] exclude the trailing n-gram itself, and every match
+            # leaves at least one token after it.
+            windows = tokens[:-1].unfold(0, n, 1)  # (T - n, n)
+            hits = (windows == tokens[-n:]).all(1).nonzero().flatten() + n
+            for start in reversed(hits.tolist()):
+                if start not in seen:
+                    seen.add(start)
+                    starts.append(start)
+        return starts
+
+
+def fill_topology(topology: TreeTopology, tokens: list[int], starts: list[int]) -> TokenTree:
+    """The topology filled from continuations tokens[s:] for s in `starts` (best first).
+
+    Topology nodes with no r-th distinct continuation are dropped with their subtrees.
+    """
+    builder = TreeBuilder(tokens[-1])
+    # Per placed topology node: its tree node and the candidates agreeing with its path.
+    placed = {0: (0, starts)}
+    depth = {0: 0}
+    groups: dict[int, list[tuple[int, list[int]]]] = {}  # topology node -> children options
+    for node in range(1, topology.size):  # topological order: parents come first
+        parent, rank = topology.parents[node], topology.ranks[node]
+        if parent not in placed:
+            continue
+        depth[node] = depth[parent] + 1
+        if parent not in groups:
+            groups[parent] = _next_tokens(tokens, placed[parent][1], depth[parent])
+        if rank < len(groups[parent]):
+            token, agreeing = groups[parent][rank]
+            placed[node] = (builder.add(placed[parent][0], token), agreeing)
+    return builder.build()
+
+
+def _next_tokens(tokens: list[int], starts: list[int], offset: int) -> list[tuple[int, list[int]]]:
+    """Distinct tokens at tokens[s + offset], in order of first appearance, each with the
+    candidates that continue with it. Candidates that end before the offset drop out."""
+    options: dict[int, list[int]] = {}  # dicts keep insertion order: best candidate first
+    for start in starts:
+        if start + offset < len(tokens):
+            options.setdefault(tokens[start + offset], []).append(start)
+    return list(options.items())
+
+
+def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> PromptLookupDrafter:
+    """conf/drafter/prompt_lookup.yaml; the target is not needed (no model)."""
+    return PromptLookupDrafter(topology, max_ngram=int(cfg.get("max_ngram", 3)),
+                               min_ngram=int(cfg.get("min_ngram", 1)),
+                               max_depth=int(cfg.get("max_depth", 8)),
+                               name=cfg.get("name", "prompt_lookup"))

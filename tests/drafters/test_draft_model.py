@@ -1,0 +1,212 @@
+"""The draft-model drafter: its KV cache, its children (greedy top-k and sampled without
+replacement), the truncated self-draft, and the refusal of incompatible draft models."""
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
+
+from drafters import build_drafter
+from drafters.draft_model import (
+    DraftModelDrafter,
+    check_compatible,
+    propose_children,
+    truncated_copy,
+)
+from verify.loop import generate
+from verify.protocol import DraftContext
+from verify.sampling import SamplingParams
+from verify.target import Target, load_target
+from verify.tree import TreeTopology
+
+ARCHS = ["llama", "qwen2", "gpt2"]
+CONTEXT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])
+
+
+def context(tokens, params=SamplingParams(), generator=None):
+    return DraftContext(torch.as_tensor(tokens), None, params, generator)
+
+
+def draft_logits(model, tokens):
+    """(V,) the draft model's next-token logits after `tokens`, computed from scratch."""
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)[None]).logits[0, -1]
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny):
+    return truncated_copy(tiny("llama").model, 1)
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+def test_cache_holds_exactly_the_committed_tokens(self_draft, topology):
+    drafter = DraftModelDrafter(self_draft, topology("tree16"))
+    drafter.begin(CONTEXT)
+    for tokens in (CONTEXT, torch.cat([CONTEXT, torch.tensor([7, 8, 9])])):
+        drafter.propose(context(tokens))
+        assert drafter.cache.get_seq_length() == len(tokens)
+        assert torch.equal(drafter.cached, tokens)
+
+
+def test_cache_ahead_after_a_rejection_is_cropped(self_draft, topology):
+    drafter = DraftModelDrafter(self_draft, topology("tree16"))
+    drafter.begin(CONTEXT)
+    drafter.propose(context(torch.cat([CONTEXT, torch.tensor([7, 8, 9])])))
+    # Shares 10 of the 13 cached tokens: the cache must drop 3, not only the 2 beyond its end.
+    diverged = torch.cat([CONTEXT, torch.tensor([8, 100])])
+    tree = drafter.propose(context(diverged))
+    fresh = DraftModelDrafter(self_draft, topology("tree16"))
+    expected = fresh.propose(context(diverged))
+    assert torch.equal(tree.tokens, expected.tokens)
+    assert torch.equal(tree.parents, expected.parents)
+    assert drafter.cache.get_seq_length() == len(diverged)
+    for ours, theirs in zip(drafter.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys)
+
+
+def test_proposing_twice_on_one_context_gives_one_tree(self_draft, topology):
+    drafter = DraftModelDrafter(self_draft, topology("tree8"))
+    first, second = (drafter.propose(context(CONTEXT)) for _ in range(2))
+    assert torch.equal(first.tokens, second.tokens)
+
+
+# -- children -------------------------------------------------------------------------------------
+
+def test_greedy_children_are_the_draft_models_top_k(self_draft):
+    topology = TreeTopology.from_choices([[0], [1], [2], [0, 0], [0, 1]])
+    tree = DraftModelDrafter(self_draft, topology).propose(context(CONTEXT))
+    assert tree.draft_probs is None
+    assert tree.tokens[1:4].tolist() == draft_logits(self_draft, CONTEXT).topk(3).indices.tolist()
+    path = torch.cat([CONTEXT, tree.tokens[1:2]])
+    assert tree.tokens[4:6].tolist() == draft_logits(self_draft, path).topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_sampled_children_have_mass_and_their_distribution(self_draft, topology, top_k):
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    generator = torch.Generator().manual_seed(0)
+    drafter = DraftModelDrafter(self_draft, topology("tree16"))  # the root wants 4 children
+    tree = drafter.propose(context(CONTEXT, params, generator))
+    for node in range(len(tree)):
+        kids = tree.children(node)
+        q = tree.draft_probs[node]
+        if kids:
+            torch.testing.assert_close(q.sum(), torch.tensor(1.0))
+            assert all(q[tree.tokens[kid]] > 0 for kid in kids)
+        else:
+            assert q.sum() == 0
+    assert len(tree.children(0)) == (2 if top_k == 2 else 4)
+
+
+def test_gumbel_top_k_draws_in_order_without_replacement():
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.tensor([propose_children(q.log(), 2, SamplingParams(1.0), generator)[0]
+                          for _ in range(4000)])
+    first = torch.bincount(draws[:, 0], minlength=5) / len(draws)
+    # P(second = j) = sum_i q_i q_j / (1 - q_i) over i != j.
+    pair = q[:, None] * q[None, :] / (1 - q[:, None])
+    second = (pair - torch.diag(pair.diag())).sum(0)
+    torch.testing.assert_close(first, q, atol=0.03, rtol=0)
+    torch.testing.assert_close(torch.bincount(draws[:, 1], minlength=5) / len(draws), second,
+                               atol=0.03, rtol=0)
+    assert (draws[:, 0] != draws[:, 1]).all() and (draws != 4).all()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)],
+                         ids=["greedy", "sampling"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_draft_equal_to_the_target_is_always_accepted(arch, params, tiny, topology):
+    # Exercises the level-by-level tree attention: any wrong mask or position would show up as
+    # a rejected draft, since the draft computes exactly what the target will.
+    model = tiny(arch).model
+    drafter = DraftModelDrafter(model, topology("tree16"))
+    result = generate(model, CONTEXT, 31, drafter=drafter, params=params,
+                      generator=torch.Generator().manual_seed(0))
+    assert [step.accepted for step in result.steps] == [5] * 5
+
+
+def test_trees_get_shallower_at_the_end_of_the_position_range(tiny):
+    model = tiny("gpt2").model  # 512 learned positions: one more would be an index error
+    prompt = torch.arange(500) % 256
+    drafter = DraftModelDrafter(truncated_copy(model, 1), TreeTopology.chain(8))
+    result = generate(model, prompt, 12, drafter=drafter)
+    assert torch.equal(result.tokens, generate(model, prompt, 12).tokens)
+
+
+# -- truncated_copy --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_truncated_copy_shares_the_target_weights(arch, tiny):
+    target = tiny(arch).model
+    draft = truncated_copy(target, 1)
+    weights = target.state_dict()
+    for name, tensor in draft.state_dict().items():
+        assert tensor.data_ptr() == weights[name].data_ptr(), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_truncated_copy_computes_what_a_manual_cut_does(arch, tiny):
+    target = tiny(arch).model
+    manual = copy.deepcopy(target)
+    layers = manual.transformer.h if arch == "gpt2" else manual.model.layers
+    del layers[1:]
+    with torch.no_grad():
+        expected = manual(CONTEXT[None], use_cache=False).logits
+        got = truncated_copy(target, 1)(CONTEXT[None], use_cache=False).logits
+    torch.testing.assert_close(got, expected)
+
+
+def test_truncated_copy_keeps_tied_embeddings_tied():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=2, tie_word_embeddings=True)
+    draft = truncated_copy(AutoModelForCausalLM.from_config(config), 2)
+    assert draft.lm_head.weight.data_ptr() == draft.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("num_layers", [0, 2])
+def test_truncated_copy_refuses_a_layer_count_out_of_range(num_layers, tiny):
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 1\]"):
+        truncated_copy(tiny("llama").model, num_layers)
+
+
+# -- compatibility ---------------------------------------------------------------------------------
+
+def tokenizer(rename: dict[int, str] | None = None) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over 256 tokens "t0".."t255", some renamed."""
+    names = {i: f"t{i}" for i in range(256)} | (rename or {})
+    vocab = {name: i for i, name in names.items()}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")))
+
+
+def test_a_different_vocabulary_size_is_refused(tiny):
+    other = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=300, n_embd=32, n_layer=1,
+                                                        n_head=2))
+    with pytest.raises(ValueError, match="vocabulary sizes differ: target 256 vs draft 300"):
+        check_compatible(tiny("llama").model, None, other, None)
+
+
+def test_a_different_tokenizer_is_refused(tiny):
+    model = tiny("llama").model
+    check_compatible(model, tokenizer(), model, tokenizer())
+    with pytest.raises(ValueError, match="tokenizers differ: id 7 is 't7' in the target, 'x' in"):
+        check_compatible(model, tokenizer(), model, tokenizer({7: "x"}))
+    with pytest.raises(ValueError, match="tokenizers differ: the draft has none"):
+        check_compatible(model, tokenizer(), model, None)
+
+
+def test_a_draft_model_loaded_from_a_folder(tmp_path, conf):
+    draft = load_target(tiny="llama", seed=1)
+    draft.model.save_pretrained(tmp_path)
+    tokenizer().save_pretrained(tmp_path)
+    cfg = {"name": "draft_model", "path": str(tmp_path)}
+    target = Target(load_target(tiny="llama").model, tokenizer(), "tiny-llama")
+    drafter = build_drafter(cfg, conf("tree", "chain4"), target)
+    result = generate(target.model, CONTEXT, 20, drafter=drafter)
+    assert torch.equal(result.tokens, generate(target.model, CONTEXT, 20).tokens)
+    target.tokenizer = tokenizer({3: "x"})
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        build_drafter(cfg, conf("tree", "chain4"), target)

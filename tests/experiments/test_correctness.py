@@ -1,0 +1,72 @@
+"""The fast part of the correctness evaluation: greedy match, the distribution test with its
+negative control, and tokens per step against Leviathan et al."""
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from experiments.chain import chain_rows
+from experiments.common import CONF_DIR
+from experiments.correctness import distribution_rows, evaluate, first_divergence, format_table
+from experiments.stats import chi_square_test, leviathan_expected_tokens, sequence_distribution
+from verify.sampling import SamplingParams
+from verify.target import build_tiny_model
+
+
+def correctness_cfg(*overrides, drafter="draft_model"):
+    # the tiny targets have 2 layers: the self-draft keeps 1
+    layers = ["drafter.num_layers=1"] if drafter == "draft_model" else []
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("correctness", ["target=tiny_llama", f"drafter={drafter}", *layers,
+                                       *overrides])
+
+
+def test_exact_distribution_sums_to_one():
+    model = build_tiny_model("llama", vocab_size=8)
+    probs = sequence_distribution(model, torch.arange(4), 2, SamplingParams(1.0))
+    assert len(probs) == 64 and abs(sum(probs.values()) - 1) < 1e-5
+
+
+def test_chi_square_accepts_matching_counts_and_rejects_skewed_ones():
+    expected = {(0,): 0.5, (1,): 0.3, (2,): 0.2}
+    good = {(0,): 500, (1,): 300, (2,): 200}
+    bad = {(0,): 600, (1,): 250, (2,): 150}
+    assert chi_square_test(good, expected)[1] > 0.99
+    assert chi_square_test(bad, expected)[1] < 1e-6
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup"])
+def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter):
+    cfg = correctness_cfg("tree=tree8", "distribution.samples=2000", drafter=drafter)
+    rows = {row["rule"]: row for row in distribution_rows(cfg)}
+    assert rows["sampling"]["passed"], rows["sampling"]
+    assert rows["sampling"]["value"] >= 0.001
+    control = rows["wrong-residual (control)"]
+    assert control["passed"] and control["value"] < 0.001, control
+
+
+def test_greedy_rows_on_spec_bench_prompts():
+    cfg = correctness_cfg("tree=tree8", "greedy.num_prompts=2",
+                          "greedy.max_new_tokens=24", "distribution.enabled=false",
+                          "chain.enabled=false")
+    rows = evaluate(cfg)
+    assert len(rows) == 1 and rows[0]["passed"] and rows[0]["value"] == 1.0
+    assert "| draft_model | tree8 | greedy |" in format_table(rows)
+
+
+def test_chain_tokens_per_step_match_leviathan():
+    cfg = correctness_cfg("chain.prompts=3", "chain.max_new_tokens=150")
+    for row in chain_rows(cfg.chain):
+        assert row["passed"], row
+        assert abs(row["value"] - row["detail"]["expected"]) < 0.35
+
+
+def test_leviathan_formula_by_hand():
+    assert leviathan_expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + .5 + .25
+    assert leviathan_expected_tokens(1.0, 4) == 5
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
