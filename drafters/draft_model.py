@@ -23,7 +23,7 @@ from verify.protocol import DraftContext
 from verify.sampling import SamplingParams, warp
 from verify.target import Target, load_target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
-from verify.verifier import TreeVerifier
+from verify.verifier import TreeVerifier, context_window
 
 
 class DraftModelDrafter:
@@ -96,7 +96,7 @@ class DraftModelDrafter:
     def _depth_limit(self) -> int:
         """The topology's depth, less near the end of the draft model's position range (a node
         at depth d sits at position T - 1 + d; GPT-2's position table would overflow)."""
-        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        max_positions = context_window(self.model)
         if max_positions is None:
             return self.topology.depth
         return min(self.topology.depth, max_positions - len(self.cached))

@@ -82,7 +82,10 @@ class SpeculativeSamplingRule(AcceptanceRule):
         for child in tree.children(node):
             token = int(tree.tokens[child])
             q_child = q if q is not None else _one_hot(token, p)
-            ratio = p[token] / q_child[token].clamp_min(1e-20)
+            if q_child[token] <= 0:
+                raise ValueError(f"node {child} drafts token {token}, which its recorded draft "
+                                 "distribution gives probability 0: the drafter is inconsistent")
+            ratio = p[token] / q_child[token]
             if torch.rand((), generator=generator) < ratio:
                 return child, p
             p = self.residual(p, q_child)

@@ -18,7 +18,7 @@ from verify.accept import AcceptanceRule, make_rule
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
 from verify.tree import TokenTree
-from verify.verifier import TreeVerifier
+from verify.verifier import TreeVerifier, context_window
 
 
 @dataclass
@@ -113,8 +113,8 @@ def _propose(drafter, context: torch.Tensor, hidden: torch.Tensor | None,
         raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, "
                          f"not at the last token {int(context[-1])}")
     # Near the end of the context window there is no room for a tree: decode plainly.
-    room = _max_context(verifier.model) - verifier.length
-    return tree if tree.depth < room else root_only
+    window = context_window(verifier.model)
+    return tree if window is None or tree.depth < window - verifier.length else root_only
 
 
 def _check_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
@@ -124,16 +124,11 @@ def _check_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
         raise ValueError("the prompt is empty: give at least one token")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    limit = _max_context(model)
-    if len(input_ids) + max_new_tokens > limit:
+    limit = context_window(model)
+    if limit is not None and len(input_ids) + max_new_tokens > limit:
         raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                          f"exceeds the model's context window of {limit} tokens")
     return input_ids
-
-
-def _max_context(model: PreTrainedModel) -> int:
-    config = model.config
-    return getattr(config, "max_position_embeddings", None) or config.n_positions
 
 
 def _truncate(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:

@@ -33,6 +33,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from verify.verifier import context_window
+
 log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "smollm2-135m-instruct"
@@ -98,12 +100,7 @@ class Target:
     @property
     def max_context(self) -> int | None:
         """Longest sequence (prompt + generated) the model's positions support."""
-        config = self.model.config
-        for key in ("max_position_embeddings", "n_positions"):
-            value = getattr(config, key, None)
-            if value is not None:
-                return int(value)
-        return None
+        return context_window(self.model)
 
 
 def load_target(

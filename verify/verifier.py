@@ -18,6 +18,12 @@ from transformers.cache_utils import DynamicLayer
 from verify.tree import TokenTree
 
 
+def context_window(model: PreTrainedModel) -> int | None:
+    """Longest sequence (prompt + generated) the model's positions support, if it says.
+    (GPT-2's config aliases max_position_embeddings to n_positions.)"""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 class TreeVerifier:
     """Runs a target model over a growing sequence and token trees appended to it."""
 

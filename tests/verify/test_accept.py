@@ -110,3 +110,10 @@ def test_rule_choice_and_bad_parameters():
         make_rule("greedy", SamplingParams(1.0))
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         SamplingParams(temperature=-0.1)
+
+
+def test_draft_with_zero_recorded_probability_is_refused():
+    tree = TokenTree(torch.tensor([0, 1]), torch.tensor([-1, 0]),
+                     draft_probs=torch.tensor([[0.5, 0.0, 0.5, 0, 0], [0] * 5]))
+    with pytest.raises(ValueError, match="probability 0"):
+        SpeculativeSamplingRule()(tree, torch.zeros(2, V), SamplingParams(1.0))
