@@ -49,21 +49,28 @@ class TreeVerifier:
         Row i is what the target predicts after the path root..i. The tree's keys/values are
         appended to the cache until `commit` keeps the accepted path.
         """
-        mask = self.tree_mask(tree, self.length, self.model.dtype)
+        # A lone root is plain decoding: causal attention needs no mask.
+        mask = self.tree_mask(tree, self.length, self.model.dtype) if len(tree) > 1 else None
         return self._forward(tree.tokens, tree.position_ids(self.length), mask)
 
     def commit(self, path: list[int]) -> None:
         """Keep the cached keys/values of the accepted tree nodes `path` (root first) only."""
         keep = torch.tensor(path, dtype=torch.long) + self.length
+        new_length = self.length + len(path)
+        # A path that is a prefix of the node order (chains, the root alone) is already in
+        # place; otherwise move its entries down. Either way the cache becomes a view: the
+        # next forward's concatenation copies it anyway, so no extra full copy happens here.
+        in_place = path == list(range(len(path)))
         for layer in self.cache.layers:
             if type(layer) is not DynamicLayer:
                 raise NotImplementedError(
                     f"cache compaction supports full-attention layers, not {type(layer).__name__}")
-            layer.keys = torch.cat([layer.keys[..., : self.length, :],
-                                    layer.keys.index_select(-2, keep)], dim=-2)
-            layer.values = torch.cat([layer.values[..., : self.length, :],
-                                      layer.values.index_select(-2, keep)], dim=-2)
-        self.length += len(path)
+            if not in_place:
+                layer.keys[..., self.length:new_length, :] = layer.keys.index_select(-2, keep)
+                layer.values[..., self.length:new_length, :] = layer.values.index_select(-2, keep)
+            layer.keys = layer.keys[..., :new_length, :]
+            layer.values = layer.values[..., :new_length, :]
+        self.length = new_length
 
     @staticmethod
     def tree_mask(tree: TokenTree, cached: int, dtype: torch.dtype) -> torch.Tensor:
