@@ -4,9 +4,10 @@
 
 Methods run one after another on each prompt (so machine noise hits all alike):
 - hf_greedy: Hugging Face `generate`, greedy: the baseline every speedup divides by;
-- plain_loop: this framework's loop with no drafter (its overhead next to hf_greedy);
 - the configured drafter through the tree verifier;
-- peers: Hugging Face `generate` with `prompt_lookup_num_tokens=` and `assistant_model=`.
+- peers (`peers=[...]`): plain_loop, this framework's loop with no drafter (its overhead next
+  to hf_greedy); Hugging Face `generate` with `prompt_lookup_num_tokens=` (hf_prompt_lookup)
+  and with `assistant_model=` (hf_assisted).
 Reports tokens/s per category, speedup, tau (tokens per target forward), acceptance rate per
 tree depth, draft and verify time. Prints markdown, writes JSON and a bar chart.
 """
@@ -55,7 +56,9 @@ def treedraft_method(target: Target, drafter):
 
 
 def build_methods(cfg: DictConfig, target: Target) -> dict:
-    methods = {BASELINE: hf_method(target), "plain_loop": treedraft_method(target, None)}
+    methods = {BASELINE: hf_method(target)}
+    if "plain_loop" in cfg.peers:
+        methods["plain_loop"] = treedraft_method(target, None)
     drafter = build_drafter(cfg.drafter, cfg.tree, target)
     methods[f"{cfg.drafter.name}/{cfg.tree.name}"] = treedraft_method(target, drafter)
     if "hf_prompt_lookup" in cfg.peers:

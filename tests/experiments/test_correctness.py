@@ -40,6 +40,7 @@ def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter):
     cfg = correctness_cfg("tree=tree8", "distribution.samples=2000", drafter=drafter)
     rows = {row["rule"]: row for row in distribution_rows(cfg)}
     assert rows["sampling"]["passed"], rows["sampling"]
+    assert rows["sampling"]["detail"]["draft_tokens_per_sample"] > 0.5  # drafts were tested
     assert rows["sampling"]["value"] >= 0.001
     control = rows["wrong-residual (control)"]
     assert control["passed"] and control["value"] < 0.001, control
