@@ -23,7 +23,7 @@ from verify.protocol import DraftContext
 from verify.sampling import SamplingParams, warp
 from verify.target import Target, load_target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
-from verify.verifier import TreeVerifier, context_window
+from verify.verifier import TreeVerifier, cached_forward, context_window
 
 
 class DraftModelDrafter:
@@ -126,16 +126,9 @@ class DraftModelDrafter:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                  attention_mask: torch.Tensor | None, keep_last: bool = False) -> torch.Tensor:
         """(n,) tokens at (n,) positions appended to the cache -> float logits (n or 1, V)."""
-        device = self.model.device
-        out = self.model(
-            input_ids=tokens[None].to(device),
-            position_ids=positions[None].to(device),
-            attention_mask=None if attention_mask is None else attention_mask.to(device),
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1 if keep_last else 0,
-        )
-        return out.logits[0].float().cpu()
+        logits, _ = cached_forward(self.model, self.cache, tokens, positions, attention_mask,
+                                   logits_to_keep=1 if keep_last else 0)
+        return logits
 
     def _crop(self, length: int) -> None:
         extra = self.cache.get_seq_length() - length

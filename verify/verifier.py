@@ -83,15 +83,29 @@ class TreeVerifier:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                  attention_mask: torch.Tensor | None,
                  logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        device = self.model.device
-        out = self.model(
-            input_ids=tokens[None].to(device),
-            position_ids=positions[None].to(device),
-            attention_mask=None if attention_mask is None else attention_mask.to(device),
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=self.want_hidden,
-            logits_to_keep=logits_to_keep,
-        )
-        hidden = out.hidden_states[-1][0].float().cpu() if self.want_hidden else None
-        return out.logits[0].float().cpu(), hidden
+        return cached_forward(self.model, self.cache, tokens, positions, attention_mask,
+                              logits_to_keep, self.want_hidden)
+
+
+def cached_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
+                   positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   logits_to_keep: int = 0, want_hidden: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Append (n,) tokens at (n,) positions to `cache` in one forward of `model`.
+
+    attention_mask: None for causal attention, or an additive (1, 1, n, cached + n) mask.
+    Returns float CPU logits (n, V) (the last `logits_to_keep` rows when > 0) and, with
+    want_hidden, last-layer hidden states (n, H).
+    """
+    device = model.device
+    out = model(
+        input_ids=tokens[None].to(device),
+        position_ids=positions[None].to(device),
+        attention_mask=None if attention_mask is None else attention_mask.to(device),
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=want_hidden,
+        logits_to_keep=logits_to_keep,
+    )
+    hidden = out.hidden_states[-1][0].float().cpu() if want_hidden else None
+    return out.logits[0].float().cpu(), hidden
