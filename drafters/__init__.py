@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from drafters import draft_model, prompt_lookup
+from drafters import draft_model, medusa, prompt_lookup
 from verify.protocol import Drafter
 from verify.target import Target
 from verify.tree import TreeTopology
@@ -17,6 +17,7 @@ DrafterBuilder = Callable[[Mapping, TreeTopology, Target], Drafter]
 
 DRAFTERS: dict[str, DrafterBuilder] = {
     "draft_model": draft_model.from_config,
+    "medusa": medusa.from_config,
     "prompt_lookup": prompt_lookup.from_config,
 }
 

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from drafters.base import check_depth
+from drafters.base import add_children, check_depth
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
-from verify.sampling import SamplingParams, warp
+from verify.sampling import SamplingParams
 from verify.target import Target, load_target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 from verify.verifier import TreeVerifier, cached_forward, context_window
@@ -85,7 +85,8 @@ class DraftModelDrafter:
         for depth in range(1, limit + 1):
             first = len(builder)
             for node in frontier:
-                self._add_children(builder, placed, node, logits[placed[node]], params, generator)
+                add_children(builder, self.topology, placed, node, logits[placed[node]], params,
+                             generator)
             frontier = [t for t, i in placed.items() if i >= first and self.topology.children(t)]
             if not frontier or depth == limit:
                 break
@@ -100,18 +101,6 @@ class DraftModelDrafter:
         if max_positions is None:
             return self.topology.depth
         return min(self.topology.depth, max_positions - len(self.cached))
-
-    def _add_children(self, builder: TreeBuilder, placed: dict[int, int], node: int,
-                      logits: torch.Tensor, params: SamplingParams,
-                      generator: torch.Generator | None) -> None:
-        kids = self.topology.children(node)
-        tokens, q = propose_children(logits, len(kids), params, generator)
-        if q is not None:
-            builder.set_draft_probs(placed[node], q)
-        # Children in rank order take the proposals best first; a sampled child must be the
-        # next draw without replacement, so a gap in the ranks is closed up, never skipped.
-        for kid, token in zip(kids, tokens):
-            placed[kid] = builder.add(placed[node], token)
 
     def _forward_level(self, builder: TreeBuilder, first: int) -> torch.Tensor:
         """Run tree nodes first.. (the newest level) over the cache; returns logits (n, V)."""
@@ -134,28 +123,6 @@ class DraftModelDrafter:
         extra = self.cache.get_seq_length() - length
         if extra > 0:
             self.cache.crop(-extra)  # DynamicLayer.crop takes the number of tokens to remove
-
-
-def propose_children(logits: torch.Tensor, count: int, params: SamplingParams,
-                     generator: torch.Generator | None = None
-                     ) -> tuple[list[int], torch.Tensor | None]:
-    """Up to `count` distinct child tokens from (V,) draft logits, best first.
-
-    Greedy: the top-`count` tokens by logit, and None (deterministic children). Sampling: draws
-    in order without replacement from q = warp(logits) (Gumbel-top-k), and q (V,) itself.
-    Tokens with q = 0 are never proposed, so fewer than `count` may come back.
-    """
-    count = min(count, logits.shape[-1])
-    if params.greedy:
-        values, tokens = logits.float().topk(count)
-        return tokens[values > float("-inf")].tolist(), None
-    q = warp(logits, params)
-    # Sorting log q + Gumbel noise is sequential sampling without replacement; log 0 = -inf
-    # keeps tokens without mass out whatever the noise.
-    uniform = torch.rand(q.shape, generator=generator).clamp_min(torch.finfo(torch.float32).tiny)
-    keys = q.log() - (-uniform.log()).log()
-    values, tokens = keys.topk(count)
-    return tokens[values > float("-inf")].tolist(), q
 
 
 def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:

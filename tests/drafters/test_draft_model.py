@@ -9,12 +9,8 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
 from drafters import build_drafter
-from drafters.draft_model import (
-    DraftModelDrafter,
-    check_compatible,
-    propose_children,
-    truncated_copy,
-)
+from drafters.base import propose_children
+from drafters.draft_model import DraftModelDrafter, check_compatible, truncated_copy
 from verify.loop import generate
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams

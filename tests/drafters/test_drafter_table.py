@@ -24,6 +24,7 @@ class Row:
 
 DRAFTERS = [
     Row("draft_model", {"num_layers": 1}),
+    Row("medusa", {"num_heads": 5}),  # fresh heads; tree16 is 5 deep
     Row("prompt_lookup", accepts=False),
 ]
 TREES = ["chain4", "tree16"]

@@ -1,0 +1,202 @@
+"""Medusa drafting: K extra decoding heads on the target's last hidden state (Cai et al. 2024).
+
+The target's own LM head turns the hidden state at position t into a prediction for t + 1; Medusa
+head k (0-based) turns the same state into a prediction for t + 2 + k. One pass of the heads over
+the state that predicted the tree's root therefore gives a distribution for every tree depth:
+depth d draws from head d - 1. The heads do not see the drafted path, so every node at one depth
+draws its children from the same distribution.
+
+Each head is a stack of residual blocks x + SiLU(W x + b), zero-initialised so that a fresh head
+repeats the target's own prediction, followed by a vocabulary projection initialised from the
+target's LM head: the target's module itself, frozen (`share_lm_head`), or a trainable copy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from drafters.base import add_children, check_depth
+from verify.accept import Acceptance
+from verify.protocol import DraftContext
+from verify.target import Target, write_atomically
+from verify.tree import TokenTree, TreeBuilder, TreeTopology
+
+WEIGHTS_FILE = "heads.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b) on (..., H); W and b start at zero, so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over the target's LM head `lm_head` (weight (V, H)).
+
+    share_lm_head=True: every head projects with `lm_head` itself, frozen and kept out of this
+    module's parameters and state_dict (it belongs to the target). False: each head gets its own
+    trainable copy, initialised from it. Blocks and copies take `lm_head`'s device and dtype.
+    """
+
+    def __init__(self, lm_head: nn.Module, num_heads: int, num_layers: int,
+                 share_lm_head: bool = True):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} heads "
+                             f"of {num_layers} layers")
+        weight = lm_head.weight
+        self.vocab_size, self.hidden_size = weight.shape
+        self.num_heads, self.num_layers, self.share_lm_head = num_heads, num_layers, share_lm_head
+        # A fresh block per layer and per head: `[ResBlock(h)] * n` would share one.
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(self.hidden_size) for _ in range(num_layers)))
+            for _ in range(num_heads)
+        ).to(device=weight.device, dtype=weight.dtype)
+        if share_lm_head:
+            # In a tuple, the module is not registered: no parameters, no state_dict entries.
+            self._shared_lm_head = (lm_head,)
+            self.lm_heads = None
+        else:
+            self.lm_heads = nn.ModuleList(_copy_linear(lm_head) for _ in range(num_heads))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> logits (K, ..., V); head k predicts k + 2 positions ahead."""
+        return torch.stack([self.head_lm(k)(block(hidden)) for k, block in enumerate(self.blocks)])
+
+    def head_lm(self, k: int) -> nn.Module:
+        """The vocabulary projection of head k."""
+        return self._shared_lm_head[0] if self.lm_heads is None else self.lm_heads[k]
+
+    @property
+    def hyperparameters(self) -> dict:
+        """What rebuilds these heads on a target, as saved in a checkpoint's config."""
+        return {"num_heads": self.num_heads, "num_layers": self.num_layers,
+                "share_lm_head": self.share_lm_head}
+
+
+def _copy_linear(lm_head: nn.Module) -> nn.Linear:
+    """A trainable nn.Linear with `lm_head`'s weights; never tied to the target's embeddings."""
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    copy = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                     device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        copy.weight.copy_(weight)
+        if bias is not None:
+            copy.bias.copy_(bias)
+    return copy
+
+
+class MedusaDrafter:
+    """Fills a static topology from one pass of Medusa heads over the root's predicting state.
+
+    The child of rank r under a depth-(d-1) node is head d-1's r-th proposal: its top tokens
+    (greedy), or draws without replacement from its warped distribution (sampling), drawn
+    afresh for each parent and recorded as that parent's draft distribution.
+    """
+
+    wants_hidden = True
+
+    def __init__(self, heads: MedusaHeads, topology: TreeTopology, name: str = "medusa"):
+        self.max_depth = heads.num_heads
+        check_depth(topology, self.max_depth, name)
+        self.heads = heads.eval()
+        self.topology = topology
+        self.name = name
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """Nothing to reset: the heads only look at the latest hidden state."""
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """Nothing to learn: the next hidden state carries the accepted path."""
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where a head's
+        distribution has too few tokens with mass."""
+        if ctx.hidden is None:
+            raise ValueError("the Medusa drafter needs the target's hidden states (ctx.hidden): "
+                             "the loop must compute them for drafters with wants_hidden, as "
+                             "verify.loop.generate does")
+        # The loop hands hidden states over as float32 on the CPU; the heads live with the target.
+        hidden = ctx.hidden[-1].to(self.heads.head_lm(0).weight)  # (H,)
+        logits = self.heads(hidden).float().cpu()  # (K, V)
+        return self._fill(int(ctx.tokens[-1]), logits, ctx)
+
+    def _fill(self, root: int, logits: torch.Tensor, ctx: DraftContext) -> TokenTree:
+        """Place each topology node's children, parents first; (K, V) logits per depth."""
+        builder = TreeBuilder(root)
+        placed = {0: 0}  # topology node -> tree node
+        for node in range(self.topology.size):
+            kids = self.topology.children(node)
+            if node not in placed or not kids:
+                continue  # a parent left out (too few tokens with mass) leaves out its subtree
+            depth = len(self.topology.choices[node - 1]) if node else 0  # node i: choice i-1
+            add_children(builder, self.topology, placed, node, logits[depth], ctx.params,
+                         ctx.generator)
+        return builder.build()
+
+
+def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str) -> None:
+    """Write `heads` to `folder` (heads.safetensors + config.json naming the target), atomically.
+
+    Only the heads' own weights are saved: a shared LM head belongs to the target.
+    """
+    config = {"target": {"name": target_name, "hidden_size": heads.hidden_size,
+                         "vocab_size": heads.vocab_size}, **heads.hyperparameters}
+    # safetensors refuses views into larger storages: give it compact copies
+    tensors = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / WEIGHTS_FILE))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    write_atomically(Path(folder), write)
+
+
+def load_heads(folder: str | Path, target: Target) -> MedusaHeads:
+    """Heads saved by `save_heads`, on `target`'s LM head; ValueError when the checkpoint was
+    made for a target of another hidden size or vocabulary."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    lm_head = target.model.get_output_embeddings()
+    _check_target(config["target"], lm_head, target.name, folder)
+    heads = MedusaHeads(lm_head, config["num_heads"], config["num_layers"],
+                        config["share_lm_head"])
+    state = load_file(str(folder / WEIGHTS_FILE), device=str(lm_head.weight.device))
+    heads.load_state_dict(state)
+    return heads
+
+
+def _check_target(saved: Mapping, lm_head: nn.Module, target_name: str, folder: Path) -> None:
+    vocab_size, hidden_size = lm_head.weight.shape
+    if (saved["hidden_size"], saved["vocab_size"]) != (hidden_size, vocab_size):
+        raise ValueError(
+            f"Medusa heads in {folder} belong to {saved['name']!r} (hidden_size "
+            f"{saved['hidden_size']}, vocab_size {saved['vocab_size']}), not to {target_name!r} "
+            f"(hidden_size {hidden_size}, vocab_size {vocab_size})")
+
+
+def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> MedusaDrafter:
+    """conf/drafter/medusa.yaml: fresh heads (`num_heads`, `num_layers`, `share_lm_head`) on the
+    target, or `checkpoint: <folder>` to load trained ones (whose own config then applies)."""
+    checkpoint = cfg.get("checkpoint")
+    if checkpoint:
+        heads = load_heads(checkpoint, target)
+    else:
+        heads = MedusaHeads(target.model.get_output_embeddings(), int(cfg["num_heads"]),
+                            int(cfg["num_layers"]), bool(cfg["share_lm_head"]))
+    return MedusaDrafter(heads, topology, name=cfg.get("name", "medusa"))
