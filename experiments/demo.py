@@ -5,7 +5,7 @@
    test with its negative control, on a tiny target);
 3. a short benchmark against plain decoding of the same target.
 
-    python -m experiments.demo [num_prompts=6 max_new_tokens=64]
+    python -m experiments.demo [num_prompts=4 max_new_tokens=64]
 Full-size runs: python -m experiments.correctness / python -m experiments.bench.
 """
 
@@ -44,8 +44,12 @@ def show_generation(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    overrides = dict(arg.split("=", 1) for arg in argv)
-    num_prompts = overrides.get("num_prompts", "6")
+    overrides = dict(arg.split("=", 1) if "=" in arg else (arg, None) for arg in argv)
+    unknown = set(overrides) - {"num_prompts", "max_new_tokens"}
+    if unknown:
+        raise SystemExit(f"unknown demo options {sorted(unknown)}: use num_prompts=, "
+                         "max_new_tokens=, or the full commands for anything else")
+    num_prompts = overrides.get("num_prompts", "4")
     max_new = overrides.get("max_new_tokens", "64")
     with initialize_config_dir(CONF_DIR, version_base=None):
         base = compose("bench")
@@ -56,7 +60,7 @@ def main(argv: list[str]) -> int:
             cfg = compose("correctness", [f"drafter={name}", f"tree={tree}",
                                           f"greedy.num_prompts={num_prompts}",
                                           f"greedy.max_new_tokens={max_new}",
-                                          "chain.enabled=false"])
+                                          "distribution.samples=1500", "chain.enabled=false"])
         rows = evaluate(cfg)
         failed |= any(row["passed"] is False for row in rows)
         path = write_report(Path(cfg.out_dir), f"demo-{name}-{tree}", rows, cfg)
@@ -64,7 +68,8 @@ def main(argv: list[str]) -> int:
     for name, tree in DRAFTERS:
         with initialize_config_dir(CONF_DIR, version_base=None):
             cfg = compose("bench", [f"drafter={name}", f"tree={tree}",
-                                    f"num_prompts={num_prompts}", f"max_new_tokens={max_new}"])
+                                    f"num_prompts={num_prompts}", f"max_new_tokens={max_new}",
+                                    "peers=[]"])  # peers: python -m experiments.bench
         summary = run_benchmark(cfg)
         path = write_report(Path(cfg.out_dir), f"demo-{name}-{tree}", [summary], cfg)
         print(f"\n## Benchmark: {name}/{tree} ({path})\n\n{format_tables(summary)}")
