@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import hydra
@@ -110,8 +111,8 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
     counts: Counter = Counter()
     drafted = 0  # draft tokens put to the test: a row whose drafter proposed none tests nothing
     for _ in tqdm(range(dist.samples), desc=f"sampling ({rule.name})", leave=False):
-        out = generate(model, prompt, dist.length, drafter=drafter, params=params, rule=rule,
-                       generator=generator)
+        out = generate(model, prompt, dist.length, drafter=drafter, rule=rule,
+                       generator=generator, **asdict(params))
         counts[tuple(out.tokens.tolist())] += 1
         drafted += sum(step.tree_size - 1 for step in out.steps)
     stat, p_value, dof = chi_square_test(counts, expected)

@@ -56,15 +56,18 @@ class GenerationResult:
 
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, *,
-             drafter: Drafter | None = None, params: SamplingParams | None = None,
-             rule: str | AcceptanceRule | None = None, eos_token_id: int | None = None,
+             drafter: Drafter | None = None, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, rule: str | AcceptanceRule | None = None,
+             eos_token_id: int | None = None,
              generator: torch.Generator | None = None) -> GenerationResult:
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
-    The rule defaults to greedy at temperature 0 and exact tree sampling otherwise.
+    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. The same warp
+    applies to target and draft distributions. The rule defaults to greedy at temperature 0
+    and exact tree sampling otherwise ("typical" selects Medusa's lossy rule).
     """
+    params = SamplingParams(temperature, top_k, top_p)
     input_ids = _check_inputs(model, input_ids, max_new_tokens)
-    params = params or SamplingParams()
     rule = rule if isinstance(rule, AcceptanceRule) else make_rule(rule, params)
     verifier = TreeVerifier(model, want_hidden=bool(drafter and drafter.wants_hidden))
     start = time.perf_counter()

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from verify.loop import generate
-from verify.sampling import SamplingParams
 from verify.target import load_target
 from verify.tree import TokenTree
 
@@ -75,8 +74,7 @@ def test_stops_at_eos_and_includes_it(model):
 
 def test_sampling_is_reproducible_with_a_seed(model):
     prompt = torch.arange(5, 25)
-    params = SamplingParams(temperature=1.0)
-    runs = [generate(model, prompt, 20, params=params,
+    runs = [generate(model, prompt, 20, temperature=1.0,
                      generator=torch.Generator().manual_seed(3)).tokens for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
@@ -91,6 +89,11 @@ def test_sampling_is_reproducible_with_a_seed(model):
 def test_bad_inputs_are_refused(model, prompt, n, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompt, n)
+
+
+def test_negative_temperature_is_refused(model):
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        generate(model, torch.arange(5, 25), 5, temperature=-0.5)
 
 
 def test_drafter_with_a_wrong_root_is_refused(model):
