@@ -83,7 +83,8 @@ def plot_speedups(summary: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     methods = {n: m for n, m in summary["methods"].items() if n != summary["baseline"]}
-    categories = list(next(iter(methods.values()))["speedup"])
+    speedups = next(iter(methods.values()))["speedup"]
+    categories = [c for c in speedups if c != "overall"] + ["overall"]
     width = 0.8 / len(methods)
     fig, ax = plt.subplots(figsize=(max(8, len(categories) * 0.9), 4))
     for i, (name, m) in enumerate(methods.items()):

@@ -77,10 +77,12 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: in
                               prefill_s=time.perf_counter() - start)
     if drafter is not None:
         drafter.begin(input_ids)
-    while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+    finished = tokens[0] == eos_token_id
+    while len(tokens) < max_new_tokens and not finished:
         context = torch.cat([input_ids, torch.tensor(tokens)])
         new, hidden = _step(verifier, drafter, rule, context, hidden, params, generator, result)
         tokens.extend(new)
+        finished = eos_token_id in new  # an EOS inside the accepted path ends it too
     result.tokens = _truncate(tokens, max_new_tokens, eos_token_id)
     return result
 

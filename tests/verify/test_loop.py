@@ -72,6 +72,23 @@ def test_stops_at_eos_and_includes_it(model):
     assert result.tokens.tolist() == reference[: first + 1].tolist()
 
 
+def test_an_eos_inside_an_accepted_path_ends_generation(model):
+    prompt = torch.arange(5, 25)
+    reference = generate(model, prompt, 30).tokens
+
+    class Perfect(NoisyOracle):
+        def propose(self, ctx):  # the next 3 reference tokens, all right
+            done = len(ctx.tokens) - self.prompt_len
+            return TokenTree.from_paths(int(ctx.tokens[-1]), [self.reference[done:done + 3]])
+
+    # first step: tokens 1..4 (3 drafts + bonus); an EOS at index 2 sits inside its path
+    eos = int(reference[2])
+    assert eos not in reference[:2].tolist()
+    result = generate(model, prompt, 30, eos_token_id=eos, drafter=Perfect(reference, 20))
+    assert result.tokens.tolist() == reference[:3].tolist()
+    assert len(result.steps) == 1
+
+
 def test_sampling_is_reproducible_with_a_seed(model):
     prompt = torch.arange(5, 25)
     runs = [generate(model, prompt, 20, temperature=1.0,
