@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from experiments.common import CONF_DIR
 from verify.target import load_target
 from verify.tree import TreeTopology
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(CONF_DIR)
 
 
 @cache
