@@ -25,7 +25,7 @@ from experiments.correctness import evaluate, format_table
 from verify.loop import generate
 from verify.target import load_target_from_config
 
-DRAFTERS = (("draft_model", "chain4"), ("prompt_lookup", "chain4"))
+DRAFTERS = (("draft_model", "chain4"), ("prompt_lookup", "tree8"))
 
 
 def show_generation(cfg: DictConfig) -> None:
