@@ -26,7 +26,7 @@ from tqdm import tqdm
 from drafters import build_drafter
 from drafters.draft_model import truncated_copy
 from experiments.bench_report import format_tables, plot_speedups, summarise
-from experiments.common import pick_questions, write_report
+from experiments.common import hf_generate, pick_questions, write_report
 from verify.loop import generate
 from verify.target import Target, load_target_from_config
 
@@ -35,14 +35,8 @@ BASELINE = "hf_greedy"
 
 def hf_method(target: Target, **generate_kwargs):
     """A method running Hugging Face `generate` greedily with extra keyword arguments."""
-    eos = target.eos_token_id
-
-    @torch.no_grad()
     def run(ids: torch.Tensor, max_new_tokens: int) -> dict:
-        out = target.model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False,
-                                    eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
-                                    **generate_kwargs)
-        return {"new_tokens": out.shape[1] - len(ids)}
+        return {"new_tokens": len(hf_generate(target, ids, max_new_tokens, **generate_kwargs))}
     return run
 
 

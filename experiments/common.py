@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.data import Question, load_spec_bench
+from verify.target import Target
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # Hydra's config root
 
@@ -53,3 +54,15 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def hf_generate(target: Target, ids: torch.Tensor, max_new_tokens: int,
+                **generate_kwargs) -> torch.Tensor:
+    """The (M,) new tokens of Hugging Face greedy `generate` from a (T,) prompt, stopping at the
+    target's EOS; extra keywords (prompt_lookup_num_tokens=, assistant_model=) pass through."""
+    eos = target.eos_token_id
+    out = target.model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+                                **generate_kwargs)
+    return out[0, len(ids):]

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from drafters import build_drafter
 from experiments.chain import chain_rows
-from experiments.common import pick_questions, single_thread, write_report
+from experiments.common import hf_generate, pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution
 from verify.accept import SpeculativeSamplingRule, make_rule
 from verify.loop import generate
@@ -53,7 +53,7 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int) -> dict:
     identical, divergences, taus = 0, [], []
     for question in tqdm(questions, desc="greedy vs plain", leave=False):
         ids = target.encode_prompt(question.prompt)
-        reference = plain_greedy(target, ids, max_new_tokens)
+        reference = hf_generate(target, ids, max_new_tokens)
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=target.eos_token_id)
         taus.append(result.tau)
@@ -66,14 +66,6 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int) -> dict:
             "value": identical / n, "passed": identical == n, "exact_claimed": True,
             "detail": {"identical": identical, "prompts": n, "divergences": divergences,
                        "tau": sum(taus) / n}}
-
-
-@torch.no_grad()
-def plain_greedy(target: Target, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    eos = target.eos_token_id
-    out = target.model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
-    return out[0, len(ids):]
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
