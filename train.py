@@ -1,19 +1,19 @@
-"""Thin Hydra entry for training drafters: `python train.py drafter=<name> [overrides]`.
+"""Thin Hydra entry for training drafters: `python train.py drafter=medusa [overrides]`.
 
-Composes the config from conf/ (groups target/, drafter/, tree/) and prints it. The drafters
-shipped so far need no training: `draft_model` drafts with the target's first layers (or any
-compatible model folder) and `prompt_lookup` has no model. Training for learned heads lives in
-train/ as it lands.
+Composes conf/train.yaml (typed by train/schema.py) and hands it to train.run_training; sweeps
+with `-m`, several processes with `torchrun --nproc_per_node=N train.py ...`.
 """
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+
+import train.schema  # noqa: F401  (registers the typed schema conf/train.yaml builds on)
+from train import run_training, sweep_group
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    print(OmegaConf.to_yaml(cfg, resolve=True))
-    print(f"drafter {cfg.drafter.name!r} has nothing to train: it drafts without learned weights.")
+    run_training(cfg, group=sweep_group())
 
 
 if __name__ == "__main__":

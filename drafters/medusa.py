@@ -9,12 +9,18 @@ draws its children from the same distribution.
 Each head is a stack of residual blocks x + SiLU(W x + b), zero-initialised so that a fresh head
 repeats the target's own prediction, followed by a vocabulary projection initialised from the
 target's LM head: the target's module itself, frozen (`share_lm_head`), or a trainable copy.
+
+A draft vocabulary (EAGLE-3's reduced vocabulary) restricts the projection to the rows of the
+tokens the target actually writes, chosen by frequency in the training data. On a CPU this is
+what makes heads affordable: one full 49k x 576 projection of SmolLM2 reads 113 MB and takes
+~12 ms, as long as a fifth of a target step, while 8k rows take ~1 ms. Heads never propose a
+token outside their vocabulary; verification stays exact either way.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -29,6 +35,7 @@ from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "config.json"
+ADAPTER_DIR = "adapter"  # Medusa-2: the target's LoRA adapter, trained with the heads
 
 
 class ResBlock(nn.Module):
@@ -47,20 +54,25 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """K Medusa heads over the target's LM head `lm_head` (weight (V, H)).
 
-    share_lm_head=True: every head projects with `lm_head` itself, frozen and kept out of this
-    module's parameters and state_dict (it belongs to the target). False: each head gets its own
-    trainable copy, initialised from it. Blocks and copies take `lm_head`'s device and dtype.
+    share_lm_head=True: every head projects with the target's frozen weights, kept out of this
+    module's parameters and state_dict (they belong to the target). False: each head gets its
+    own trainable copy, initialised from them. vocab_ids (V',): the sorted token ids the heads
+    may propose (a draft vocabulary); None: all V. Blocks and copies take `lm_head`'s device
+    and dtype.
     """
 
     def __init__(self, lm_head: nn.Module, num_heads: int, num_layers: int,
-                 share_lm_head: bool = True):
+                 share_lm_head: bool = True, vocab_ids: torch.Tensor | None = None):
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} heads "
                              f"of {num_layers} layers")
         weight = lm_head.weight
-        self.vocab_size, self.hidden_size = weight.shape
+        self.target_vocab_size, self.hidden_size = weight.shape
         self.num_heads, self.num_layers, self.share_lm_head = num_heads, num_layers, share_lm_head
+        if vocab_ids is not None:
+            vocab_ids = _check_vocab_ids(vocab_ids, self.target_vocab_size).to(weight.device)
+        self.register_buffer("vocab_ids", vocab_ids)  # saved with the heads; None: not at all
         # A fresh block per layer and per head: `[ResBlock(h)] * n` would share one.
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(self.hidden_size) for _ in range(num_layers)))
@@ -68,29 +80,71 @@ class MedusaHeads(nn.Module):
         ).to(device=weight.device, dtype=weight.dtype)
         if share_lm_head:
             # In a tuple, the module is not registered: no parameters, no state_dict entries.
-            self._shared_lm_head = (lm_head,)
+            # With a draft vocabulary, a frozen copy of the target's rows for it.
+            shared = (lm_head if vocab_ids is None
+                      else _copy_linear(lm_head, vocab_ids).requires_grad_(False))
+            self._shared_lm_head = (shared,)
             self.lm_heads = None
         else:
-            self.lm_heads = nn.ModuleList(_copy_linear(lm_head) for _ in range(num_heads))
+            self.lm_heads = nn.ModuleList(_copy_linear(lm_head, vocab_ids)
+                                          for _ in range(num_heads))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (..., H) -> logits (K, ..., V); head k predicts k + 2 positions ahead."""
-        return torch.stack([self.head_lm(k)(block(hidden)) for k, block in enumerate(self.blocks)])
+    @property
+    def vocab_size(self) -> int:
+        """Size of the heads' output: the draft vocabulary, or the target's whole one."""
+        return self.target_vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden (..., H) -> logits (K, ..., V') over the draft vocabulary; head k predicts
+        k + 2 positions ahead. num_heads: run only the first ones (a shallower tree needs no
+        more, and each costs a vocabulary projection)."""
+        blocks = self.blocks[:num_heads]
+        return torch.stack([self.head_lm(k)(block(hidden)) for k, block in enumerate(blocks)])
 
     def head_lm(self, k: int) -> nn.Module:
         """The vocabulary projection of head k."""
         return self._shared_lm_head[0] if self.lm_heads is None else self.lm_heads[k]
 
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V') draft-vocabulary logits -> (..., V) over the target's vocabulary, -inf for
+        tokens the heads cannot propose."""
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target_vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids.to(logits.device), logits)
+
+    def draft_index(self) -> torch.Tensor:
+        """(V,) position of each target token in the draft vocabulary; -1 where it has none."""
+        if self.vocab_ids is None:
+            return torch.arange(self.target_vocab_size)
+        index = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
+        index[self.vocab_ids.cpu()] = torch.arange(len(self.vocab_ids))
+        return index
+
     @property
     def hyperparameters(self) -> dict:
         """What rebuilds these heads on a target, as saved in a checkpoint's config."""
         return {"num_heads": self.num_heads, "num_layers": self.num_layers,
-                "share_lm_head": self.share_lm_head}
+                "share_lm_head": self.share_lm_head,
+                "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size}
 
 
-def _copy_linear(lm_head: nn.Module) -> nn.Linear:
-    """A trainable nn.Linear with `lm_head`'s weights; never tied to the target's embeddings."""
+def _check_vocab_ids(vocab_ids: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
+    if (vocab_ids.ndim != 1 or len(vocab_ids) == 0 or vocab_ids.min() < 0
+            or vocab_ids.max() >= target_vocab_size
+            or not bool((vocab_ids[1:] > vocab_ids[:-1]).all())):
+        raise ValueError(f"vocab_ids must be distinct sorted token ids below the target's "
+                         f"vocabulary size {target_vocab_size}")
+    return vocab_ids
+
+
+def _copy_linear(lm_head: nn.Module, rows: torch.Tensor | None = None) -> nn.Linear:
+    """A trainable nn.Linear with `lm_head`'s weights (only `rows` of its outputs if given);
+    never tied to the target's embeddings."""
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    if rows is not None:
+        weight, bias = weight[rows], None if bias is None else bias[rows]
     copy = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                      device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
@@ -133,7 +187,8 @@ class MedusaDrafter:
                              "verify.loop.generate does")
         # The loop hands hidden states over as float32 on the CPU; the heads live with the target.
         hidden = ctx.hidden[-1].to(self.heads.head_lm(0).weight)  # (H,)
-        logits = self.heads(hidden).float().cpu()  # (K, V)
+        logits = self.heads(hidden, num_heads=self.topology.depth)  # (depth, V')
+        logits = self.heads.to_target_vocab(logits.float().cpu())  # (depth, V)
         return self._fill(int(ctx.tokens[-1]), logits, ctx)
 
     def _fill(self, root: int, logits: torch.Tensor, ctx: DraftContext) -> TokenTree:
@@ -150,21 +205,25 @@ class MedusaDrafter:
         return builder.build()
 
 
-def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str) -> None:
-    """Write `heads` to `folder` (heads.safetensors + config.json naming the target), atomically.
+def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str,
+               extra: Callable[[Path], None] | None = None) -> None:
+    """Write `heads` to `folder` (heads.safetensors + config.json naming the target), atomically,
+    replacing what was there. `extra(tmp)` may add files (a training checkpoint's state).
 
     Only the heads' own weights are saved: a shared LM head belongs to the target.
     """
     config = {"target": {"name": target_name, "hidden_size": heads.hidden_size,
-                         "vocab_size": heads.vocab_size}, **heads.hyperparameters}
+                         "vocab_size": heads.target_vocab_size}, **heads.hyperparameters}
     # safetensors refuses views into larger storages: give it compact copies
     tensors = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_FILE))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if extra is not None:
+            extra(tmp)
 
-    write_atomically(Path(folder), write)
+    write_atomically(Path(folder), write, overwrite=True)
 
 
 def load_heads(folder: str | Path, target: Target) -> MedusaHeads:
@@ -174,9 +233,10 @@ def load_heads(folder: str | Path, target: Target) -> MedusaHeads:
     config = json.loads((folder / CONFIG_FILE).read_text())
     lm_head = target.model.get_output_embeddings()
     _check_target(config["target"], lm_head, target.name, folder)
-    heads = MedusaHeads(lm_head, config["num_heads"], config["num_layers"],
-                        config["share_lm_head"])
+    _check_adapter(folder, target)
     state = load_file(str(folder / WEIGHTS_FILE), device=str(lm_head.weight.device))
+    heads = MedusaHeads(lm_head, config["num_heads"], config["num_layers"],
+                        config["share_lm_head"], vocab_ids=state.get("vocab_ids"))
     heads.load_state_dict(state)
     return heads
 
@@ -188,6 +248,16 @@ def _check_target(saved: Mapping, lm_head: nn.Module, target_name: str, folder: 
             f"Medusa heads in {folder} belong to {saved['name']!r} (hidden_size "
             f"{saved['hidden_size']}, vocab_size {saved['vocab_size']}), not to {target_name!r} "
             f"(hidden_size {hidden_size}, vocab_size {vocab_size})")
+
+
+def _check_adapter(folder: Path, target: Target) -> None:
+    """Medusa-2 heads read the hidden states of the target with its adapter merged in."""
+    adapter = folder / ADAPTER_DIR
+    if adapter.is_dir() and (target.adapter is None
+                             or Path(target.adapter).resolve() != adapter.resolve()):
+        raise ValueError(f"the Medusa heads in {folder} were trained together with a LoRA "
+                         f"adapter on the target (Medusa-2): load the target with "
+                         f"target.adapter={adapter}")
 
 
 def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> MedusaDrafter:

@@ -67,7 +67,7 @@ def load_spec_bench(
     wanted = set(categories) if categories is not None else set(SPEC_BENCH_CATEGORIES)
     taken: dict[str, int] = {}
     questions = []
-    for row in _read_rows(_spec_bench_path(data_root)):
+    for row in read_jsonl(_spec_bench_path(data_root)):
         category = row["category"]
         if category not in wanted or taken.get(category, 0) == n_per_category:
             continue
@@ -94,6 +94,7 @@ def _spec_bench_path(data_root: str | Path | None) -> Path:
     return path
 
 
-def _read_rows(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (blank lines skipped)."""
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -54,3 +54,9 @@ def test_train_entry_prints_its_config(capsys):
 def test_an_unknown_group_option_is_refused():
     with pytest.raises(Exception, match="nope"):
         compose_with("bench", "drafter=nope")
+
+
+# tree_search times the target alone: it has no drafter or tree group to compose with.
+@pytest.mark.parametrize("target", GROUPS["target"])
+def test_every_target_composes_with_tree_search(target):
+    assert compose_with("tree_search", f"target={target}").target.name

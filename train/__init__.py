@@ -1,0 +1,63 @@
+"""Training for the drafters that learn: `python train.py drafter=<name>` lands in `run_training`.
+
+One recipe per learned drafter (train/recipe.py for Medusa); drafters without weights
+(draft_model, prompt_lookup) have nothing to train and say so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+def run_training(cfg: DictConfig, group: str | None = None) -> dict:
+    """Train the configured drafter (every rank of a torchrun job calls this); prints and
+    returns the end-of-training evaluation on rank 0."""
+    from train import recipe  # heavy imports only when something is trained
+    from train.distributed import close_distributed, init_distributed
+
+    recipes = {"medusa": recipe.run}
+    if cfg.drafter.name not in recipes:
+        print(f"drafter {cfg.drafter.name!r} has nothing to train: it drafts without learned "
+              f"weights. Trainable: {sorted(recipes)}")
+        return {}
+    env = init_distributed(cfg.device)
+    try:
+        results = recipes[cfg.drafter.name](cfg, env, group)
+    finally:
+        close_distributed()
+    if env.is_main:
+        print(format_results(results))
+    return results
+
+
+def format_results(results: dict) -> str:
+    """The end-of-training report: per-head accuracy, tau, the greedy check, where things went."""
+    accuracy, decoding = results["accuracy"], results["decoding"]
+    lines = ["| head | top-1 | top-5 |", "|---|---|---|"]
+    lines += [f"| {k} (token +{k + 2}) | {top1:.3f} | {top5:.3f} |"
+              for k, (top1, top5) in enumerate(zip(accuracy["top1"], accuracy["top5"]))]
+    lines += [
+        "",
+        f"held-out decoding, tree of {decoding['tree_nodes']} nodes (depth "
+        f"{decoding['tree_depth']}): tau {decoding['tau']:.2f} (predicted from the table "
+        f"{decoding['predicted_tau']:.2f}); greedy output identical to the target's on "
+        f"{decoding['identical']}/{decoding['prompts']} prompts",
+        f"checkpoint: {results['checkpoint']}  (use: drafter.checkpoint={results['checkpoint']})",
+        f"tree: {results['tree']}",
+        f"evaluation: {Path(results['checkpoint']).parent / 'eval.json'}",
+        f"logs: {results['logged_to']}",
+    ]
+    return "\n".join(lines)
+
+
+def sweep_group() -> str | None:
+    """Under `-m`, the sweep's directory name, so a sweep's W&B runs share a group."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    return Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else None

@@ -57,6 +57,7 @@ class Target:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     name: str
+    adapter: str | None = None  # the LoRA adapter folder merged into `model`, if any
 
     def encode_prompt(self, text: str) -> torch.LongTensor:
         """Token ids for a single user turn, ready for generation. Returns shape (T,).
@@ -112,6 +113,7 @@ def load_target(
     dtype: str = "float32",
     attn_implementation: str = "sdpa",
     seed: int = 0,
+    adapter: str | None = None,
 ) -> Target:
     """Load a target model in eval mode.
 
@@ -125,21 +127,37 @@ def load_target(
         dtype: torch dtype name, e.g. "float32" or "bfloat16".
         attn_implementation: "sdpa" or "eager".
         seed: init seed for tiny models; equal seeds give identical weights.
+        adapter: a peft LoRA adapter folder (a Medusa-2 checkpoint's `adapter/`), merged into
+            the weights: the result decodes as fast as the plain model.
     """
     torch_dtype = _torch_dtype(dtype)
     if tiny is not None:
         model = build_tiny_model(tiny, seed=seed, attn_implementation=attn_implementation)
-        return Target(model.to(torch_dtype).eval(), None, f"tiny-{tiny}")
-    if path is None or path == DEFAULT_NAME:
-        path, name = str(_embedded_default(cache_root(cache_dir))), DEFAULT_NAME
-        gguf_file = None
+        target = Target(model.to(torch_dtype), None, f"tiny-{tiny}")
     else:
-        name = path
-    model = AutoModelForCausalLM.from_pretrained(
-        path, gguf_file=gguf_file, dtype=torch_dtype, attn_implementation=attn_implementation
-    )
-    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-    return Target(model.eval(), tokenizer, name)
+        if path is None or path == DEFAULT_NAME:
+            path, name = str(_embedded_default(cache_root(cache_dir))), DEFAULT_NAME
+            gguf_file = None
+        else:
+            name = path
+        model = AutoModelForCausalLM.from_pretrained(
+            path, gguf_file=gguf_file, dtype=torch_dtype, attn_implementation=attn_implementation
+        )
+        target = Target(model, AutoTokenizer.from_pretrained(path, gguf_file=gguf_file), name)
+    if adapter is not None:
+        target = merge_adapter(target, adapter)
+    target.model.eval()
+    return target
+
+
+def merge_adapter(target: Target, adapter: str | Path) -> Target:
+    """`target` with the LoRA adapter in folder `adapter` merged into its weights."""
+    from peft import PeftModel  # only Medusa-2 targets need peft
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"no LoRA adapter in {adapter} (adapter_config.json missing)")
+    merged = PeftModel.from_pretrained(target.model, str(adapter)).merge_and_unload()
+    return Target(merged, target.tokenizer, target.name, adapter=str(adapter))
 
 
 def load_target_from_config(cfg: Mapping) -> Target:
@@ -248,11 +266,14 @@ def _convert_gguf(source: Path, gguf_file: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def write_atomically(dest: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool = False) -> None:
     """Fill folder `dest` via `write(tmp)` on a temp folder beside it, then rename it into place.
 
-    An interrupted or failing write leaves no `dest` and no temp folder behind. If another
-    process renamed its own copy into place first, that copy is kept and ours discarded.
+    An interrupted or failing write leaves `dest` as it was and no temp folder behind. Without
+    `overwrite`, a `dest` already there (another process renamed its copy into place first) is
+    kept and ours discarded. With it, the old `dest` is swapped out to `<dest>.old` for the
+    instant between two renames and then deleted; `readable_folder` finds it there if a crash
+    falls into that instant.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -261,9 +282,26 @@ def write_atomically(dest: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    old = _old_copy(dest)
+    if overwrite and dest.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
     try:
         os.replace(tmp, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not dest.is_dir():
             raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def readable_folder(dest: Path) -> Path | None:
+    """`dest`, or the copy an interrupted overwrite left at `<dest>.old`, or None."""
+    for folder in (dest, _old_copy(dest)):
+        if folder.is_dir():
+            return folder
+    return None
+
+
+def _old_copy(dest: Path) -> Path:
+    return dest.with_name(f"{dest.name}.old")

@@ -1,0 +1,160 @@
+"""Size a static draft tree from measured costs, Sequoia-style.
+
+    python -m experiments.tree_search accuracies=<path to a JSON file> \
+        sizes=[1,2,4,8,16,32,64] name=medusa_auto out=conf/tree/medusa_auto.yaml
+
+The JSON holds {"rank_accuracy": [[...], ...]}: rank_accuracy[d][r] is the probability that
+the drafter's rank-r proposal at depth d is right (see verify.tree_builder). The command times
+one verification step of n tokens on the target for each size n, picks the node budget whose
+best tree gives the most expected tokens per unit of time (verify.tree_builder.choose_budget),
+writes that tree as a conf/tree YAML, and prints (and writes as JSON) the table behind the
+choice.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from transformers import PreTrainedModel
+
+from experiments.common import single_thread, write_report
+from verify.target import load_target_from_config
+from verify.tree import TokenTree, TreeTopology
+from verify.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
+from verify.verifier import TreeVerifier, context_window
+
+
+def load_accuracies(path: str | Path | None) -> list[list[float]]:
+    """The "rank_accuracy" table of a JSON file: a list over depths of lists over ranks."""
+    if path is None:
+        raise ValueError('set accuracies=<path to a JSON file with {"rank_accuracy": '
+                         '[[p(rank 0 at depth 0), p(rank 1 at depth 0), ...], ...]}>')
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"accuracies file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"accuracies file {path} is not valid JSON: {e}") from e
+    table = data.get("rank_accuracy") if isinstance(data, dict) else None
+    if not _is_table(table):
+        raise ValueError(f'{path} needs "rank_accuracy": a non-empty list over depths of '
+                         f"non-empty lists of per-rank accuracies, got {table!r}")
+    table = [[float(a) for a in row] for row in table]
+    build_tree(table, 0)  # checks the values now rather than after minutes of measuring
+    return table
+
+
+def _is_table(table: object) -> bool:
+    # bool is an int to Python, but true/false in an accuracy table is a mistake.
+    return (isinstance(table, list) and bool(table)
+            and all(isinstance(row, list) and row for row in table)
+            and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                    for row in table for a in row))
+
+
+@torch.no_grad()
+def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int], context_len: int = 256,
+                        repeats: int = 5, draft_cost_s: float = 0.0) -> dict[int, float]:
+    """{n: median seconds of one TreeVerifier step verifying n tokens, the root included}.
+
+    The tokens form a chain (one shape is enough: the step's cost depends on n, not on where
+    the branches are) after `context_len` cached tokens drawn from the global RNG. n = 1 is a
+    plain decoding step; draft_cost_s is added to every n > 1, where a drafter has to run.
+    """
+    if not sizes or min(sizes) < 1 or repeats < 1:
+        raise ValueError(f"need token counts >= 1 and repeats >= 1, got sizes {list(sizes)}, "
+                         f"repeats {repeats}")
+    window = context_window(model)
+    if window is not None and context_len + max(sizes) > window:
+        raise ValueError(f"context_len {context_len} + {max(sizes)} tokens exceed the model's "
+                         f"{window} positions")
+    vocab = model.config.vocab_size
+    verifier = TreeVerifier(model)
+    verifier.prefill(torch.randint(vocab, (context_len,)))
+    trees = {n: TokenTree.from_choices(0, TreeTopology.chain(n - 1),
+                                       [i % vocab for i in range(1, n)])
+             for n in sorted(set(sizes))}
+    times: dict[int, list[float]] = {n: [] for n in trees}
+    for i in range(repeats + 1):
+        # Sizes take turns, so machine noise (other processes, clock changes) hits all alike.
+        for n, tree in trees.items():
+            seconds = time_step(verifier, tree)
+            if i:  # the first round pays one-off costs (allocations, kernel selection)
+                times[n].append(seconds)
+    return {n: statistics.median(t) + (draft_cost_s if n > 1 else 0.0) for n, t in times.items()}
+
+
+def time_step(verifier: TreeVerifier, tree: TokenTree) -> float:
+    """Seconds of one `verifier.verify(tree)`; the verifier's cache is left as it was."""
+    start = time.perf_counter()
+    verifier.verify(tree)  # returns CPU logits, so the time includes any device sync
+    seconds = time.perf_counter() - start
+    # Keeping no node drops the tree's keys/values: every step sees the same context.
+    verifier.commit([])
+    return seconds
+
+
+def size_table(accuracies: Sequence[Sequence[float]], cost: dict[int, float],
+               budget: int) -> list[dict]:
+    """One row per measured size n: the best tree of n - 1 nodes, its expected tokens and
+    predicted speedup over plain decoding, expected tokens * t(1) / t(n)."""
+    rows = []
+    for n in sorted(cost):
+        tree = build_tree(accuracies, n - 1)
+        tokens = expected_tokens(tree, accuracies)
+        rows.append({"n": n, "nodes": tree.size - 1, "t_s": cost[n], "expected_tokens": tokens,
+                     "predicted_speedup": tokens * cost[1] / cost[n], "chosen": n == budget + 1})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown, one line per size; a tree with fewer nodes than n - 1 is all the table
+    has worth drafting, so that size was no candidate."""
+    lines = ["| n | nodes | t(n) ms | expected tokens | predicted speedup | |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        note = "**chosen**" if r["chosen"] else ("no candidate" if r["nodes"] < r["n"] - 1
+                                                   else "")
+        lines.append(f"| {r['n']} | {r['nodes']} | {1000 * r['t_s']:.1f} | "
+                     f"{r['expected_tokens']:.3f} | {r['predicted_speedup']:.2f}x | {note} |")
+    return "\n".join(lines)
+
+
+def search(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:
+    """Measure t(n) on the configured target; returns the chosen tree and the size table."""
+    accuracies = load_accuracies(cfg.accuracies)
+    if 1 not in cfg.sizes:
+        raise ValueError(f"sizes must include 1, the plain decoding step every speedup divides "
+                         f"by, got {list(cfg.sizes)}")
+    target = load_target_from_config(cfg.target)
+    # Tiny models run faster on one thread; real ones use torch's default threads.
+    with single_thread() if cfg.target.tiny else nullcontext():
+        cost = measure_verify_cost(target.model, list(cfg.sizes), cfg.context_len, cfg.repeats,
+                                   cfg.draft_cost_s)
+    budget = choose_budget(accuracies, cost)
+    return build_tree(accuracies, budget), size_table(accuracies, cost, budget)
+
+
+@hydra.main(config_path="../conf", config_name="tree_search", version_base=None)
+def main(cfg: DictConfig) -> None:
+    torch.manual_seed(cfg.seed)
+    topology, rows = search(cfg)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_tree_config(topology, out, cfg.name)
+    path = write_report(Path(cfg.out_dir), f"{cfg.target.name}-{cfg.name}", rows, cfg)
+    print(format_table(rows))
+    print(f"\ntree: {out} ({topology.size - 1} nodes, depth {topology.depth})\nJSON: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Self-distillation data: the target's own greedy answers to training prompts, cached on disk.
+
+Heads learn to predict what the target will write, so the training text is the target's own
+output (Medusa-2, EAGLE): prompts are answered in batches by `generate`, and each answer is kept
+with the last-layer hidden states that predicted its tokens, the heads' input. Answers are
+written in shards, each atomically, so an interrupted run keeps the shards it finished and the
+next run only answers the rest. Under torchrun every rank answers its share of the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from verify.target import Target, cache_root
+
+
+@dataclass
+class Answer:
+    """One distilled example: prompt (P,), the target's answer (R,), and optionally the hidden
+    states (R, H) whose row s predicted answer token s (row 0 is the prompt's last position)."""
+
+    prompt: torch.Tensor
+    response: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+def encode_prompts(target: Target, texts: list[str], max_tokens: int) -> list[torch.Tensor]:
+    """Chat-templated (P,) prompts; those longer than `max_tokens` are skipped."""
+    encoded = (target.encode_prompt(text) for text in texts)
+    return [ids for ids in encoded if len(ids) <= max_tokens]
+
+
+def distill(target: Target, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int,
+            folder: Path, keep_hidden: bool = True, rank: int = 0, world_size: int = 1,
+            barrier: Callable[[], None] = lambda: None) -> list[Answer]:
+    """The target's greedy answers to `prompts`, from shards in `folder` where present.
+
+    Prompts are answered in order of length (less padding); answers come back in that order.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    folder.mkdir(parents=True, exist_ok=True)
+    todo = [b for b in range(len(batches)) if b % world_size == rank
+            and not _shard_path(folder, b).exists()]
+    for b in tqdm(todo, desc="distilling answers", disable=rank != 0 or not todo):
+        answers = answer_batch(target, [prompts[i] for i in batches[b]], max_new_tokens,
+                               keep_hidden)
+        _write_shard(_shard_path(folder, b), answers)
+    barrier()  # every rank reads every shard
+    return [a for b in range(len(batches)) for a in _read_shard(_shard_path(folder, b))]
+
+
+def cache_folder(cache_dir: str | None, target: Target, prompts: list[torch.Tensor],
+                 max_new_tokens: int, batch_size: int, keep_hidden: bool) -> Path:
+    """A folder named by everything the answers depend on, so a changed setting never reads
+    another setting's answers."""
+    key = hashlib.sha256(json.dumps({
+        "target": target.name, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+        "keep_hidden": keep_hidden, "prompts": [p.tolist() for p in prompts],
+    }).encode()).hexdigest()[:16]
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill"
+    return root / target.name.replace("/", "--") / key
+
+
+@torch.no_grad()
+def answer_batch(target: Target, prompts: list[torch.Tensor], max_new_tokens: int,
+                 keep_hidden: bool) -> list[Answer]:
+    """Greedy answers to a batch of prompts in one left-padded `generate` call."""
+    eos, pad = target.eos_token_id, _pad_id(target)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    device = target.model.device
+    out = target.model.generate(
+        ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True,
+        output_hidden_states=keep_hidden)
+    new = out.sequences[:, width:].cpu()  # (B, S)
+    # Step s's last-layer state at the last position predicted new token s: (B, S, H).
+    hidden = (torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1).cpu()
+              if keep_hidden else None)
+    return [_answer(prompt, new[row], None if hidden is None else hidden[row], eos)
+            for row, prompt in enumerate(prompts)]
+
+
+def _answer(prompt: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor | None,
+            eos: int | None) -> Answer:
+    """Cut a padded answer after its first EOS (kept: heads learn to predict the end too)."""
+    length = len(new)
+    if eos is not None and (new == eos).any():
+        length = int((new == eos).nonzero()[0]) + 1
+    # float16 halves the cache; the heads train under bf16 autocast anyway
+    kept = None if hidden is None else hidden[:length].to(torch.float16)
+    return Answer(prompt.clone(), new[:length].clone(), kept)
+
+
+def _pad_id(target: Target) -> int:
+    tokenizer = target.tokenizer
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return target.eos_token_id if target.eos_token_id is not None else 0
+
+
+def _shard_path(folder: Path, index: int) -> Path:
+    return folder / f"shard-{index:05d}.safetensors"
+
+
+def _write_shard(path: Path, answers: list[Answer]) -> None:
+    """Answers concatenated, with lengths to split them again; written to a temporary name and
+    renamed, so a shard on disk is always whole."""
+    tensors = {
+        "prompt_lengths": torch.tensor([len(a.prompt) for a in answers]),
+        "prompts": torch.cat([a.prompt for a in answers]),
+        "response_lengths": torch.tensor([len(a.response) for a in answers]),
+        "responses": torch.cat([a.response for a in answers]),
+    }
+    if answers[0].hidden is not None:
+        tensors["hidden"] = torch.cat([a.hidden for a in answers])
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _read_shard(path: Path) -> list[Answer]:
+    tensors = load_file(str(path))
+    prompts = tensors["prompts"].split(tensors["prompt_lengths"].tolist())
+    lengths = tensors["response_lengths"].tolist()
+    responses = tensors["responses"].split(lengths)
+    hidden = tensors["hidden"].split(lengths) if "hidden" in tensors else [None] * len(lengths)
+    return [Answer(*parts) for parts in zip(prompts, responses, hidden)]

@@ -1,0 +1,80 @@
+"""End-of-training evaluation on held-out prompts (training prompts never trained on).
+
+- accuracy: per head, how often its top-1 / top-5 holds the token the target wrote, and the
+  rank table (rank r's share) that verify.tree_builder turns into a tree;
+- decoding: tau (tokens per target forward) with that tree, and whether the output is token for
+  token the target's own greedy output (Hugging Face `generate` on the same weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from drafters.medusa import MedusaDrafter, MedusaHeads
+from experiments.common import hf_generate
+from train.distill import Answer
+from train.loop import chunks
+from train.medusa import head_targets
+from verify.loop import generate
+from verify.target import Target
+from verify.tree import TreeTopology
+
+
+@torch.no_grad()
+def answer_states(model: torch.nn.Module, answers: list[Answer], batch_size: int = 8
+                  ) -> torch.Tensor:
+    """(N, H) last-layer states of the answers' tokens (row s of an answer predicted its
+    token s), teacher-forced in right-padded batches: the states decoding hands the heads."""
+    rows = []
+    for batch in chunks(answers, batch_size):
+        sequences = [torch.cat([a.prompt, a.response[:-1]]) for a in batch]
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, sequence in enumerate(sequences):
+            ids[b, :len(sequence)], mask[b, :len(sequence)] = sequence, 1
+        states = model.base_model(input_ids=ids.to(model.device),
+                                  attention_mask=mask.to(model.device)).last_hidden_state
+        for b, answer in enumerate(batch):
+            start = len(answer.prompt) - 1
+            rows.append(states[b, start:start + len(answer.response)].float().cpu())
+    return torch.cat(rows)
+
+
+@torch.no_grad()
+def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, answers: list[Answer],
+                  top_k: int) -> dict:
+    """Per-head top-1 / top-5 accuracy and rank_accuracy[k][r] = P(head k's rank-r token is
+    right), over every answer state with a target; out-of-vocabulary targets count as misses."""
+    targets = torch.cat([head_targets(a.response, heads.num_heads) for a in answers])
+    weight = heads.head_lm(0).weight
+    index = heads.draft_index()
+    table, top1, top5 = [], [], []
+    for k in range(heads.num_heads):
+        has = targets[:, k] >= 0
+        draft = index[targets[has, k]]  # (n,), -1 outside the draft vocabulary
+        logits = heads.head_lm(k)(heads.blocks[k](hidden[has].to(weight))).float().cpu()
+        ranks = logits.topk(top_k, dim=-1).indices  # (n, top_k)
+        hit = (ranks == draft[:, None]) & (draft[:, None] >= 0)
+        share = hit.float().mean(0)  # (top_k,): rank r's share
+        table.append(share.tolist())
+        top1.append(float(share[0]))
+        top5.append(float(share[:5].sum()))
+    return {"top1": top1, "top5": top5, "rank_accuracy": table, "rows": int(len(targets))}
+
+
+def decode_check(target: Target, heads: MedusaHeads, topology: TreeTopology,
+                 prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
+    """tau of greedy Medusa decoding and its agreement with the target's greedy output."""
+    drafter = MedusaDrafter(heads, topology)
+    tokens = steps = identical = 0
+    for ids in tqdm(prompts, desc="evaluating decoding"):
+        result = generate(target.model, ids, max_new_tokens, drafter=drafter,
+                          eos_token_id=target.eos_token_id)
+        reference = hf_generate(target, ids, max_new_tokens)
+        identical += int(torch.equal(result.tokens, reference.cpu()))
+        tokens += len(result.tokens)
+        steps += len(result.steps)
+    return {"tau": tokens / max(steps, 1), "identical": identical, "prompts": len(prompts),
+            "tree_nodes": topology.size - 1, "tree_depth": topology.depth}

@@ -1,0 +1,110 @@
+"""The optimisation loop shared by the recipes: data order, schedule, metrics, checkpoints.
+
+The data order is a pure function of (seed, step): each epoch is a fresh permutation seeded by
+its number. A resumed run therefore sees exactly the batches the uninterrupted run would have,
+with nothing to save but the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+
+import torch
+from tqdm import tqdm
+
+from train.distributed import DistEnv, all_reduce_sum
+from train.logger import Logger
+from train.schema import OptimConfig
+
+
+def batch_indices(step: int, num_items: int, batch_size: int, seed: int,
+                  env: DistEnv) -> torch.Tensor:
+    """The items global step `step` trains on, this rank's share (every world_size-th)."""
+    steps_per_epoch = max(1, num_items // batch_size)
+    epoch, offset = divmod(step, steps_per_epoch)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(num_items, generator=generator)
+    return order[offset * batch_size:(offset + 1) * batch_size][env.rank::env.world_size]
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int
+                  ) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up to each group's lr, then cosine decay to a tenth of it."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def autocast(optim: OptimConfig, device: torch.device):
+    """bf16 matmuls where asked for (the loss itself is taken in float32)."""
+    if not optim.autocast_bf16:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                make_batch: Callable[[int], dict], start_step: int, optim: OptimConfig,
+                env: DistEnv, logger: Logger, log_every: int,
+                save: Callable[[int], None], save_every: int) -> dict[str, float]:
+    """Run steps start_step .. optim.max_steps - 1; returns the last logged metrics.
+
+    objective(**batch) -> (loss, counts (K, 3)): per head [rows with a target, top-1 hits,
+    top-5 hits], summed over ranks for the metrics. `save(step)` runs every `save_every`
+    steps and after the last.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    metrics: dict[str, float] = {}
+    window = _Window()
+    bar = tqdm(range(start_step, optim.max_steps), initial=start_step, total=optim.max_steps,
+               desc="training", disable=not env.is_main)
+    for step in bar:
+        batch = make_batch(step)
+        with autocast(optim, env.device):
+            loss, counts = objective(**batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        window.add(loss.item(), counts.detach().cpu())
+        done = step + 1
+        if done % log_every == 0 or done == optim.max_steps:
+            metrics = window.flush(env, lr=scheduler.get_last_lr()[0])
+            logger.log(metrics, step=done)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['head0/top1']:.2f}")
+        if done % save_every == 0 or done == optim.max_steps:
+            save(done)
+    return metrics
+
+
+class _Window:
+    """Loss and accuracy counts since the last log line."""
+
+    def __init__(self):
+        self.start, self.losses, self.counts = time.perf_counter(), [], None
+
+    def add(self, loss: float, counts: torch.Tensor) -> None:
+        self.losses.append(loss)
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def flush(self, env: DistEnv, lr: float) -> dict[str, float]:
+        counts = all_reduce_sum(self.counts, env)  # (K, 3)
+        elapsed = time.perf_counter() - self.start
+        metrics = {"loss": sum(self.losses) / len(self.losses), "lr": lr,
+                   "rows_per_s": float(counts[0, 0]) / elapsed}
+        for k, (rows, top1, top5) in enumerate(counts.tolist()):
+            metrics[f"head{k}/top1"] = top1 / max(rows, 1)
+            metrics[f"head{k}/top5"] = top5 / max(rows, 1)
+        self.__init__()
+        return metrics
+
+
+def chunks(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

@@ -1,0 +1,178 @@
+"""Medusa's training objectives (Cai et al. 2024).
+
+Medusa-1: the target stays frozen and only the heads learn; its hidden states can be cached.
+Loss = sum_k decay^k * CE(head k, token k + 2 ahead): later heads are less certain and count less.
+Medusa-2: the target learns too, through a LoRA adapter, so the hidden states must be computed
+in every step; loss = LM loss (+ KL to the original target) + head_loss_weight * heads' loss.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from drafters.medusa import MedusaHeads
+from train.distill import Answer
+
+
+@dataclass
+class MedusaConfig:
+    """conf/drafter/medusa.yaml, checked: the drafter keys plus the training-only ones."""
+
+    name: str = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True
+    draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
+    checkpoint: str | None = None
+    variant: str = "medusa1"  # medusa1: frozen target | medusa2: + a LoRA adapter on it
+    head_decay: float = 0.8  # head k's loss weight is head_decay ** k
+    head_loss_weight: float = 0.2  # Medusa-2: the heads' loss next to the LM loss
+    kl_weight: float = 0.0  # Medusa-2: KL(original target || adapted target) per token
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: Any = "all-linear"  # peft's choice: every linear layer but the LM head
+
+
+def medusa_config(drafter: DictConfig) -> MedusaConfig:
+    """Type-check the drafter group's keys against MedusaConfig (a typo fails here)."""
+    known = set(MedusaConfig.__dataclass_fields__)
+    unknown = set(drafter) - known
+    if unknown:
+        raise ValueError(f"unknown Medusa setting(s) {sorted(unknown)}; known: {sorted(known)}")
+    merged = OmegaConf.merge(OmegaConf.structured(MedusaConfig), drafter)
+    cfg: MedusaConfig = OmegaConf.to_object(merged)
+    if cfg.variant not in ("medusa1", "medusa2"):
+        raise ValueError(f"drafter.variant must be medusa1 or medusa2, got {cfg.variant!r}")
+    return cfg
+
+
+def choose_draft_vocab(answers: list[Answer], size: int | None) -> torch.Tensor | None:
+    """The `size` tokens the target writes most often in `answers`, as sorted ids; None keeps
+    the whole vocabulary. Ties go to the lower id, so the choice is deterministic."""
+    if size is None:
+        return None
+    counts = Counter(int(t) for a in answers for t in a.response)
+    ranked = sorted(counts, key=lambda token: (-counts[token], token))
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+
+
+def head_targets(response: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(R,) answer -> (R, K) targets: row s (the state that predicted token s) asks head k for
+    token s + k + 1; -1 past the end of the answer."""
+    length = len(response)
+    padded = torch.cat([response, response.new_full((num_heads + 1,), -1)])
+    rows = torch.arange(length)[:, None] + torch.arange(1, num_heads + 1)[None]  # (R, K)
+    return padded[rows]
+
+
+def cached_rows(answers: list[Answer], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All answers' cached hidden states (N, H) and their head targets (N, K)."""
+    if any(a.hidden is None for a in answers):
+        raise ValueError("Medusa-1 from cached states needs data.cache_hidden=true")
+    hidden = torch.cat([a.hidden for a in answers])
+    targets = torch.cat([head_targets(a.response, num_heads) for a in answers])
+    return hidden, targets
+
+
+class HeadLoss(nn.Module):
+    """Weighted cross-entropy of every head, computed head by head so that only one
+    (N, V') logit matrix is alive at a time."""
+
+    def __init__(self, heads: MedusaHeads, decay: float):
+        super().__init__()
+        self.heads, self.decay = heads, decay
+        self.register_buffer("draft_index", heads.draft_index(), persistent=False)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (N, H), targets (N, K) token ids (-1: none) -> loss, and counts (K, 3):
+        per head [rows with a target, top-1 hits, top-5 hits] for accuracy metrics.
+
+        A target outside the draft vocabulary cannot be learned: no loss, but a miss.
+        """
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        counts = []
+        for k in range(targets.shape[1]):
+            has_target = targets[:, k] >= 0
+            draft = torch.where(has_target, self.draft_index[targets[:, k].clamp_min(0)], -1)
+            logits = self.heads.head_lm(k)(self.heads.blocks[k](hidden)).float()  # (N, V')
+            if (draft >= 0).any():
+                ce = nn.functional.cross_entropy(logits, draft, ignore_index=-1)
+                loss = loss + self.decay ** k * ce
+            counts.append(_hits(logits.detach(), draft, has_target))
+        return loss, torch.stack(counts)
+
+
+def _hits(logits: torch.Tensor, draft: torch.Tensor, has_target: torch.Tensor) -> torch.Tensor:
+    """[rows with a target, top-1 hits, top-5 hits] for (N, V') logits."""
+    top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (N, 5)
+    hit = (top == draft[:, None]) & (draft[:, None] >= 0)
+    return torch.stack([has_target.sum(), hit[:, 0].sum(), hit.any(-1).sum()]).float()
+
+
+class Medusa2Loss(nn.Module):
+    """LM loss of the adapted target (+ KL to the original) and the heads' loss, on sequences.
+
+    peft_model: the target wrapped by peft (LoRA); disabling the adapter gives the original
+    target for the KL term.
+    """
+
+    def __init__(self, peft_model: nn.Module, heads: MedusaHeads, decay: float,
+                 head_loss_weight: float, kl_weight: float):
+        super().__init__()
+        self.model, self.head_loss = peft_model, HeadLoss(heads, decay)
+        self.head_loss_weight, self.kl_weight = head_loss_weight, kl_weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                rows: torch.Tensor, lm_targets: torch.Tensor, targets: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, attention_mask (B, T); rows (N, 2) the (sequence, position) of each
+        answer state; lm_targets (N,) the token each predicts; targets (N, K) the heads'."""
+        hidden = self._states(input_ids, attention_mask)[rows[:, 0], rows[:, 1]]  # (N, H)
+        logits = self.model.get_output_embeddings()(hidden).float()  # (N, V)
+        loss = nn.functional.cross_entropy(logits, lm_targets)
+        if self.kl_weight:
+            loss = loss + self.kl_weight * self._kl_to_original(logits, input_ids,
+                                                                 attention_mask, rows)
+        head_loss, counts = self.head_loss(hidden, targets)
+        return loss + self.head_loss_weight * head_loss, counts
+
+    def _states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last-layer hidden states (B, T, H), the same ones decoding hands the heads."""
+        body = self.model.get_base_model().base_model
+        return body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def _kl_to_original(self, logits: torch.Tensor, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), self.model.disable_adapter():
+            original = self._states(input_ids, attention_mask)[rows[:, 0], rows[:, 1]]
+            reference = self.model.get_output_embeddings()(original).float().log_softmax(-1)
+        return nn.functional.kl_div(logits.log_softmax(-1), reference, log_target=True,
+                                    reduction="batchmean")
+
+
+def sequence_batch(answers: list[Answer], num_heads: int, pad_id: int) -> dict:
+    """Right-padded prompt + answer sequences and, for every answer state, its place and
+    targets: the keyword arguments of Medusa2Loss.forward."""
+    sequences = [torch.cat([a.prompt, a.response[:-1]]) for a in answers]
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(answers), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    rows, lm_targets, targets = [], [], []
+    for b, (answer, sequence) in enumerate(zip(answers, sequences)):
+        input_ids[b, :len(sequence)] = sequence
+        attention_mask[b, :len(sequence)] = 1
+        start = len(answer.prompt) - 1  # the state that predicted answer token 0
+        positions = torch.arange(start, start + len(answer.response))
+        rows.append(torch.stack([torch.full_like(positions, b), positions], dim=1))
+        lm_targets.append(answer.response)
+        targets.append(head_targets(answer.response, num_heads))
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "rows": torch.cat(rows),
+            "lm_targets": torch.cat(lm_targets), "targets": torch.cat(targets)}

@@ -1,0 +1,193 @@
+"""The Medusa training recipe: setup, train, save, evaluate (torchtune's skeleton).
+
+    python train.py drafter=medusa                          # Medusa-1 on the default target
+    python train.py drafter=medusa drafter.variant=medusa2  # + a LoRA adapter on the target
+    python train.py -m drafter=medusa drafter.num_heads=2,3,4,5
+    torchrun --nproc_per_node=2 train.py drafter=medusa
+
+Everything lands in cfg.out_dir: checkpoint/ (heads, adapter, training state; rerunning the same
+command resumes from it), eval.json (accuracy table, tau, greedy check) and tree.yaml (a tree
+built from the measured accuracies, usable as a conf/tree config).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch.nn.parallel import DistributedDataParallel
+
+from drafters.medusa import MedusaHeads
+from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, save_checkpoint
+from train.distill import Answer, cache_folder, distill, encode_prompts
+from train.distributed import DistEnv
+from train.evaluate import answer_states, decode_check, head_accuracy
+from train.logger import build_logger
+from train.loop import batch_indices, train_steps, warmup_cosine
+from train.medusa import (HeadLoss, Medusa2Loss, MedusaConfig, cached_rows, choose_draft_vocab,
+                          head_targets, medusa_config, sequence_batch)
+from train.prompts import interleave, load_prompt_files
+from verify.target import Target, load_target_from_config
+from verify.tree_builder import build_tree, expected_tokens, write_tree_config
+
+CHECKPOINT_DIR = "checkpoint"
+
+
+def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
+    """Train Medusa heads as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+    mcfg = medusa_config(cfg.drafter)
+    torch.manual_seed(cfg.seed)
+    target = load_target_from_config(cfg.target)
+    target.model.to(env.device)
+    out_dir = Path(cfg.out_dir)
+    train_set, heldout = prepare_data(cfg, target, env, keep_hidden=_caches_states(cfg, mcfg))
+    lm_head = target.model.get_output_embeddings()
+    heads = MedusaHeads(lm_head, mcfg.num_heads, mcfg.num_layers, mcfg.share_lm_head,
+                        choose_draft_vocab(train_set, mcfg.draft_vocab_size))
+    peft_model = _add_lora(target, mcfg) if mcfg.variant == "medusa2" else None
+    if peft_model is None:
+        target.model.requires_grad_(False)
+    objective, make_batch = _objective(cfg, mcfg, target, heads, peft_model, train_set, env)
+    optimizer = _optimizer(cfg, heads, peft_model)
+    scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
+    start = _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model)
+    if env.world_size > 1:
+        objective = DistributedDataParallel(objective)
+    logger = build_logger(cfg.logger, cfg, out_dir, env.rank, group)
+
+    def save(step: int) -> None:
+        if env.is_main:
+            save_checkpoint(out_dir / CHECKPOINT_DIR, heads, target.name, step, optimizer,
+                            scheduler, peft_model)
+        env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
+
+    train_steps(objective, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
+                cfg.logger.log_every, save, cfg.save_every)
+    if not env.is_main:
+        return {}
+    if peft_model is not None:
+        target = Target(peft_model.merge_and_unload(), target.tokenizer, target.name,
+                        adapter=str(out_dir / CHECKPOINT_DIR / "adapter"))
+    results = evaluate(cfg, target, heads, heldout, out_dir)
+    logger.summary(_flat(results))
+    logger.finish()
+    results["logged_to"] = logger.location
+    return results
+
+
+def prepare_data(cfg: DictConfig, target: Target, env: DistEnv, keep_hidden: bool
+                 ) -> tuple[list[Answer], list[Answer]]:
+    """The target's answers to the training prompts and to the held-out ones (answered first
+    in the interleaved order, so they stay the same whatever num_prompts is)."""
+    data = cfg.data
+    texts = interleave(load_prompt_files(data.root, list(data.sources)), data.seed)
+    wanted = data.heldout_prompts + data.num_prompts
+    prompts = _encode_until(target, texts, wanted, data.max_prompt_tokens)
+    held, train = prompts[:data.heldout_prompts], prompts[data.heldout_prompts:]
+    answers = []
+    for part in (held, train):
+        folder = cache_folder(data.cache_dir, target, part, data.max_new_tokens,
+                              data.batch_size, keep_hidden)
+        answers.append(distill(target, part, data.max_new_tokens, data.batch_size, folder,
+                               keep_hidden, env.rank, env.world_size, env.barrier))
+    return answers[1], answers[0]
+
+
+def _encode_until(target: Target, texts: list[str], count: int, max_tokens: int
+                  ) -> list[torch.Tensor]:
+    prompts: list[torch.Tensor] = []
+    for start in range(0, len(texts), count):
+        prompts += encode_prompts(target, texts[start:start + count], max_tokens)
+        if len(prompts) >= count:
+            return prompts[:count]
+    raise ValueError(f"only {len(prompts)} training prompts fit data.max_prompt_tokens="
+                     f"{max_tokens}; asked for {count}")
+
+
+def _caches_states(cfg: DictConfig, mcfg: MedusaConfig) -> bool:
+    # Medusa-2 changes the target, so its states are recomputed in every step anyway.
+    return mcfg.variant == "medusa1" and cfg.data.cache_hidden
+
+
+def _add_lora(target: Target, mcfg: MedusaConfig):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=mcfg.lora_r, lora_alpha=mcfg.lora_alpha,
+                        lora_dropout=mcfg.lora_dropout, target_modules=mcfg.lora_target_modules)
+    return get_peft_model(target.model, config)
+
+
+def _objective(cfg, mcfg, target, heads, peft_model, train_set, env):
+    """The loss module and make_batch(step) -> its keyword arguments."""
+    device, seed = env.device, cfg.seed
+    if peft_model is None:
+        if _caches_states(cfg, mcfg):
+            hidden, targets = cached_rows(train_set, mcfg.num_heads)
+        else:  # computed once with the frozen target, kept in memory only
+            hidden = answer_states(target.model, train_set).to(torch.float16)
+            targets = torch.cat([head_targets(a.response, mcfg.num_heads) for a in train_set])
+
+        def make_batch(step: int) -> dict:
+            rows = batch_indices(step, len(hidden), cfg.optim.batch_tokens, seed, env)
+            return {"hidden": hidden[rows].to(device, torch.float32),
+                    "targets": targets[rows].to(device)}
+        return HeadLoss(heads, mcfg.head_decay), make_batch
+
+    pad = target.eos_token_id if target.eos_token_id is not None else 0
+
+    def make_batch(step: int) -> dict:
+        picked = batch_indices(step, len(train_set), cfg.optim.batch_sequences, seed, env)
+        batch = sequence_batch([train_set[i] for i in picked], mcfg.num_heads, pad)
+        return {key: value.to(device) for key, value in batch.items()}
+    objective = Medusa2Loss(peft_model, heads, mcfg.head_decay, mcfg.head_loss_weight,
+                            mcfg.kl_weight)
+    return objective, make_batch
+
+
+def _optimizer(cfg: DictConfig, heads: MedusaHeads, peft_model) -> torch.optim.Optimizer:
+    """AdamW; the heads at optim.lr, a Medusa-2 adapter at the smaller optim.base_lr."""
+    groups = [{"params": [p for p in heads.parameters() if p.requires_grad],
+               "lr": cfg.optim.lr}]
+    if peft_model is not None:
+        groups.append({"params": [p for p in peft_model.parameters() if p.requires_grad],
+                       "lr": cfg.optim.base_lr})
+    return torch.optim.AdamW(groups, betas=tuple(cfg.optim.betas),
+                             weight_decay=cfg.optim.weight_decay)
+
+
+def _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model) -> int:
+    found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
+    if found is None:
+        return 0
+    check_resumable(found, target.name, heads.hyperparameters)
+    step = load_checkpoint(found, heads, optimizer, scheduler, peft_model)
+    print(f"resuming from {found} after step {step}")
+    return step
+
+
+def evaluate(cfg: DictConfig, target: Target, heads: MedusaHeads, heldout: list[Answer],
+             out_dir: Path) -> dict:
+    """Accuracy table, a tree built from it, tau and the greedy check; eval.json + tree.yaml."""
+    target.model.eval()
+    hidden = answer_states(target.model, heldout)
+    accuracy = head_accuracy(heads, hidden, heldout, cfg.eval.top_k)
+    topology = build_tree(accuracy["rank_accuracy"], cfg.eval.tree_budget)
+    tree_path = out_dir / "tree.yaml"
+    write_tree_config(topology, tree_path, name=f"{out_dir.name}-tree")
+    prompts = [a.prompt for a in heldout[:cfg.eval.num_prompts]]
+    decoding = decode_check(target, heads, topology, prompts, cfg.eval.max_new_tokens)
+    decoding["predicted_tau"] = expected_tokens(topology, accuracy["rank_accuracy"])
+    results = {"accuracy": accuracy, "decoding": decoding,
+               "checkpoint": str(out_dir / CHECKPOINT_DIR), "tree": str(tree_path)}
+    (out_dir / "eval.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _flat(results: dict) -> dict[str, float]:
+    accuracy, decoding = results["accuracy"], results["decoding"]
+    flat = {f"eval/head{k}/top1": v for k, v in enumerate(accuracy["top1"])}
+    flat.update({f"eval/head{k}/top5": v for k, v in enumerate(accuracy["top5"])})
+    flat.update({f"eval/{key}": value for key, value in decoding.items()})
+    return flat

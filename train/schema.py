@@ -1,0 +1,111 @@
+"""Typed schemas of the training config, registered in Hydra's ConfigStore.
+
+conf/train.yaml names `train_schema` first in its defaults, so every YAML group and every
+command-line override is merged into these dataclasses and type-checked: `optim.lr=fast` or a
+misspelt key fails at composition, not an hour into a run. The `drafter` and `tree` groups hold
+different keys per option, so they stay open here; each recipe checks its own drafter keys
+(e.g. train.medusa.MedusaConfig).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TargetConfig:
+    """conf/target: what verify.target.load_target takes, plus a name for result tables."""
+
+    name: str = MISSING
+    path: str | None = None
+    gguf_file: str | None = None
+    cache_dir: str | None = None
+    tiny: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    seed: int = 0
+    adapter: str | None = None  # a peft LoRA folder merged into the model (Medusa-2 targets)
+
+
+@dataclass
+class DataConfig:
+    """conf/data: self-distillation data, the target's own answers to training prompts."""
+
+    name: str = MISSING
+    root: str | None = None  # holds gsm8k/, self_instruct/, t0_prompts/; null: ../shared/data
+    sources: list[str] = field(default_factory=lambda: ["gsm8k", "self_instruct", "t0"])
+    num_prompts: int = 512  # training prompts answered by the target
+    heldout_prompts: int = 16  # more prompts, answered too, kept for the end-of-run evaluation
+    max_prompt_tokens: int = 384  # longer prompts are skipped (long articles dominate the cost)
+    max_new_tokens: int = 128  # Spec-Bench's generation length
+    batch_size: int = 32  # prompts answered per batched `generate` call
+    cache_dir: str | None = None  # null: <treedraft cache>/distill
+    cache_hidden: bool = True  # keep the answers' hidden states: Medusa-1 then needs no forward
+    seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """conf/optim: AdamW with linear warm-up and cosine decay."""
+
+    name: str = MISSING
+    lr: float = 1e-3  # the heads' learning rate
+    base_lr: float = 1e-4  # the target's LoRA adapter (Medusa-2); heads learn faster
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 20
+    max_steps: int = 600
+    batch_tokens: int = 1024  # hidden-state rows per step (Medusa-1)
+    batch_sequences: int = 4  # sequences per step (Medusa-2, which runs the target)
+    grad_clip: float = 1.0
+    autocast_bf16: bool = True  # bf16 matmuls on CPUs with AVX512-BF16 / on GPUs: ~2x
+
+
+@dataclass
+class LoggerConfig:
+    """conf/logger: where metrics go; W&B runs offline unless mode says otherwise."""
+
+    name: str = MISSING
+    project: str = "treedraft"
+    mode: str = "offline"  # offline | online | disabled
+    group: str | None = None  # null: the sweep's directory name under -m, else none
+    dir: str | None = None  # null: the run's out_dir
+    log_every: int = 10
+
+
+@dataclass
+class EvalConfig:
+    """What the end-of-training evaluation runs on the held-out prompts."""
+
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    top_k: int = 10  # ranks per head in the accuracy table the tree builder reads
+    tree_budget: int = 16  # nodes of the tree built from that table for the tau check
+
+
+@dataclass
+class TrainConfig:
+    target: TargetConfig = MISSING
+    drafter: Any = MISSING
+    tree: Any = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    logger: LoggerConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    out_dir: str = MISSING
+    resume: bool = True  # continue from out_dir's checkpoint when there is one
+    save_every: int = 100  # steps between checkpoints
+    device: str = "auto"  # auto: cuda when available, else cpu
+
+
+def register_configs() -> None:
+    """Make the schemas available to conf/train.yaml's defaults list (idempotent)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+register_configs()
