@@ -99,6 +99,8 @@ class MedusaHeads(nn.Module):
         k + 2 positions ahead. num_heads: run only the first ones (a shallower tree needs no
         more, and each costs a vocabulary projection)."""
         blocks = self.blocks[:num_heads]
+        if len(blocks) == 0:  # a root-only tree drafts nothing
+            return hidden.new_empty((0, *hidden.shape[:-1], self.vocab_size))
         return torch.stack([self.head_lm(k)(block(hidden)) for k, block in enumerate(blocks)])
 
     def head_lm(self, k: int) -> nn.Module:

@@ -26,8 +26,16 @@ from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
 from train.logger import build_logger
 from train.loop import batch_indices, train_steps, warmup_cosine
-from train.medusa import (HeadLoss, Medusa2Loss, MedusaConfig, cached_rows, choose_draft_vocab,
-                          head_targets, medusa_config, sequence_batch)
+from train.medusa import (
+    HeadLoss,
+    Medusa2Loss,
+    MedusaConfig,
+    cached_rows,
+    choose_draft_vocab,
+    head_targets,
+    medusa_config,
+    sequence_batch,
+)
 from train.prompts import interleave, load_prompt_files
 from verify.target import Target, load_target_from_config
 from verify.tree_builder import build_tree, expected_tokens, write_tree_config

@@ -212,3 +212,34 @@ def test_sampling_through_the_loop(tiny, topology):
     result = generate(target.model, PROMPT, 30, drafter=drafter, temperature=0.8,
                       generator=torch.Generator().manual_seed(0))
     assert len(result.tokens) == 30 and max(s.tree_size for s in result.steps) == 9
+
+
+def test_a_draft_vocabulary_restricts_proposals_and_saves_with_the_heads(tiny, tmp_path):
+    target = tiny("llama")
+    vocab = torch.tensor([3, 40, 41, 42, 43, 44, 200])
+    heads = _perturbed(MedusaHeads(_lm_head(target), num_heads=2, num_layers=1,
+                                   vocab_ids=vocab))
+    hidden = _hidden(target, PROMPT)[-1]
+    with torch.no_grad():
+        draft = heads(hidden)  # (2, 7)
+        full = heads.to_target_vocab(draft)  # (2, V)
+        own_rows = heads.blocks[0](hidden) @ _lm_head(target).weight[vocab].T
+    assert draft.shape == (2, 7) and full.shape == (2, V)
+    assert torch.allclose(draft[0], own_rows, atol=1e-5)
+    assert torch.equal(full[:, vocab], draft) and torch.isinf(full[:, 5]).all()
+    assert heads.draft_index()[vocab].tolist() == list(range(7))
+    assert heads.draft_index()[5] == -1
+    assert heads(hidden, num_heads=1).shape == (1, 7)
+    save_heads(heads, tmp_path / "h", target.name)
+    loaded = load_heads(tmp_path / "h", target)
+    assert torch.equal(loaded.vocab_ids, vocab) and torch.equal(loaded(hidden), draft)
+    drafter = MedusaDrafter(loaded, TreeTopology.from_choices([[0], [1], [2], [0, 0]]))
+    tree = drafter.propose(DraftContext(PROMPT, _hidden(target, PROMPT), SamplingParams(), None))
+    assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())
+
+
+def test_a_draft_vocabulary_must_be_sorted_ids_of_the_target(tiny):
+    with pytest.raises(ValueError, match="sorted token ids"):
+        MedusaHeads(_lm_head(tiny("llama")), 1, 1, vocab_ids=torch.tensor([5, 3]))
+    with pytest.raises(ValueError, match="below the target's vocabulary size 256"):
+        MedusaHeads(_lm_head(tiny("llama")), 1, 1, vocab_ids=torch.tensor([5, 300]))

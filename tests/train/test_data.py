@@ -1,0 +1,79 @@
+"""Self-distillation data: prompt sources, batched answers equal to one-by-one greedy decoding
+with the states decoding would hand the heads, and a shard cache that survives interruption."""
+
+import pytest
+import torch
+
+from experiments.common import hf_generate
+from train.distill import Answer, answer_batch, cache_folder, distill
+from train.evaluate import answer_states
+from train.medusa import choose_draft_vocab, head_targets
+from train.prompts import interleave, load_prompt_files
+from verify.target import load_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(tiny="llama")
+
+
+PROMPTS = [torch.tensor(p) for p in ([5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1, 2, 3, 4, 5])]
+
+
+def test_prompt_sources_mix_every_file_and_refuse_spec_bench():
+    files = load_prompt_files(None, ["gsm8k", "self_instruct", "t0"])
+    assert len(files) == 9  # gsm8k, 2 self-instruct files, 6 T0 files
+    first = interleave(files, seed=0)[:9]
+    assert [next(f for f, texts in files.items() if p in texts) for p in first] == list(files)
+    assert interleave(files, seed=0)[:50] == interleave(files, seed=0)[:50]
+    with pytest.raises(ValueError, match="evaluation only"):
+        load_prompt_files(None, ["spec_bench"])
+
+
+def test_batched_answers_are_greedy_decoding_with_its_states(target):
+    answers = answer_batch(target, PROMPTS, 10, keep_hidden=True)
+    for prompt, answer in zip(PROMPTS, answers):
+        assert torch.equal(answer.response, hf_generate(target, prompt, 10))
+    states = answer_states(target.model, answers)  # teacher-forced, right-padded
+    assert torch.allclose(states, torch.cat([a.hidden.float() for a in answers]), atol=2e-3)
+
+
+def test_answers_are_cut_after_eos(target):
+    answer = answer_batch(target, PROMPTS[:1], 10, keep_hidden=False)[0]
+    eos = int(answer.response[3])
+    target.model.generation_config.eos_token_id = eos
+    try:
+        cut = answer_batch(target, PROMPTS[:1], 10, keep_hidden=True)[0]
+    finally:
+        target.model.generation_config.eos_token_id = None
+    first = int((answer.response == eos).nonzero()[0])
+    assert torch.equal(cut.response, answer.response[:first + 1]) and len(cut.hidden) == first + 1
+
+
+def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypatch):
+    folder = cache_folder(str(tmp_path), target, PROMPTS, 8, 2, True)
+    first = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
+    (sorted(folder.glob("shard-*"))[-1]).unlink()  # as if interrupted before the last shard
+    calls = []
+    real = answer_batch
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[1]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr("train.distill.answer_batch", counting)
+    again = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
+    assert calls == [1]  # only the missing shard (the longest prompt) was answered again
+    assert all(torch.equal(a.response, b.response) for a, b in zip(first, again))
+    assert cache_folder(str(tmp_path), target, PROMPTS, 9, 2, True) != folder
+
+
+def test_head_targets_and_draft_vocabulary():
+    response = torch.tensor([10, 11, 12, 13])
+    assert head_targets(response, 2).tolist() == [[11, 12], [12, 13], [13, -1], [-1, -1]]
+    answers = answer_like([[3, 3, 5], [5, 3, 9]])
+    assert choose_draft_vocab(answers, 2).tolist() == [3, 5]
+    assert choose_draft_vocab(answers, None) is None
+
+
+def answer_like(responses):
+    return [Answer(torch.tensor([1]), torch.tensor(r), None) for r in responses]

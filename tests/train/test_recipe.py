@@ -1,0 +1,92 @@
+"""The Medusa recipe end to end on a tiny target: training lowers the loss, an interrupted run
+resumes to the uninterrupted run's exact state, checkpoints refuse the wrong target or heads,
+and Medusa-2's adapter and heads load back together into a lossless drafter."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.recipe as recipe
+from drafters import build_drafter
+from train import run_training
+from train.distributed import DistEnv
+from train.medusa import HeadLoss, cached_rows
+from verify.loop import generate
+from verify.target import load_target_from_config
+
+SINGLE = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def _heads_state(out_dir):
+    return load_file(str(out_dir / "checkpoint" / "heads.safetensors"))
+
+
+def test_two_training_steps_lower_the_heads_loss(train_cfg):
+    cfg = train_cfg("optim.max_steps=2", "optim.lr=0.01")
+    target = load_target_from_config(cfg.target)
+    train_set, _ = recipe.prepare_data(cfg, target, SINGLE, keep_hidden=True)
+    hidden, targets = cached_rows(train_set, 2)
+    fresh = recipe.MedusaHeads(target.model.get_output_embeddings(), 2, 1)
+    run_training(cfg)
+    trained = recipe.MedusaHeads(target.model.get_output_embeddings(), 2, 1)
+    trained.load_state_dict(_heads_state(Path(cfg.out_dir)))
+    with torch.no_grad():
+        before, _ = HeadLoss(fresh, 0.8)(hidden.float(), targets)
+        after, _ = HeadLoss(trained, 0.8)(hidden.float(), targets)
+    assert after < before - 0.1
+
+
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(train_cfg, monkeypatch, tmp_path):
+    run_training(train_cfg(out="whole"))
+    real = recipe.batch_indices
+
+    def interrupted(step, *args):
+        if step == 3:  # after the checkpoint of step 2
+            raise KeyboardInterrupt
+        return real(step, *args)
+    monkeypatch.setattr(recipe, "batch_indices", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(train_cfg(out="cut"))
+    assert json.loads((tmp_path / "cut/checkpoint/config.json").read_text())["num_heads"] == 2
+    assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
+    monkeypatch.setattr(recipe, "batch_indices", real)
+    run_training(train_cfg(out="cut"))
+    whole, resumed = _heads_state(tmp_path / "whole"), _heads_state(tmp_path / "cut")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    optimizer = [torch.load(tmp_path / f"{run}/checkpoint/train_state.pt")["optimizer"]
+                 for run in ("whole", "cut")]
+    moments = [o["state"][0]["exp_avg"] for o in optimizer]
+    assert torch.equal(*moments)
+
+
+def test_resuming_refuses_other_heads_or_another_target(train_cfg):
+    run_training(train_cfg())
+    with pytest.raises(ValueError, match="num_heads: saved 2, asked 3"):
+        run_training(train_cfg("drafter.num_heads=3"))
+    with pytest.raises(ValueError, match="belongs to 'tiny-llama', not 'tiny-qwen2'"):
+        run_training(train_cfg("target=tiny_qwen2"))
+
+
+def test_medusa2_adapter_and_heads_load_together_and_stay_lossless(train_cfg, tmp_path):
+    cfg = train_cfg("drafter.variant=medusa2", "optim.max_steps=2", "optim.base_lr=0.05")
+    results = run_training(cfg)
+    checkpoint = tmp_path / "run" / "checkpoint"
+    assert (checkpoint / "adapter" / "adapter_config.json").is_file()
+    assert results["decoding"]["identical"] == results["decoding"]["prompts"]
+    plain = load_target_from_config(cfg.target)
+    with pytest.raises(ValueError, match="target.adapter="):
+        build_drafter({**cfg.drafter, "checkpoint": str(checkpoint)}, {"name": "c",
+                      "choices": [[0], [0, 0]]}, plain)
+    merged = load_target_from_config({**cfg.target, "adapter": str(checkpoint / "adapter")})
+    changed = any(not torch.equal(a, b) for a, b in zip(plain.model.parameters(),
+                                                         merged.model.parameters()))
+    assert changed  # the adapter learned something, so "lossless" below is not trivial
+    drafter = build_drafter({**cfg.drafter, "checkpoint": str(checkpoint)},
+                            {"name": "c", "choices": [[0], [1], [0, 0]]}, merged)
+    prompt = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44])
+    plain_tokens = generate(merged.model, prompt, 24).tokens
+    assert torch.equal(generate(merged.model, prompt, 24, drafter=drafter).tokens, plain_tokens)
