@@ -38,11 +38,11 @@ class DataConfig:
     name: str = MISSING
     root: str | None = None  # holds gsm8k/, self_instruct/, t0_prompts/; null: ../shared/data
     sources: list[str] = field(default_factory=lambda: ["gsm8k", "self_instruct", "t0"])
-    num_prompts: int = 512  # training prompts answered by the target
-    heldout_prompts: int = 16  # more prompts, answered too, kept for the end-of-run evaluation
+    num_prompts: int = 1024  # training prompts answered by the target
+    heldout_prompts: int = 32  # answered too, never trained on: the end-of-run evaluation
     max_prompt_tokens: int = 384  # longer prompts are skipped (long articles dominate the cost)
     max_new_tokens: int = 128  # Spec-Bench's generation length
-    batch_size: int = 32  # prompts answered per batched `generate` call
+    batch_size: int = 64  # prompts answered per batched `generate` call
     cache_dir: str | None = None  # null: <treedraft cache>/distill
     cache_hidden: bool = True  # keep the answers' hidden states: Medusa-1 then needs no forward
     seed: int = 0

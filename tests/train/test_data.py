@@ -70,10 +70,11 @@ def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypa
 def test_head_targets_and_draft_vocabulary():
     response = torch.tensor([10, 11, 12, 13])
     assert head_targets(response, 2).tolist() == [[11, 12], [12, 13], [13, -1], [-1, -1]]
-    answers = answer_like([[3, 3, 5], [5, 3, 9]])
-    assert choose_draft_vocab(answers, 2).tolist() == [3, 5]
+    answers = answer_like([[3, 3, 5], [5, 3, 7]])  # prompts [9]: prompt tokens count too
+    assert choose_draft_vocab(answers, 2).tolist() == [3, 5]  # 5 and 9 tie: the lower id
+    assert choose_draft_vocab(answers, 3).tolist() == [3, 5, 9]  # 9 (prompts) before 7
     assert choose_draft_vocab(answers, None) is None
 
 
 def answer_like(responses):
-    return [Answer(torch.tensor([1]), torch.tensor(r), None) for r in responses]
+    return [Answer(torch.tensor([9]), torch.tensor(r), None) for r in responses]
