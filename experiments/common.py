@@ -33,14 +33,18 @@ def pick_questions(data_root: str | None, num_prompts: int,
 
 def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig) -> Path:
     """Write {"config": ..., "rows": ...} as JSON atomically; returns the path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stem}.json"
-    payload = {"config": OmegaConf.to_container(cfg, resolve=True), "rows": rows}
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
+    write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True), "rows": rows})
+    return path
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write `payload` as indented JSON through a temporary file: never half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=2)
     os.replace(tmp, path)
-    return path
 
 
 @contextmanager

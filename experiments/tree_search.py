@@ -33,7 +33,8 @@ from verify.verifier import TreeVerifier, context_window
 
 
 def load_accuracies(path: str | Path | None) -> list[list[float]]:
-    """The "rank_accuracy" table of a JSON file: a list over depths of lists over ranks."""
+    """The "rank_accuracy" table of a JSON file (top level, or under "accuracy" as in the
+    eval.json train.py writes): a list over depths of lists over ranks."""
     if path is None:
         raise ValueError('set accuracies=<path to a JSON file with {"rank_accuracy": '
                          '[[p(rank 0 at depth 0), p(rank 1 at depth 0), ...], ...]}>')
@@ -44,7 +45,10 @@ def load_accuracies(path: str | Path | None) -> list[list[float]]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"accuracies file {path} is not valid JSON: {e}") from e
-    table = data.get("rank_accuracy") if isinstance(data, dict) else None
+    # train.py's eval.json keeps the table under "accuracy"; a hand-made file at the top
+    data = data if isinstance(data, dict) else {}
+    nested = data.get("accuracy") if isinstance(data.get("accuracy"), dict) else {}
+    table = data.get("rank_accuracy", nested.get("rank_accuracy"))
     if not _is_table(table):
         raise ValueError(f'{path} needs "rank_accuracy": a non-empty list over depths of '
                          f"non-empty lists of per-rank accuracies, got {table!r}")

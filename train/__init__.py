@@ -45,8 +45,8 @@ def format_results(results: dict) -> str:
         f"{decoding['predicted_tau']:.2f}); greedy output identical to the target's on "
         f"{decoding['identical']}/{decoding['prompts']} prompts",
         f"checkpoint: {results['checkpoint']}  (use: drafter.checkpoint={results['checkpoint']})",
-        f"tree: {results['tree']}",
-        f"evaluation: {Path(results['checkpoint']).parent / 'eval.json'}",
+        f"evaluation: {results['eval']}  (a tree sized on this machine: python -m "
+        f"experiments.tree_search accuracies={results['eval']})",
         f"logs: {results['logged_to']}",
     ]
     return "\n".join(lines)

@@ -6,20 +6,21 @@
     torchrun --nproc_per_node=2 train.py drafter=medusa
 
 Everything lands in cfg.out_dir: checkpoint/ (heads, adapter, training state; rerunning the same
-command resumes from it), eval.json (accuracy table, tau, greedy check) and tree.yaml (a tree
-built from the measured accuracies, usable as a conf/tree config).
+command resumes from it) and eval.json (the held-out accuracy table that
+`python -m experiments.tree_search accuracies=<out_dir>/eval.json` sizes a tree from, tau, the
+greedy check).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from drafters.medusa import MedusaHeads
+from experiments.common import write_json
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, save_checkpoint
 from train.distill import Answer, cache_folder, distill, encode_prompts
 from train.distributed import DistEnv
@@ -38,7 +39,7 @@ from train.medusa import (
 )
 from train.prompts import interleave, load_prompt_files
 from verify.target import Target, load_target_from_config
-from verify.tree_builder import build_tree, expected_tokens, write_tree_config
+from verify.tree_builder import build_tree, expected_tokens
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -177,19 +178,19 @@ def _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model) -> in
 
 def evaluate(cfg: DictConfig, target: Target, heads: MedusaHeads, heldout: list[Answer],
              out_dir: Path) -> dict:
-    """Accuracy table, a tree built from it, tau and the greedy check; eval.json + tree.yaml."""
+    """Accuracy table, tau and the greedy check with a tree built from the table; eval.json."""
     target.model.eval()
     hidden = answer_states(target.model, heldout)
     accuracy = head_accuracy(heads, hidden, heldout, cfg.eval.top_k)
     topology = build_tree(accuracy["rank_accuracy"], cfg.eval.tree_budget)
-    tree_path = out_dir / "tree.yaml"
-    write_tree_config(topology, tree_path, name=f"{out_dir.name}-tree")
     prompts = [a.prompt for a in heldout[:cfg.eval.num_prompts]]
     decoding = decode_check(target, heads, topology, prompts, cfg.eval.max_new_tokens)
     decoding["predicted_tau"] = expected_tokens(topology, accuracy["rank_accuracy"])
+    decoding["tree_choices"] = [list(c) for c in topology.choices]
     results = {"accuracy": accuracy, "decoding": decoding,
-               "checkpoint": str(out_dir / CHECKPOINT_DIR), "tree": str(tree_path)}
-    (out_dir / "eval.json").write_text(json.dumps(results, indent=2) + "\n")
+               "checkpoint": str(out_dir / CHECKPOINT_DIR), "eval": str(out_dir / "eval.json")}
+    write_json(out_dir / "eval.json",
+               {"config": OmegaConf.to_container(cfg, resolve=True), **results})
     return results
 
 
@@ -197,5 +198,6 @@ def _flat(results: dict) -> dict[str, float]:
     accuracy, decoding = results["accuracy"], results["decoding"]
     flat = {f"eval/head{k}/top1": v for k, v in enumerate(accuracy["top1"])}
     flat.update({f"eval/head{k}/top5": v for k, v in enumerate(accuracy["top5"])})
-    flat.update({f"eval/{key}": value for key, value in decoding.items()})
+    flat.update({f"eval/{key}": value for key, value in decoding.items()
+                 if isinstance(value, (int, float))})
     return flat

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import train.recipe as recipe
 from drafters import build_drafter
+from experiments.tree_search import load_accuracies
 from train import run_training
 from train.distributed import DistEnv
 from train.medusa import HeadLoss, cached_rows
@@ -90,3 +91,12 @@ def test_medusa2_adapter_and_heads_load_together_and_stay_lossless(train_cfg, tm
     prompt = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44])
     plain_tokens = generate(merged.model, prompt, 24).tokens
     assert torch.equal(generate(merged.model, prompt, 24, drafter=drafter).tokens, plain_tokens)
+
+
+def test_the_run_reports_where_things_went_and_tree_search_reads_its_table(train_cfg, capsys):
+    results = run_training(train_cfg())
+    out = capsys.readouterr().out
+    assert f"drafter.checkpoint={results['checkpoint']}" in out and "tau" in out
+    assert "| 1 (token +3) |" in out  # one accuracy row per head
+    table = load_accuracies(results["eval"])
+    assert table == results["accuracy"]["rank_accuracy"] and len(table) == 2
