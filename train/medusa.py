@@ -30,6 +30,7 @@ class MedusaConfig:
     share_lm_head: bool = True
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
     checkpoint: str | None = None
+    init_heads: str | None = None  # heads to start from, e.g. Medusa-1's for Medusa-2's stage 2
     variant: str = "medusa1"  # medusa1: frozen target | medusa2: + a LoRA adapter on it
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
     head_loss_weight: float = 0.2  # Medusa-2: the heads' loss next to the LM loss

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from drafters.medusa import MedusaHeads
+from drafters.medusa import MedusaHeads, load_heads
 from experiments.common import write_json
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, save_checkpoint
 from train.distill import Answer, cache_folder, distill, encode_prompts
@@ -52,9 +52,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     target.model.to(env.device)
     out_dir = Path(cfg.out_dir)
     train_set, heldout = prepare_data(cfg, target, env, keep_hidden=_caches_states(cfg, mcfg))
-    lm_head = target.model.get_output_embeddings()
-    heads = MedusaHeads(lm_head, mcfg.num_heads, mcfg.num_layers, mcfg.share_lm_head,
-                        choose_draft_vocab(train_set, mcfg.draft_vocab_size))
+    heads = _build_heads(mcfg, target, train_set)
     peft_model = _add_lora(target, mcfg) if mcfg.variant == "medusa2" else None
     if peft_model is None:
         target.model.requires_grad_(False)
@@ -113,6 +111,23 @@ def _encode_until(target: Target, texts: list[str], count: int, max_tokens: int
             return prompts[:count]
     raise ValueError(f"only {len(prompts)} training prompts fit data.max_prompt_tokens="
                      f"{max_tokens}; asked for {count}")
+
+
+def _build_heads(mcfg: MedusaConfig, target: Target, train_set: list[Answer]) -> MedusaHeads:
+    """Fresh heads over a draft vocabulary chosen from the data, or trained ones to go on from
+    (Medusa-2's two stages: heads first, then heads and adapter together)."""
+    if mcfg.init_heads is None:
+        return MedusaHeads(target.model.get_output_embeddings(), mcfg.num_heads,
+                           mcfg.num_layers, mcfg.share_lm_head,
+                           choose_draft_vocab(train_set, mcfg.draft_vocab_size))
+    heads = load_heads(mcfg.init_heads, target)
+    wanted = {"num_heads": mcfg.num_heads, "num_layers": mcfg.num_layers,
+              "share_lm_head": mcfg.share_lm_head}
+    have = {key: heads.hyperparameters[key] for key in wanted}
+    if have != wanted:
+        raise ValueError(f"drafter.init_heads={mcfg.init_heads} holds heads {have}, the run "
+                         f"asks for {wanted}")
+    return heads
 
 
 def _caches_states(cfg: DictConfig, mcfg: MedusaConfig) -> bool:

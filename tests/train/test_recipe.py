@@ -73,7 +73,12 @@ def test_resuming_refuses_other_heads_or_another_target(train_cfg):
 
 
 def test_medusa2_adapter_and_heads_load_together_and_stay_lossless(train_cfg, tmp_path):
-    cfg = train_cfg("drafter.variant=medusa2", "optim.max_steps=2", "optim.base_lr=0.05")
+    stage1 = run_training(train_cfg(out="stage1"))["checkpoint"]
+    with pytest.raises(ValueError, match="init_heads"):
+        run_training(train_cfg("drafter.variant=medusa2", f"drafter.init_heads={stage1}",
+                               "drafter.num_heads=3"))
+    cfg = train_cfg("drafter.variant=medusa2", f"drafter.init_heads={stage1}",
+                    "optim.max_steps=2", "optim.base_lr=0.05")
     results = run_training(cfg)
     checkpoint = tmp_path / "run" / "checkpoint"
     assert (checkpoint / "adapter" / "adapter_config.json").is_file()
