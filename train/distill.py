@@ -40,11 +40,14 @@ def encode_prompts(target: Target, texts: list[str], max_tokens: int) -> list[to
 
 
 def distill(target: Target, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int,
-            folder: Path, keep_hidden: bool = True, rank: int = 0, world_size: int = 1,
+            folder: Path, rank: int = 0, world_size: int = 1,
             barrier: Callable[[], None] = lambda: None) -> list[Answer]:
-    """The target's greedy answers to `prompts`, from shards in `folder` where present.
+    """The target's greedy answers to `prompts` with their hidden states, from shards in
+    `folder` where present.
 
     Prompts are answered in order of length (less padding); answers come back in that order.
+    The states are always kept (float16, ~1 KB a token): Medusa-1 trains on them, and a
+    Medusa-2 run then shares the cache with it.
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
@@ -53,19 +56,20 @@ def distill(target: Target, prompts: list[torch.Tensor], max_new_tokens: int, ba
             and not _shard_path(folder, b).exists()]
     for b in tqdm(todo, desc="distilling answers", disable=rank != 0 or not todo):
         answers = answer_batch(target, [prompts[i] for i in batches[b]], max_new_tokens,
-                               keep_hidden)
+                               keep_hidden=True)
         _write_shard(_shard_path(folder, b), answers)
     barrier()  # every rank reads every shard
     return [a for b in range(len(batches)) for a in _read_shard(_shard_path(folder, b))]
 
 
 def cache_folder(cache_dir: str | None, target: Target, prompts: list[torch.Tensor],
-                 max_new_tokens: int, batch_size: int, keep_hidden: bool) -> Path:
+                 max_new_tokens: int, batch_size: int) -> Path:
     """A folder named by everything the answers depend on, so a changed setting never reads
     another setting's answers."""
     key = hashlib.sha256(json.dumps({
         "target": target.name, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-        "keep_hidden": keep_hidden, "prompts": [p.tolist() for p in prompts],
+        # states are always kept now; the key still says so, so older caches stay valid
+        "keep_hidden": True, "prompts": [p.tolist() for p in prompts],
     }).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill"
     return root / target.name.replace("/", "--") / key

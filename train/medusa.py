@@ -78,7 +78,7 @@ def head_targets(response: torch.Tensor, num_heads: int) -> torch.Tensor:
 def cached_rows(answers: list[Answer], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All answers' cached hidden states (N, H) and their head targets (N, K)."""
     if any(a.hidden is None for a in answers):
-        raise ValueError("Medusa-1 from cached states needs data.cache_hidden=true")
+        raise ValueError("these answers carry no hidden states to train on")
     hidden = torch.cat([a.hidden for a in answers])
     targets = torch.cat([head_targets(a.response, num_heads) for a in answers])
     return hidden, targets

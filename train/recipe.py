@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from drafters.medusa import MedusaHeads, load_heads
+from drafters.medusa import ADAPTER_DIR, MedusaHeads, load_heads
 from experiments.common import write_json
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, save_checkpoint
 from train.distill import Answer, cache_folder, distill, encode_prompts
@@ -51,7 +51,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     target = load_target_from_config(cfg.target)
     target.model.to(env.device)
     out_dir = Path(cfg.out_dir)
-    train_set, heldout = prepare_data(cfg, target, env, keep_hidden=_caches_states(cfg, mcfg))
+    train_set, heldout = prepare_data(cfg, target, env)
     heads = _build_heads(mcfg, target, train_set)
     peft_model = _add_lora(target, mcfg) if mcfg.variant == "medusa2" else None
     if peft_model is None:
@@ -76,7 +76,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         return {}
     if peft_model is not None:
         target = Target(peft_model.merge_and_unload(), target.tokenizer, target.name,
-                        adapter=str(out_dir / CHECKPOINT_DIR / "adapter"))
+                        adapter=str(out_dir / CHECKPOINT_DIR / ADAPTER_DIR))
     results = evaluate(cfg, target, heads, heldout, out_dir)
     logger.summary(_flat(results))
     logger.finish()
@@ -84,7 +84,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     return results
 
 
-def prepare_data(cfg: DictConfig, target: Target, env: DistEnv, keep_hidden: bool
+def prepare_data(cfg: DictConfig, target: Target, env: DistEnv
                  ) -> tuple[list[Answer], list[Answer]]:
     """The target's answers to the training prompts and to the held-out ones (answered first
     in the interleaved order, so they stay the same whatever num_prompts is)."""
@@ -96,9 +96,9 @@ def prepare_data(cfg: DictConfig, target: Target, env: DistEnv, keep_hidden: boo
     answers = []
     for part in (held, train):
         folder = cache_folder(data.cache_dir, target, part, data.max_new_tokens,
-                              data.batch_size, keep_hidden)
+                              data.batch_size)
         answers.append(distill(target, part, data.max_new_tokens, data.batch_size, folder,
-                               keep_hidden, env.rank, env.world_size, env.barrier))
+                               env.rank, env.world_size, env.barrier))
     return answers[1], answers[0]
 
 
@@ -130,11 +130,6 @@ def _build_heads(mcfg: MedusaConfig, target: Target, train_set: list[Answer]) ->
     return heads
 
 
-def _caches_states(cfg: DictConfig, mcfg: MedusaConfig) -> bool:
-    # Medusa-2 changes the target, so its states are recomputed in every step anyway.
-    return mcfg.variant == "medusa1" and cfg.data.cache_hidden
-
-
 def _add_lora(target: Target, mcfg: MedusaConfig):
     from peft import LoraConfig, get_peft_model
 
@@ -147,7 +142,7 @@ def _objective(cfg, mcfg, target, heads, peft_model, train_set, env):
     """The loss module and make_batch(step) -> its keyword arguments."""
     device, seed = env.device, cfg.seed
     if peft_model is None:
-        if _caches_states(cfg, mcfg):
+        if cfg.data.cache_hidden:
             hidden, targets = cached_rows(train_set, mcfg.num_heads)
         else:  # computed once with the frozen target, kept in memory only
             hidden = answer_states(target.model, train_set).to(torch.float16)

@@ -44,7 +44,7 @@ class DataConfig:
     max_new_tokens: int = 128  # Spec-Bench's generation length
     batch_size: int = 64  # prompts answered per batched `generate` call
     cache_dir: str | None = None  # null: <treedraft cache>/distill
-    cache_hidden: bool = True  # keep the answers' hidden states: Medusa-1 then needs no forward
+    cache_hidden: bool = True  # Medusa-1 trains on the cached states; false: recomputes them
     seed: int = 0
 
 

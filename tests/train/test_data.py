@@ -51,7 +51,7 @@ def test_answers_are_cut_after_eos(target):
 
 
 def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypatch):
-    folder = cache_folder(str(tmp_path), target, PROMPTS, 8, 2, True)
+    folder = cache_folder(str(tmp_path), target, PROMPTS, 8, 2)
     first = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
     (sorted(folder.glob("shard-*"))[-1]).unlink()  # as if interrupted before the last shard
     calls = []
@@ -64,7 +64,7 @@ def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypa
     again = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
     assert calls == [1]  # only the missing shard (the longest prompt) was answered again
     assert all(torch.equal(a.response, b.response) for a, b in zip(first, again))
-    assert cache_folder(str(tmp_path), target, PROMPTS, 9, 2, True) != folder
+    assert cache_folder(str(tmp_path), target, PROMPTS, 9, 2) != folder
 
 
 def test_head_targets_and_draft_vocabulary():
