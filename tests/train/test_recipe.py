@@ -3,14 +3,18 @@ resumes to the uninterrupted run's exact state, checkpoints refuse the wrong tar
 and Medusa-2's adapter and heads load back together into a lossless drafter."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 import train.recipe as recipe
 from drafters import build_drafter
+from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies
 from train import run_training
 from train.distributed import DistEnv
@@ -18,6 +22,7 @@ from train.medusa import HeadLoss, cached_rows
 from verify.loop import generate
 from verify.target import load_target_from_config
 
+ROOT = Path(__file__).resolve().parents[2]
 SINGLE = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
 
 
@@ -105,3 +110,17 @@ def test_the_run_reports_where_things_went_and_tree_search_reads_its_table(train
     assert "| 1 (token +3) |" in out  # one accuracy row per head
     table = load_accuracies(results["eval"])
     assert table == results["accuracy"]["rank_accuracy"] and len(table) == 2
+
+
+def test_the_command_line_entry_names_runs_by_their_overrides(tmp_path):
+    # As a user runs it, from another folder: the run lands under results/ there, in a folder
+    # named by the overrides that can be handed back as an override value unquoted.
+    command = [sys.executable, str(ROOT / "train.py"), "experiment=smoke", "drafter.num_heads=3",
+               f"data.cache_dir={tmp_path / 'cache'}", "hydra.run.dir=hydra"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "results/train/tiny-llama/medusa/drafter.num_heads-3+experiment-smoke"
+    assert (run / "checkpoint" / "heads.safetensors").is_file()
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("bench", ["drafter=medusa", f"drafter.checkpoint={run}/checkpoint"])
+    assert cfg.drafter.checkpoint == f"{run}/checkpoint"
