@@ -59,7 +59,7 @@ def load_checkpoint(found: Path, heads: MedusaHeads, optimizer: torch.optim.Opti
     """Restore a checkpoint into freshly built objects; returns the step it was taken after."""
     device = str(heads.head_lm(0).weight.device)
     heads.load_state_dict(load_file(str(found / WEIGHTS_FILE), device=device))
-    state = torch.load(found / STATE_FILE, weights_only=False)
+    state = torch.load(found / STATE_FILE, weights_only=True)  # tensors and plain data only
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])

@@ -87,6 +87,9 @@ class _Window:
     """Loss and accuracy counts since the last log line."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.start, self.losses, self.counts = time.perf_counter(), [], None
 
     def add(self, loss: float, counts: torch.Tensor) -> None:
@@ -101,7 +104,7 @@ class _Window:
         for k, (rows, top1, top5) in enumerate(counts.tolist()):
             metrics[f"head{k}/top1"] = top1 / max(rows, 1)
             metrics[f"head{k}/top5"] = top5 / max(rows, 1)
-        self.__init__()
+        self.reset()
         return metrics
 
 
