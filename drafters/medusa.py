@@ -101,7 +101,12 @@ class MedusaHeads(nn.Module):
         blocks = self.blocks[:num_heads]
         if len(blocks) == 0:  # a root-only tree drafts nothing
             return hidden.new_empty((0, *hidden.shape[:-1], self.vocab_size))
-        return torch.stack([self.head_lm(k)(block(hidden)) for k, block in enumerate(blocks)])
+        return torch.stack([self.head_logits(hidden, k) for k in range(len(blocks))])
+
+    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Head k alone: hidden (..., H) -> logits (..., V'). Training and evaluation go head
+        by head, so that one (N, V') matrix at a time is alive."""
+        return self.head_lm(k)(self.blocks[k](hidden))
 
     def head_lm(self, k: int) -> nn.Module:
         """The vocabulary projection of head k."""

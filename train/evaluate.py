@@ -54,7 +54,7 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, answers: list[Answer
     for k in range(heads.num_heads):
         has = targets[:, k] >= 0
         draft = index[targets[has, k]]  # (n,), -1 outside the draft vocabulary
-        logits = heads.head_lm(k)(heads.blocks[k](hidden[has].to(weight))).float().cpu()
+        logits = heads.head_logits(hidden[has].to(weight), k).float().cpu()
         ranks = logits.topk(top_k, dim=-1).indices  # (n, top_k)
         hit = (ranks == draft[:, None]) & (draft[:, None] >= 0)
         share = hit.float().mean(0)  # (top_k,): rank r's share

@@ -85,8 +85,7 @@ def cached_rows(answers: list[Answer], num_heads: int) -> tuple[torch.Tensor, to
 
 
 class HeadLoss(nn.Module):
-    """Weighted cross-entropy of every head, computed head by head so that only one
-    (N, V') logit matrix is alive at a time."""
+    """Weighted cross-entropy of every head, computed head by head."""
 
     def __init__(self, heads: MedusaHeads, decay: float):
         super().__init__()
@@ -105,10 +104,11 @@ class HeadLoss(nn.Module):
         for k in range(targets.shape[1]):
             has_target = targets[:, k] >= 0
             draft = torch.where(has_target, self.draft_index[targets[:, k].clamp_min(0)], -1)
-            logits = self.heads.head_lm(k)(self.heads.blocks[k](hidden)).float()  # (N, V')
-            if (draft >= 0).any():
-                ce = nn.functional.cross_entropy(logits, draft, ignore_index=-1)
-                loss = loss + self.decay ** k * ce
+            logits = self.heads.head_logits(hidden, k).float()  # (N, V')
+            # A sum over the learnable rows, not a mean: a batch without any still gives every
+            # head a (zero) gradient, which DDP needs from every rank.
+            ce = nn.functional.cross_entropy(logits, draft, ignore_index=-1, reduction="sum")
+            loss = loss + self.decay ** k * ce / (draft >= 0).sum().clamp_min(1)
             counts.append(_hits(logits.detach(), draft, has_target))
         return loss, torch.stack(counts)
 
