@@ -15,7 +15,7 @@ from drafters.medusa import MedusaDrafter, MedusaHeads
 from experiments.common import hf_generate
 from train.distill import Answer
 from train.loop import chunks
-from train.medusa import head_targets
+from train.medusa import answer_batch_inputs, head_targets
 from verify.loop import generate
 from verify.target import Target
 from verify.tree import TreeTopology
@@ -26,20 +26,13 @@ def answer_states(model: torch.nn.Module, answers: list[Answer], batch_size: int
                   ) -> torch.Tensor:
     """(N, H) last-layer states of the answers' tokens (row s of an answer predicted its
     token s), teacher-forced in right-padded batches: the states decoding hands the heads."""
-    rows = []
+    states = []
     for batch in chunks(answers, batch_size):
-        sequences = [torch.cat([a.prompt, a.response[:-1]]) for a in batch]
-        width = max(len(s) for s in sequences)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, sequence in enumerate(sequences):
-            ids[b, :len(sequence)], mask[b, :len(sequence)] = sequence, 1
-        states = model.base_model(input_ids=ids.to(model.device),
-                                  attention_mask=mask.to(model.device)).last_hidden_state
-        for b, answer in enumerate(batch):
-            start = len(answer.prompt) - 1
-            rows.append(states[b, start:start + len(answer.response)].float().cpu())
-    return torch.cat(rows)
+        input_ids, attention_mask, rows = answer_batch_inputs(batch)
+        out = model.base_model(input_ids=input_ids.to(model.device),
+                               attention_mask=attention_mask.to(model.device))
+        states.append(out.last_hidden_state[rows[:, 0], rows[:, 1]].float().cpu())
+    return torch.cat(states)
 
 
 @torch.no_grad()

@@ -161,21 +161,32 @@ class Medusa2Loss(nn.Module):
                                     reduction="batchmean")
 
 
-def sequence_batch(answers: list[Answer], num_heads: int, pad_id: int) -> dict:
-    """Right-padded prompt + answer sequences and, for every answer state, its place and
-    targets: the keyword arguments of Medusa2Loss.forward."""
+def answer_batch_inputs(answers: list[Answer]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced inputs for a batch of answers: right-padded prompt + answer sequences
+    input_ids and attention_mask (B, T), and rows (N, 2), the (sequence, position) of each
+    answer state, in answer order (row s of an answer predicted its token s).
+
+    Padding sits after every real token and is masked, so its id (0) never reaches a state
+    that is read.
+    """
     sequences = [torch.cat([a.prompt, a.response[:-1]]) for a in answers]
     width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(answers), width), pad_id, dtype=torch.long)
+    input_ids = torch.zeros((len(answers), width), dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    rows, lm_targets, targets = [], [], []
+    rows = []
     for b, (answer, sequence) in enumerate(zip(answers, sequences)):
         input_ids[b, :len(sequence)] = sequence
         attention_mask[b, :len(sequence)] = 1
         start = len(answer.prompt) - 1  # the state that predicted answer token 0
         positions = torch.arange(start, start + len(answer.response))
         rows.append(torch.stack([torch.full_like(positions, b), positions], dim=1))
-        lm_targets.append(answer.response)
-        targets.append(head_targets(answer.response, num_heads))
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "rows": torch.cat(rows),
-            "lm_targets": torch.cat(lm_targets), "targets": torch.cat(targets)}
+    return input_ids, attention_mask, torch.cat(rows)
+
+
+def sequence_batch(answers: list[Answer], num_heads: int) -> dict:
+    """The keyword arguments of Medusa2Loss.forward for a batch of answers."""
+    input_ids, attention_mask, rows = answer_batch_inputs(answers)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows,
+            "lm_targets": torch.cat([a.response for a in answers]),
+            "targets": torch.cat([head_targets(a.response, num_heads) for a in answers])}

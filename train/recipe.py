@@ -154,11 +154,9 @@ def _objective(cfg, mcfg, target, heads, peft_model, train_set, env):
                     "targets": targets[rows].to(device)}
         return HeadLoss(heads, mcfg.head_decay), make_batch
 
-    pad = target.eos_token_id if target.eos_token_id is not None else 0
-
     def make_batch(step: int) -> dict:
         picked = batch_indices(step, len(train_set), cfg.optim.batch_sequences, seed, env)
-        batch = sequence_batch([train_set[i] for i in picked], mcfg.num_heads, pad)
+        batch = sequence_batch([train_set[i] for i in picked], mcfg.num_heads)
         return {key: value.to(device) for key, value in batch.items()}
     objective = Medusa2Loss(peft_model, heads, mcfg.head_decay, mcfg.head_loss_weight,
                             mcfg.kl_weight)
