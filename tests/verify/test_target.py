@@ -20,6 +20,7 @@ from verify.target import (
     cache_root,
     load_target,
     load_target_from_config,
+    readable_folder,
     write_atomically,
 )
 
@@ -150,6 +151,20 @@ def test_write_lands_whole_and_keeps_an_earlier_winner(tmp_path):
     write_atomically(dest, lambda tmp: (tmp / "a").write_text("second"))
     assert (dest / "a").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_an_overwrite_replaces_whole_and_a_crash_between_renames_stays_readable(tmp_path):
+    dest = tmp_path / "ckpt"
+    write_atomically(dest, lambda tmp: (tmp / "a").write_text("first"), overwrite=True)
+    write_atomically(dest, lambda tmp: (tmp / "b").write_text("second"), overwrite=True)
+    assert [p.name for p in dest.iterdir()] == ["b"]  # replaced, not merged
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no .old or temp folder left
+    with pytest.raises(RuntimeError):  # a failing write keeps the previous folder
+        write_atomically(dest, lambda tmp: (_ for _ in ()).throw(RuntimeError()), overwrite=True)
+    assert (dest / "b").read_text() == "second"
+    dest.rename(tmp_path / "ckpt.old")  # as a crash between the two renames leaves it
+    assert readable_folder(dest) == tmp_path / "ckpt.old"
+    assert readable_folder(tmp_path / "none") is None
 
 
 @pytest.mark.parametrize("path", sorted(CONF_DIR.glob("*.yaml")), ids=lambda p: p.stem)
