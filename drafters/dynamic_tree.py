@@ -1,0 +1,174 @@
+"""EAGLE-2's dynamic draft tree (Li et al. 2024) as a tree policy any autoregressive drafter uses.
+
+A static tree spends the same nodes on every step; EAGLE-2 lets the draft model's confidence
+decide where the tree grows. Each candidate's score is its cumulative draft log-probability
+(the log of the product of the draft probabilities along its path), an estimate of how likely
+the target is to accept the whole path.
+
+- Expansion: round 1 proposes the root's top_k tokens. Each later round expands only the top_k
+  candidates of the previous round by score (the frontier), each into its top_k children: one
+  draft forward per round over at most top_k nodes, however many candidates pile up.
+- Rerank: of all candidates, the `total_tokens` with the highest scores become the tree. A log-
+  probability is <= 0, so a child never outscores its parent: the kept set is a tree.
+
+The drafter supplies the draft model through `expand` (one tree level in its KV cache); this
+module only chooses tokens, as SafeAILab/EAGLE's `topK_genrate` does.
+
+Exactness. The children are chosen deterministically (top-k), so the tree carries no draft
+probabilities (`draft_probs=None`), which the verifier's sampling rule treats as one-hot
+proposals: exact for greedy and sampled decoding alike. Sampled children could not be kept
+this way: recursive rejection sampling is exact only if a node's children are successive draws
+without replacement from q. Pruning them by their sampled scores would make the kept set depend
+on the values drawn (a low draw is dropped, a high one kept), so the children the verifier sees
+are no longer distributed as q, and the residual (p - q)+ it samples from would be wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from verify.tree import TokenTree
+
+
+class CandidateTree:
+    """Every token the dynamic tree considered, with its cumulative draft log-probability.
+
+    Node 0 is the root (score 0); node i > 0 has `parents[i] < i`. Nodes are numbered in the
+    order they were proposed, round by round, so a lower index is never deeper.
+    tokens, parents, scores: lists of length C (number of candidates, root included).
+    """
+
+    def __init__(self, root: int):
+        self.tokens = [int(root)]
+        self.parents = [-1]
+        self.scores = [0.0]
+        self._depths = [0]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        """Append a child of `parent` with cumulative `score`; returns its index."""
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.scores.append(score)
+        self._depths.append(self._depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def depth(self, node: int) -> int:
+        return self._depths[node]
+
+    def path(self, node: int) -> list[int]:
+        """Candidate indices from the root down to `node`, both included."""
+        path = [node]
+        while path[-1] != 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+    def subtree(self, kept: list[int]) -> TokenTree:
+        """The TokenTree of `kept` candidates: ascending indices starting at the root, closed
+        under ancestors (ascending indices put parents before children)."""
+        index = {node: i for i, node in enumerate(kept)}
+        parents = [-1] + [index[self.parents[node]] for node in kept[1:]]
+        return TokenTree(torch.tensor([self.tokens[n] for n in kept]), torch.tensor(parents))
+
+
+# (candidates, nodes to expand) -> (len(nodes), V) draft log-probabilities of their children.
+Expand = Callable[[CandidateTree, list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's tree policy: depth rounds of expansion, top_k children per expanded node,
+    total_tokens draft nodes kept (root not counted)."""
+
+    depth: int
+    top_k: int
+    total_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "total_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DynamicTree.{name} must be an integer >= 1, got {value!r}")
+
+    @staticmethod
+    def from_config(cfg: Mapping) -> DynamicTree:
+        """conf/tree/eagle2.yaml: keys depth, top_k, total_tokens."""
+        return DynamicTree(int(cfg["depth"]), int(cfg["top_k"]), int(cfg["total_tokens"]))
+
+    def grow(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> TokenTree:
+        """The draft tree below `root`, given the draft log-probabilities (V,) after it."""
+        candidates = self.search(root, root_logprobs, expand)
+        return candidates.subtree(self.rerank(candidates))
+
+    def search(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> CandidateTree:
+        """Expansion phase: every candidate of `depth` rounds, calling `expand` once per round
+        after the first, on that round's frontier (ascending indices, all of one depth)."""
+        if root_logprobs.dim() != 1:
+            raise ValueError(f"root_logprobs must be (V,), got {tuple(root_logprobs.shape)}")
+        candidates = CandidateTree(root)
+        level = self._add_children(candidates, [0], root_logprobs[None])
+        for _ in range(1, self.depth):
+            frontier = self._frontier(candidates, level)
+            if not frontier:
+                break
+            logprobs = expand(candidates, frontier)
+            if logprobs.dim() != 2 or logprobs.shape[0] != len(frontier):
+                raise ValueError(f"expand returned {tuple(logprobs.shape)} for "
+                                 f"{len(frontier)} nodes; expected ({len(frontier)}, V)")
+            level = self._add_children(candidates, frontier, logprobs)
+        return candidates
+
+    def rerank(self, candidates: CandidateTree) -> list[int]:
+        """The root and the `total_tokens` best candidates by score, ascending (parents first).
+
+        Ties go to the lower index, i.e. the shallower node, then the earlier proposal; so a
+        parent always ranks before a child that ties it (log-probability 0).
+        """
+        scores = torch.tensor(candidates.scores[1:], dtype=torch.float64)
+        order = scores.sort(descending=True, stable=True).indices + 1
+        kept = {0}
+        for node in order.tolist():
+            if len(kept) > self.total_tokens:
+                break
+            # Only an `expand` returning positive "log-probabilities" could rank a child above
+            # its parent; skipping such a child keeps the result a tree whatever the input.
+            if candidates.parents[node] in kept:
+                kept.add(node)
+        return sorted(kept)
+
+    def _frontier(self, candidates: CandidateTree, level: list[int]) -> list[int]:
+        """The top_k of the newest round's candidates by cumulative score, ascending."""
+        scores = torch.tensor([candidates.scores[c] for c in level], dtype=torch.float64)
+        return sorted(level[i] for i in _top(scores, self.top_k))
+
+    def _add_children(self, candidates: CandidateTree, nodes: list[int],
+                      logprobs: torch.Tensor) -> list[int]:
+        """Add the top_k children of each node from its (V,) row of `logprobs` (len(nodes), V);
+        returns the new candidates' indices."""
+        added = []
+        for node, row in zip(nodes, logprobs.float()):
+            for token in _top(row, self.top_k):
+                score = candidates.scores[node] + float(row[token])
+                added.append(candidates.add(node, token, score))
+        return added
+
+
+def _top(values: torch.Tensor, k: int) -> list[int]:
+    """Indices of the k largest finite entries of `values` (n,), best first, ties to the lower
+    index; fewer when fewer are finite (-inf marks a token the draft cannot propose).
+
+    topk's order among equal values is unspecified and a stable sort of a 49k vocabulary costs
+    ~15 ms here (topk: 0.3 ms), so only the entries tied at the k-th value are sorted stably.
+    """
+    k = min(k, values.numel())
+    if k == 0:
+        return []
+    threshold = values.topk(k).values[-1]
+    above = ((values >= threshold) & (values > float("-inf"))).nonzero().flatten()
+    order = values[above].sort(descending=True, stable=True).indices
+    return above[order][:k].tolist()
