@@ -1,6 +1,6 @@
 """Evaluation prompts: the Spec-Bench questions (evaluation only; never train on them).
 
-The data lives outside the checkout, in `../shared/data/` beside the repository, unless
+The data ships with the repository, in its `data/` folder (see data/README.md), unless
 $TREEDRAFT_DATA or an explicit `data_root` points elsewhere.
 """
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPEC_BENCH_FILE = Path("spec_bench") / "question.jsonl"
+# The repository's own data/ folder: found from this file, so it holds wherever the clone lives.
+REPO_DATA = Path(__file__).resolve().parents[1] / "data"
 
 # File order: MT-bench's 8 categories (10 questions each) then Spec-Bench's 5 (80 each).
 SPEC_BENCH_CATEGORIES = (
@@ -41,11 +43,11 @@ class Question:
 
 
 def default_data_root() -> Path:
-    """$TREEDRAFT_DATA, else `shared/data` beside the repository checkout."""
+    """$TREEDRAFT_DATA, else the repository's own `data/` folder."""
     env = os.environ.get("TREEDRAFT_DATA")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    return REPO_DATA
 
 
 def load_spec_bench(

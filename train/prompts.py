@@ -1,6 +1,6 @@
-"""Training prompts for self-distillation, read from the data root (../shared/data by default).
+"""Training prompts for self-distillation, read from the data root (the repo's data/ by default).
 
-Each source file becomes one list of prompt texts; `select_prompts` interleaves the files so a
+Each source file becomes one list of prompt texts; `interleave` mixes the files so a
 small run still sees math, instructions, summaries and QA alike. Spec-Bench is the evaluation
 set and is refused as a source.
 """

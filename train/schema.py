@@ -36,7 +36,8 @@ class DataConfig:
     """conf/data: self-distillation data, the target's own answers to training prompts."""
 
     name: str = MISSING
-    root: str | None = None  # holds gsm8k/, self_instruct/, t0_prompts/; null: ../shared/data
+    root: str | None = None  # holds gsm8k/, self_instruct/, t0_prompts/;
+    #                          null: $TREEDRAFT_DATA, else the repo's data/
     sources: list[str] = field(default_factory=lambda: ["gsm8k", "self_instruct", "t0"])
     num_prompts: int = 1024  # training prompts answered by the target
     heldout_prompts: int = 32  # answered too, never trained on: the end-of-run evaluation

@@ -1,10 +1,16 @@
-"""Spec-Bench loading from the shared data folder."""
+"""Spec-Bench loading from the data folder the repository ships."""
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from experiments.data import SPEC_BENCH_CATEGORIES, default_data_root, load_spec_bench
+from experiments.data import (
+    REPO_DATA,
+    SPEC_BENCH_CATEGORIES,
+    default_data_root,
+    load_spec_bench,
+)
 
 MT_BENCH = SPEC_BENCH_CATEGORIES[:8]
 
@@ -53,3 +59,14 @@ def test_env_overrides_the_default_root(monkeypatch, tmp_path):
     assert default_data_root() == tmp_path
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         load_spec_bench()
+
+
+def test_the_default_root_is_the_repositorys_data_folder(monkeypatch):
+    monkeypatch.delenv("TREEDRAFT_DATA", raising=False)
+    assert default_data_root() == REPO_DATA == Path(__file__).resolve().parents[2] / "data"
+
+
+def test_every_shipped_data_set_keeps_its_license():
+    folders = sorted(p for p in REPO_DATA.iterdir() if p.is_dir())
+    assert [p.name for p in folders] == ["gsm8k", "self_instruct", "spec_bench", "t0_prompts"]
+    assert all((p / "LICENSE").is_file() and any(p.glob("*.jsonl")) for p in folders)
