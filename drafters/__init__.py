@@ -1,7 +1,10 @@
 """Drafters: each proposes a TokenTree for the shared verifier (see verify.protocol).
 
-A new drafter is one module here with a `from_config(cfg, topology, target)` builder, one entry
+A new drafter is one module here with a `from_config(cfg, tree, target)` builder, one entry
 in DRAFTERS, one YAML in conf/drafter/, and one row in tests/drafters/test_drafter_table.py.
+The drafter owns its tree policy: `tree` is a static TreeTopology (conf/tree with `choices`)
+or EAGLE-2's DynamicTree (conf/tree with `depth`, `top_k`, `total_tokens`); a drafter that
+cannot grow a dynamic tree refuses one with a TreeError.
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from drafters import draft_model, medusa, prompt_lookup
+from drafters.dynamic_tree import DynamicTree
 from verify.protocol import Drafter
 from verify.target import Target
-from verify.tree import TreeTopology
+from verify.tree import TreeError, TreeTopology
 
-DrafterBuilder = Callable[[Mapping, TreeTopology, Target], Drafter]
+TreePolicy = TreeTopology | DynamicTree
+DrafterBuilder = Callable[[Mapping, TreePolicy, Target], Drafter]
 
 DRAFTERS: dict[str, DrafterBuilder] = {
     "draft_model": draft_model.from_config,
@@ -23,13 +28,23 @@ DRAFTERS: dict[str, DrafterBuilder] = {
 
 
 def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Drafter:
-    """The drafter named by `drafter_cfg["name"]` (a conf/drafter/*.yaml mapping), filling the
-    topology of `tree_cfg["choices"]` (conf/tree/*.yaml) for `target`.
+    """The drafter named by `drafter_cfg["name"]` (a conf/drafter/*.yaml mapping), growing the
+    tree `tree_cfg` (conf/tree/*.yaml) describes, for `target`.
 
     Raises ValueError for an unknown name and TreeError for a tree the drafter cannot fill.
     """
     name = drafter_cfg["name"]
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; known drafters: {sorted(DRAFTERS)}")
-    topology = TreeTopology.from_choices(tree_cfg["choices"])
-    return DRAFTERS[name](drafter_cfg, topology, target)
+    return DRAFTERS[name](drafter_cfg, tree_policy(tree_cfg), target)
+
+
+def tree_policy(tree_cfg: Mapping) -> TreePolicy:
+    """A static topology for a config with `choices`, a DynamicTree for one with
+    `total_tokens`."""
+    if "choices" in tree_cfg:
+        return TreeTopology.from_choices(tree_cfg["choices"])
+    if "total_tokens" in tree_cfg:
+        return DynamicTree.from_config(tree_cfg)
+    raise TreeError(f"tree config {dict(tree_cfg)} has neither `choices` (a static tree) nor "
+                    "`depth`, `top_k` and `total_tokens` (a dynamic tree)")

@@ -12,7 +12,11 @@ __all__ = ["DraftContext", "Drafter", "add_children", "check_depth", "propose_ch
 
 
 def check_depth(topology: TreeTopology, max_depth: int | None, drafter: str) -> None:
-    """Refuse, at construction, a tree deeper than the drafter can fill."""
+    """Refuse, at construction, a tree deeper than the drafter can fill, or a dynamic tree
+    from a drafter that fills static topologies only."""
+    if not isinstance(topology, TreeTopology):
+        raise TreeError(f"{drafter} fills static trees (conf/tree with `choices`), not "
+                        f"{type(topology).__name__}: EAGLE drafters grow dynamic trees")
     if max_depth is not None and topology.depth > max_depth:
         raise TreeError(f"tree depth {topology.depth} exceeds what {drafter} can fill "
                         f"(at most {max_depth})")

@@ -15,26 +15,28 @@ import re
 from collections.abc import Mapping
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from drafters.base import add_children, check_depth
+from drafters.engine import DraftEngine
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.target import Target, load_target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
-from verify.verifier import TreeVerifier, cached_forward, context_window
+from verify.verifier import cached_forward, context_window
 
 
 class DraftModelDrafter:
-    """Drafts a tree with a small causal LM that keeps its own KV cache of committed tokens.
+    """Drafts a tree with a small causal LM whose KV cache (drafters.engine) holds the
+    committed tokens `cached` (T,).
 
-    `cached` (T,) holds the tokens whose keys/values are in `cache`: after each proposal that
-    is exactly ctx.tokens, so the next step feeds only what was committed since. Tree nodes are
-    appended to the cache while drafting and cropped off before returning.
+    Proposing appends the tree's levels to the cache; `update` keeps the entries of the path
+    the target accepted, so the next proposal only feeds what the draft has not seen (the
+    bonus token, and accepted leaves that were never fed).
     """
 
-    wants_hidden = False
+    feature_layers = ()  # reads no target hidden states
     max_depth = None  # a language model can continue any path
 
     def __init__(self, model: PreTrainedModel, topology: TreeTopology, name: str = "draft_model"):
@@ -42,35 +44,45 @@ class DraftModelDrafter:
         self.model = model.eval()
         self.topology = topology
         self.name = name
+        self.engine = DraftEngine(model.config)
         self.begin(torch.empty(0, dtype=torch.long))
 
     def begin(self, prompt: torch.Tensor) -> None:
         """Drop the cache: a new sequence starts (the prompt is fed on the first proposal)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.engine.reset()
         self.cached = torch.empty(0, dtype=torch.long)
+        self.last_tree: TokenTree | None = None
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where the draft
         distribution has too few tokens with mass."""
+        self.engine.rollback()  # a tree never followed by update() must not linger
         root_logits = self._catch_up(ctx.tokens)
-        try:
-            return self._expand(int(ctx.tokens[-1]), root_logits, ctx.params, ctx.generator)
-        finally:
-            self._crop(len(self.cached))  # the tree nodes must not linger in the cache
+        self.last_tree = self._expand(int(ctx.tokens[-1]), root_logits, ctx.params,
+                                      ctx.generator)
+        return self.last_tree
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Nothing to do: the next proposal catches up from its context's tokens."""
+        """Keep the draft's entries of the accepted path; crop the rest of the tree."""
+        if tree is not self.last_tree:  # the loop decoded without our tree (context's end)
+            self.engine.rollback()
+            return
+        committed = self.engine.commit(acceptance.path)
+        accepted = tree.tokens[acceptance.path[1:1 + committed]]
+        self.cached = torch.cat([self.cached, accepted])
 
     def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cache the (T,) committed tokens; returns the draft logits (V,) after the last one."""
         tokens = tokens.cpu()
-        # Keep the common prefix (the cache may be ahead after a rejection or a new sequence),
-        # but always feed at least the root: its logits are the first level's distribution.
+        # Keep the common prefix (the cache may be ahead after a new sequence), but always
+        # feed at least the root: its logits are the first level's distribution.
         keep = min(_common_prefix(self.cached, tokens), len(tokens) - 1)
-        self._crop(keep)
+        self.engine.crop(keep)
         self.cached = tokens[:keep]  # in step with the cache, should the forward fail
-        logits = self._forward(tokens[keep:], torch.arange(keep, len(tokens)), None, keep_last=True)
+        logits = self._forward(tokens[keep:], torch.arange(keep, len(tokens)), None,
+                               keep_last=True)
+        self.engine.extend(len(tokens) - keep)
         self.cached = tokens.clone()
         return logits[-1]
 
@@ -90,8 +102,9 @@ class DraftModelDrafter:
             frontier = [t for t, i in placed.items() if i >= first and self.topology.children(t)]
             if not frontier or depth == limit:
                 break
-            rows = self._forward_level(builder, first)  # (nodes of this level, V)
-            logits.update({placed[t]: rows[placed[t] - first] for t in frontier})
+            nodes = [placed[t] for t in frontier]
+            rows = self._forward_level(builder, nodes)  # (len(nodes), V)
+            logits.update(zip(nodes, rows))
         return builder.build()
 
     def _depth_limit(self) -> int:
@@ -102,27 +115,28 @@ class DraftModelDrafter:
             return self.topology.depth
         return min(self.topology.depth, max_positions - len(self.cached))
 
-    def _forward_level(self, builder: TreeBuilder, first: int) -> torch.Tensor:
-        """Run tree nodes first.. (the newest level) over the cache; returns logits (n, V)."""
-        tree = TokenTree(torch.tensor(builder.tokens), torch.tensor(builder.parents))
-        # The root is the last cached committed token, so tree node i sits at cache index
-        # root_index + i: the verifier's mask with `root_index` cached tokens fits exactly.
-        root_index = len(self.cached) - 1
-        mask = TreeVerifier.tree_mask(tree, root_index, self.model.dtype)[:, :, first:]
-        positions = tree.position_ids(root_index)[first:]
-        return self._forward(tree.tokens[first:], positions, mask)
+    def _forward_level(self, builder: TreeBuilder, nodes: list[int]) -> torch.Tensor:
+        """Feed tree `nodes` (the newest level with children) through the cache; returns their
+        logits (n, V)."""
+        paths = [_path(builder.parents, node) for node in nodes]
+        positions, mask = self.engine.level(paths, self.model.dtype)
+        tokens = torch.tensor([builder.tokens[node] for node in nodes])
+        return self._forward(tokens, positions, mask)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                  attention_mask: torch.Tensor | None, keep_last: bool = False) -> torch.Tensor:
         """(n,) tokens at (n,) positions appended to the cache -> float logits (n or 1, V)."""
-        logits, _ = cached_forward(self.model, self.cache, tokens, positions, attention_mask,
-                                   logits_to_keep=1 if keep_last else 0)
+        logits, _ = cached_forward(self.model, self.engine.cache, tokens, positions,
+                                   attention_mask, logits_to_keep=1 if keep_last else 0)
         return logits
 
-    def _crop(self, length: int) -> None:
-        extra = self.cache.get_seq_length() - length
-        if extra > 0:
-            self.cache.crop(-extra)  # DynamicLayer.crop takes the number of tokens to remove
+
+def _path(parents: list[int], node: int) -> list[int]:
+    """Tree node ids from the root to `node`."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
 def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:

@@ -10,11 +10,8 @@ Each head is a stack of residual blocks x + SiLU(W x + b), zero-initialised so t
 repeats the target's own prediction, followed by a vocabulary projection initialised from the
 target's LM head: the target's module itself, frozen (`share_lm_head`), or a trainable copy.
 
-A draft vocabulary (EAGLE-3's reduced vocabulary) restricts the projection to the rows of the
-tokens the target actually writes, chosen by frequency in the training data. On a CPU this is
-what makes heads affordable: one full 49k x 576 projection of SmolLM2 reads 113 MB and takes
-~12 ms, as long as a fifth of a target step, while 8k rows take ~1 ms. Heads never propose a
-token outside their vocabulary; verification stays exact either way.
+A draft vocabulary (drafters.vocab) restricts the projection to the rows of the tokens the
+target actually writes: on a CPU that is what makes heads affordable.
 """
 
 from __future__ import annotations
@@ -28,7 +25,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafters.base import add_children, check_depth
+from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.accept import Acceptance
+from verify.features import LAST
 from verify.protocol import DraftContext
 from verify.target import Target, write_atomically
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
@@ -71,7 +70,7 @@ class MedusaHeads(nn.Module):
         self.target_vocab_size, self.hidden_size = weight.shape
         self.num_heads, self.num_layers, self.share_lm_head = num_heads, num_layers, share_lm_head
         if vocab_ids is not None:
-            vocab_ids = _check_vocab_ids(vocab_ids, self.target_vocab_size).to(weight.device)
+            vocab_ids = check_vocab_ids(vocab_ids, self.target_vocab_size).to(weight.device)
         self.register_buffer("vocab_ids", vocab_ids)  # saved with the heads; None: not at all
         # A fresh block per layer and per head: `[ResBlock(h)] * n` would share one.
         self.blocks = nn.ModuleList(
@@ -82,11 +81,11 @@ class MedusaHeads(nn.Module):
             # In a tuple, the module is not registered: no parameters, no state_dict entries.
             # With a draft vocabulary, a frozen copy of the target's rows for it.
             shared = (lm_head if vocab_ids is None
-                      else _copy_linear(lm_head, vocab_ids).requires_grad_(False))
+                      else copy_linear(lm_head, vocab_ids).requires_grad_(False))
             self._shared_lm_head = (shared,)
             self.lm_heads = None
         else:
-            self.lm_heads = nn.ModuleList(_copy_linear(lm_head, vocab_ids)
+            self.lm_heads = nn.ModuleList(copy_linear(lm_head, vocab_ids)
                                           for _ in range(num_heads))
 
     @property
@@ -113,20 +112,12 @@ class MedusaHeads(nn.Module):
         return self._shared_lm_head[0] if self.lm_heads is None else self.lm_heads[k]
 
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """(..., V') draft-vocabulary logits -> (..., V) over the target's vocabulary, -inf for
-        tokens the heads cannot propose."""
-        if self.vocab_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target_vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.vocab_ids.to(logits.device), logits)
+        """(..., V') draft-vocabulary logits -> (..., V), -inf where the heads cannot propose."""
+        return to_target_vocab(logits, self.vocab_ids, self.target_vocab_size)
 
     def draft_index(self) -> torch.Tensor:
         """(V,) position of each target token in the draft vocabulary; -1 where it has none."""
-        if self.vocab_ids is None:
-            return torch.arange(self.target_vocab_size)
-        index = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
-        index[self.vocab_ids.cpu()] = torch.arange(len(self.vocab_ids))
-        return index
+        return draft_index(self.vocab_ids, self.target_vocab_size)
 
     @property
     def hyperparameters(self) -> dict:
@@ -134,31 +125,6 @@ class MedusaHeads(nn.Module):
         return {"num_heads": self.num_heads, "num_layers": self.num_layers,
                 "share_lm_head": self.share_lm_head,
                 "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size}
-
-
-def _check_vocab_ids(vocab_ids: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
-    vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
-    if (vocab_ids.ndim != 1 or len(vocab_ids) == 0 or vocab_ids.min() < 0
-            or vocab_ids.max() >= target_vocab_size
-            or not bool((vocab_ids[1:] > vocab_ids[:-1]).all())):
-        raise ValueError(f"vocab_ids must be distinct sorted token ids below the target's "
-                         f"vocabulary size {target_vocab_size}")
-    return vocab_ids
-
-
-def _copy_linear(lm_head: nn.Module, rows: torch.Tensor | None = None) -> nn.Linear:
-    """A trainable nn.Linear with `lm_head`'s weights (only `rows` of its outputs if given);
-    never tied to the target's embeddings."""
-    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-    if rows is not None:
-        weight, bias = weight[rows], None if bias is None else bias[rows]
-    copy = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                     device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        copy.weight.copy_(weight)
-        if bias is not None:
-            copy.bias.copy_(bias)
-    return copy
 
 
 class MedusaDrafter:
@@ -169,7 +135,7 @@ class MedusaDrafter:
     afresh for each parent and recorded as that parent's draft distribution.
     """
 
-    wants_hidden = True
+    feature_layers = LAST  # the state the target's LM head reads
 
     def __init__(self, heads: MedusaHeads, topology: TreeTopology, name: str = "medusa"):
         self.max_depth = heads.num_heads
@@ -188,12 +154,11 @@ class MedusaDrafter:
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where a head's
         distribution has too few tokens with mass."""
-        if ctx.hidden is None:
-            raise ValueError("the Medusa drafter needs the target's hidden states (ctx.hidden): "
-                             "the loop must compute them for drafters with wants_hidden, as "
-                             "verify.loop.generate does")
-        # The loop hands hidden states over as float32 on the CPU; the heads live with the target.
-        hidden = ctx.hidden[-1].to(self.heads.head_lm(0).weight)  # (H,)
+        if ctx.features is None:
+            raise ValueError("the Medusa drafter needs the target's last hidden state "
+                             "(ctx.features): the loop computes the drafter's feature_layers, "
+                             "as verify.loop.generate does")
+        hidden = ctx.features[-1].to(self.heads.head_lm(0).weight)  # (H,)
         logits = self.heads(hidden, num_heads=self.topology.depth)  # (depth, V')
         logits = self.heads.to_target_vocab(logits.float().cpu())  # (depth, V)
         return self._fill(int(ctx.tokens[-1]), logits, ctx)

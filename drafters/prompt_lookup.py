@@ -27,7 +27,7 @@ class PromptLookupDrafter:
     one-hot proposal. A context without a match gives a partial tree, down to the root alone.
     """
 
-    wants_hidden = False
+    feature_layers = ()  # reads no target hidden states
 
     def __init__(self, topology: TreeTopology, max_ngram: int = 3, min_ngram: int = 1,
                  max_depth: int = 8, name: str = "prompt_lookup"):

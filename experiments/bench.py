@@ -44,7 +44,7 @@ def treedraft_method(target: Target, drafter):
     """A method running this framework's loop (drafter None: plain decoding)."""
     def run(ids: torch.Tensor, max_new_tokens: int) -> dict:
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
-                          eos_token_id=target.eos_token_id)
+                          eos_token_id=target.eos_token_ids)
         return {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps]}
     return run
 

@@ -21,7 +21,7 @@ from verify.tree import TokenTree
 class ControlledChainDrafter:
     """Drafts `gamma` tokens of a known continuation, each right with probability alpha."""
 
-    wants_hidden = False
+    feature_layers = ()  # reads no target hidden states
 
     def __init__(self, reference: torch.Tensor, prompt_len: int, alpha: float, gamma: int,
                  vocab_size: int, generator: torch.Generator):

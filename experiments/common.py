@@ -65,8 +65,8 @@ def hf_generate(target: Target, ids: torch.Tensor, max_new_tokens: int,
                 **generate_kwargs) -> torch.Tensor:
     """The (M,) new tokens of Hugging Face greedy `generate` from a (T,) prompt, stopping at the
     target's EOS; extra keywords (prompt_lookup_num_tokens=, assistant_model=) pass through."""
-    eos = target.eos_token_id
+    eos, pad = list(target.eos_token_ids) or None, target.eos_token_id
     out = target.model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+                                eos_token_id=eos, pad_token_id=pad if pad is not None else 0,
                                 **generate_kwargs)
     return out[0, len(ids):]

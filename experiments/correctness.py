@@ -55,7 +55,7 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int) -> dict:
         ids = target.encode_prompt(question.prompt)
         reference = hf_generate(target, ids, max_new_tokens)
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
-                          eos_token_id=target.eos_token_id)
+                          eos_token_id=target.eos_token_ids)
         taus.append(result.tau)
         first = first_divergence(result.tokens.tolist(), reference.tolist())
         identical += first is None

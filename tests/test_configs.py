@@ -8,6 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
+from drafters import tree_policy
 from experiments.common import CONF_DIR
 from verify.target import load_target_from_config
 from verify.tree import TreeTopology
@@ -44,10 +45,13 @@ def test_every_group_option_composes_with_every_command_using_it(command, group,
 
 
 @pytest.mark.parametrize("tree", GROUPS["tree"])
-def test_tree_configs_are_valid_topologies(tree):
+def test_tree_configs_are_valid_tree_policies(tree):
     cfg = compose_with("bench", f"tree={tree}")
-    topology = TreeTopology.from_choices(cfg.tree.choices)
-    assert topology.size - 1 == len(cfg.tree.choices)
+    policy = tree_policy(cfg.tree)
+    if isinstance(policy, TreeTopology):
+        assert policy.size - 1 == len(cfg.tree.choices)
+    else:
+        assert policy.total_tokens == cfg.tree.total_tokens
 
 
 @pytest.mark.parametrize("target", [t for t in GROUPS["target"] if t.startswith("tiny")])

@@ -79,7 +79,7 @@ def cache_folder(cache_dir: str | None, target: Target, prompts: list[torch.Tens
 def answer_batch(target: Target, prompts: list[torch.Tensor], max_new_tokens: int,
                  keep_hidden: bool) -> list[Answer]:
     """Greedy answers to a batch of prompts in one left-padded `generate` call."""
-    eos, pad = target.eos_token_id, _pad_id(target)
+    eos, pad = target.eos_token_ids, _pad_id(target)
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -89,8 +89,8 @@ def answer_batch(target: Target, prompts: list[torch.Tensor], max_new_tokens: in
     device = target.model.device
     out = target.model.generate(
         ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True,
-        output_hidden_states=keep_hidden)
+        do_sample=False, eos_token_id=list(eos) or None, pad_token_id=pad,
+        return_dict_in_generate=True, output_hidden_states=keep_hidden)
     new = out.sequences[:, width:].cpu()  # (B, S)
     # Step s's last-layer state at the last position predicted new token s: (B, S, H).
     hidden = (torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1).cpu()
@@ -100,11 +100,12 @@ def answer_batch(target: Target, prompts: list[torch.Tensor], max_new_tokens: in
 
 
 def _answer(prompt: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor | None,
-            eos: int | None) -> Answer:
+            eos: tuple[int, ...]) -> Answer:
     """Cut a padded answer after its first EOS (kept: heads learn to predict the end too)."""
     length = len(new)
-    if eos is not None and (new == eos).any():
-        length = int((new == eos).nonzero()[0]) + 1
+    ends = torch.isin(new, torch.tensor(eos, dtype=torch.long)).nonzero()
+    if len(ends):
+        length = int(ends[0]) + 1
     # float16 halves the cache; the heads train under bf16 autocast anyway
     kept = None if hidden is None else hidden[:length].to(torch.float16)
     return Answer(prompt.clone(), new[:length].clone(), kept)

@@ -64,7 +64,7 @@ def decode_check(target: Target, heads: MedusaHeads, topology: TreeTopology,
     tokens = steps = identical = 0
     for ids in tqdm(prompts, desc="evaluating decoding"):
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
-                          eos_token_id=target.eos_token_id)
+                          eos_token_id=target.eos_token_ids)
         reference = hf_generate(target, ids, max_new_tokens)
         identical += int(torch.equal(result.tokens, reference.cpu()))
         tokens += len(result.tokens)

@@ -8,7 +8,6 @@ in every step; loss = LM loss (+ KL to the original target) + head_loss_weight *
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from drafters.medusa import MedusaHeads
+from drafters.vocab import most_frequent_tokens
 from train.distill import Answer
 
 
@@ -55,15 +55,10 @@ def medusa_config(drafter: DictConfig) -> MedusaConfig:
 
 
 def choose_draft_vocab(answers: list[Answer], size: int | None) -> torch.Tensor | None:
-    """The `size` tokens most frequent in the answers and their prompts, as sorted ids; None
-    keeps the whole vocabulary. Prompt tokens count because answers copy them (names in a
-    summary): on held-out answers they raised an 8k vocabulary's coverage from 79% to 87%.
-    Ties go to the lower id, so the choice is deterministic."""
-    if size is None:
-        return None
-    counts = Counter(int(t) for a in answers for part in (a.prompt, a.response) for t in part)
-    ranked = sorted(counts, key=lambda token: (-counts[token], token))
-    return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+    """The `size` tokens most frequent in the answers and their prompts (drafters.vocab).
+    Prompt tokens count because answers copy them (names in a summary): on held-out answers
+    they raised an 8k vocabulary's coverage from 79% to 87%."""
+    return most_frequent_tokens((part for a in answers for part in (a.prompt, a.response)), size)
 
 
 def head_targets(response: torch.Tensor, num_heads: int) -> torch.Tensor:

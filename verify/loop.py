@@ -9,6 +9,7 @@ which is plain decoding through the same code.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,42 +59,54 @@ class GenerationResult:
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, *,
              drafter: Drafter | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, rule: str | AcceptanceRule | None = None,
-             eos_token_id: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None,
              generator: torch.Generator | None = None) -> GenerationResult:
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. The same warp
     applies to target and draft distributions. The rule defaults to greedy at temperature 0
-    and exact tree sampling otherwise ("typical" selects Medusa's lossy rule).
+    and exact tree sampling otherwise ("typical" selects Medusa's lossy rule). Generation
+    stops at any of the EOS ids (models such as Llama-3-Instruct list several), as Hugging
+    Face `generate` does.
     """
     params = SamplingParams(temperature, top_k, top_p)
     input_ids = _check_inputs(model, input_ids, max_new_tokens)
     rule = rule if isinstance(rule, AcceptanceRule) else make_rule(rule, params)
-    verifier = TreeVerifier(model, want_hidden=bool(drafter and drafter.wants_hidden))
+    stop = _eos_set(eos_token_id)
+    verifier = TreeVerifier(model, drafter.feature_layers if drafter is not None else ())
     start = time.perf_counter()
-    logits, hidden = verifier.prefill(input_ids)
+    logits, features = verifier.prefill(input_ids)
     tokens = [sample(warp(logits, params), generator)]
     result = GenerationResult(torch.empty(0, dtype=torch.long),
                               prefill_s=time.perf_counter() - start)
     if drafter is not None:
         drafter.begin(input_ids)
-    finished = tokens[0] == eos_token_id
+    finished = tokens[0] in stop
     while len(tokens) < max_new_tokens and not finished:
         context = torch.cat([input_ids, torch.tensor(tokens)])
-        new, hidden = _step(verifier, drafter, rule, context, hidden, params, generator, result)
+        new, features = _step(verifier, drafter, rule, context, features, params, generator,
+                              result)
         tokens.extend(new)
-        finished = eos_token_id in new  # an EOS inside the accepted path ends it too
-    result.tokens = _truncate(tokens, max_new_tokens, eos_token_id)
+        finished = not stop.isdisjoint(new)  # an EOS inside the accepted path ends it too
+    result.tokens = _truncate(tokens, max_new_tokens, stop)
     return result
 
 
+def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset({eos_token_id})
+    return frozenset(int(i) for i in eos_token_id)
+
+
 def _step(verifier: TreeVerifier, drafter, rule: AcceptanceRule, context: torch.Tensor,
-          hidden: torch.Tensor | None, params: SamplingParams,
+          features: torch.Tensor | None, params: SamplingParams,
           generator: torch.Generator | None, result: GenerationResult):
     start = time.perf_counter()
-    tree = _propose(drafter, context, hidden, params, generator, verifier)
+    tree = _propose(drafter, context, features, params, generator, verifier)
     drafted = time.perf_counter()
-    logits, tree_hidden = verifier.verify(tree)
+    logits, tree_features = verifier.verify(tree)
     acceptance = rule(tree, logits, params, generator)
     verifier.commit(acceptance.path)
     verified = time.perf_counter()
@@ -103,17 +116,19 @@ def _step(verifier: TreeVerifier, drafter, rule: AcceptanceRule, context: torch.
                                   drafted - start + time.perf_counter() - verified,
                                   verified - drafted))
     new = [int(t) for t in tree.tokens[acceptance.path[1:]]] + [acceptance.bonus]
-    hidden = tree_hidden[acceptance.path] if tree_hidden is not None else None
-    return new, hidden
+    if tree_features is not None:
+        path = torch.tensor(acceptance.path, device=tree_features.device)
+        tree_features = tree_features.index_select(0, path)
+    return new, tree_features
 
 
-def _propose(drafter, context: torch.Tensor, hidden: torch.Tensor | None,
+def _propose(drafter, context: torch.Tensor, features: torch.Tensor | None,
              params: SamplingParams, generator: torch.Generator | None,
              verifier: TreeVerifier) -> TokenTree:
     root_only = TokenTree(context[-1:], torch.tensor([-1]))
     if drafter is None:
         return root_only
-    tree = drafter.propose(DraftContext(context, hidden, params, generator))
+    tree = drafter.propose(DraftContext(context, features, params, generator))
     if int(tree.tokens[0]) != int(context[-1]):
         raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, "
                          f"not at the last token {int(context[-1])}")
@@ -136,8 +151,9 @@ def _check_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
     return input_ids
 
 
-def _truncate(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:
+def _truncate(tokens: list[int], max_new_tokens: int, stop: frozenset[int]) -> torch.Tensor:
     tokens = tokens[:max_new_tokens]
-    if eos_token_id is not None and eos_token_id in tokens:
-        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    ends = [i for i, token in enumerate(tokens) if token in stop]
+    if ends:
+        tokens = tokens[: ends[0] + 1]
     return torch.tensor(tokens, dtype=torch.long)

@@ -20,24 +20,27 @@ from verify.tree import TokenTree
 class DraftContext:
     """What a drafter may look at when proposing.
 
-    tokens: (T,) long, prompt plus every generated token; tokens[-1] is the tree's root.
-    hidden: (k, H) float or None, the target's last-layer hidden states of the k tokens it
-            cached last (the prompt after prefill, the accepted path after a step); row -1 is
-            the state that predicted the root. Only filled for drafters with `wants_hidden`.
+    tokens:   (T,) long, prompt plus every generated token; tokens[-1] is the tree's root.
+    features: (k, F * H) or None, the target's hidden states at the drafter's `feature_layers`
+              (concatenated in declared order) for the k tokens it cached last: the prompt
+              after prefill, the accepted path (root first) after a step. They are the rows of
+              positions T - 1 - k .. T - 2, so row -1 is the state that predicted the root. On
+              the target's device and in its dtype; None for drafters without feature layers.
     params: the sampling parameters; drafts must be warped with `verify.sampling.warp`.
     """
 
     tokens: torch.Tensor
-    hidden: torch.Tensor | None
+    features: torch.Tensor | None
     params: SamplingParams
     generator: torch.Generator | None = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """wants_hidden: whether the loop must compute the target's hidden states for it."""
+    """feature_layers: the target hidden states the drafter reads (verify.features): () for
+    none, (-1,) for the state the LM head reads, several for EAGLE-3's fused features."""
 
-    wants_hidden: bool
+    feature_layers: tuple[int, ...]
 
     def begin(self, prompt: torch.Tensor) -> None:
         """Forget any previous sequence; `prompt` is (T,) long."""

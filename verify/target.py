@@ -88,15 +88,20 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
-    def eos_token_id(self) -> int | None:
-        """End-of-sequence id (the first one where a model lists several), or None."""
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id: generation stops at any of them (Llama-3-Instruct and
+        others list several). The generation config wins over the model config, as in
+        Hugging Face `generate`; () when neither names one."""
         for source in (self.model.generation_config, self.model.config):
             eos = getattr(source, "eos_token_id", None)
-            if isinstance(eos, (list, tuple)):
-                eos = eos[0] if eos else None
-            if eos is not None:
-                return int(eos)
-        return None
+            if eos is not None and eos != []:
+                return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return ()
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first EOS id (what padding falls back to), or None; stop with eos_token_ids."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
     def max_context(self) -> int | None:

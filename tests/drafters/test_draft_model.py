@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrain
 from drafters import build_drafter
 from drafters.base import propose_children
 from drafters.draft_model import DraftModelDrafter, check_compatible, truncated_copy
+from verify.accept import Acceptance
 from verify.loop import generate
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
@@ -43,7 +44,7 @@ def test_cache_holds_exactly_the_committed_tokens(self_draft, topology):
     drafter.begin(CONTEXT)
     for tokens in (CONTEXT, torch.cat([CONTEXT, torch.tensor([7, 8, 9])])):
         drafter.propose(context(tokens))
-        assert drafter.cache.get_seq_length() == len(tokens)
+        assert drafter.engine.length == len(tokens)  # the tree's entries follow until update()
         assert torch.equal(drafter.cached, tokens)
 
 
@@ -58,9 +59,28 @@ def test_cache_ahead_after_a_rejection_is_cropped(self_draft, topology):
     expected = fresh.propose(context(diverged))
     assert torch.equal(tree.tokens, expected.tokens)
     assert torch.equal(tree.parents, expected.parents)
-    assert drafter.cache.get_seq_length() == len(diverged)
-    for ours, theirs in zip(drafter.cache.layers, fresh.cache.layers):
+    assert drafter.engine.length == len(diverged)
+    for ours, theirs in zip(drafter.engine.cache.layers, fresh.engine.cache.layers):
         torch.testing.assert_close(ours.keys, theirs.keys)
+
+
+@pytest.mark.parametrize("path", [[0, 1, 4], [0, 2], [0, 1, 4, 7, 8]])
+def test_committing_the_accepted_path_equals_re_running_it(self_draft, topology, path):
+    # tree8: nodes 1, 2, 3 at depth 1; 4, 5 under 1, 6 under 2; 7 under 4; 8 under 7 (a leaf)
+    drafter = DraftModelDrafter(self_draft, topology("tree8"))
+    tree = drafter.propose(context(CONTEXT))
+    drafter.update(tree, Acceptance(path, bonus=5))
+    following = torch.cat([CONTEXT, tree.tokens[path[1:]], torch.tensor([5])])
+    assert drafter.engine.length < len(following)  # nothing left to feed but what is missing
+    committed = drafter.engine.length
+    ours = drafter.propose(context(following))
+    fresh = DraftModelDrafter(self_draft, topology("tree8"))
+    theirs = fresh.propose(context(following))
+    assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.parents, theirs.parents)
+    assert committed == len(CONTEXT) + min(len(path) - 1, 3)  # the leaf at depth 4 was not fed
+    for a, b in zip(drafter.engine.cache.layers, fresh.engine.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
 
 
 def test_proposing_twice_on_one_context_gives_one_tree(self_draft, topology):

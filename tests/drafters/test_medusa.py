@@ -146,7 +146,7 @@ def test_a_tree_deeper_than_the_heads_is_refused(tiny, conf):
 
 def test_proposing_without_hidden_states_is_refused(tiny):
     drafter = MedusaDrafter(MedusaHeads(_lm_head(tiny("llama")), 2, 1), TreeTopology.chain(2))
-    with pytest.raises(ValueError, match="needs the target's hidden states"):
+    with pytest.raises(ValueError, match="needs the target's last hidden state"):
         drafter.propose(DraftContext(PROMPT, None, SamplingParams()))
 
 

@@ -16,7 +16,7 @@ def test_each_registered_drafter_builds_from_its_config(name, tiny, conf):
     cfg = OmegaConf.merge(conf("drafter", name), TINY_OVERRIDES.get(name, {}))
     drafter = build_drafter(cfg, conf("tree", "tree8"), tiny("llama"))
     assert isinstance(drafter, Drafter)
-    assert isinstance(drafter.wants_hidden, bool)  # medusa needs the target's hidden states
+    assert isinstance(drafter.feature_layers, tuple)  # medusa reads the target's last state
 
 
 def test_an_unknown_drafter_is_refused_with_the_known_names(tiny, conf):
@@ -35,3 +35,15 @@ def test_the_draft_model_fills_any_depth(tiny):
     chain = {"choices": [[0] * d for d in range(1, 21)]}
     cfg = {"name": "draft_model", "path": None, "num_layers": 1}
     assert build_drafter(cfg, chain, tiny("llama")).topology.depth == 20
+
+
+@pytest.mark.parametrize("name", ["draft_model", "medusa", "prompt_lookup"])
+def test_static_tree_drafters_refuse_a_dynamic_tree(name, tiny, conf):
+    cfg = OmegaConf.merge(conf("drafter", name), TINY_OVERRIDES.get(name, {}))
+    with pytest.raises(TreeError, match="fills static trees"):
+        build_drafter(cfg, conf("tree", "eagle2"), tiny("llama"))
+
+
+def test_a_tree_config_of_neither_kind_is_refused(tiny, conf):
+    with pytest.raises(TreeError, match="neither `choices`"):
+        build_drafter(conf("drafter", "prompt_lookup"), {"name": "odd", "depth": 3}, tiny("llama"))

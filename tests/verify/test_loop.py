@@ -4,8 +4,9 @@ compaction), EOS and length handling, and bad inputs."""
 import pytest
 import torch
 
+from experiments.common import hf_generate
 from verify.loop import generate
-from verify.target import load_target
+from verify.target import Target, load_target
 from verify.tree import TokenTree
 
 
@@ -24,7 +25,7 @@ class NoisyOracle:
     """Proposes a depth-3 tree whose first branch follows a known reference continuation for
     a while and then goes wrong, and whose second branch is wrong from the start."""
 
-    wants_hidden = False
+    feature_layers = ()  # reads no target hidden states
 
     def __init__(self, reference, prompt_len):
         self.reference, self.prompt_len = reference.tolist(), prompt_len
@@ -87,6 +88,25 @@ def test_an_eos_inside_an_accepted_path_ends_generation(model):
     result = generate(model, prompt, 30, eos_token_id=eos, drafter=Perfect(reference, 20))
     assert result.tokens.tolist() == reference[:3].tolist()
     assert len(result.steps) == 1
+
+
+def test_stops_at_any_of_several_eos_ids_like_hugging_face(model):
+    # Llama-3-Instruct and others list several EOS ids; generation ends at whichever comes first.
+    prompt = torch.arange(5, 25)
+    reference = generate(model, prompt, 30).tokens.tolist()
+    first_new = [i for i in range(4, 30) if reference[i] not in reference[:i]]
+    cut, far = first_new[0], first_new[-1]  # the EOS met first, and one met later if at all
+    later, earlier = reference[far], reference[cut]
+    model.generation_config.eos_token_id = [later, earlier]
+    try:
+        target = Target(model, None, "tiny-llama")
+        assert target.eos_token_ids == (later, earlier) and target.eos_token_id == later
+        expected = hf_generate(target, prompt, 30)
+        result = generate(model, prompt, 30, eos_token_id=target.eos_token_ids,
+                          drafter=NoisyOracle(torch.tensor(reference), len(prompt)))
+    finally:
+        model.generation_config.eos_token_id = None
+    assert result.tokens.tolist() == reference[:cut + 1] == expected.tolist()
 
 
 def test_sampling_is_reproducible_with_a_seed(model):

@@ -33,7 +33,7 @@ def test_tree_logits_equal_sequential_decoding(arch, attn):
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 256, (11,), generator=gen)
     tree = TokenTree(torch.randint(0, 256, (6,), generator=gen), torch.tensor(TREE_PARENTS))
-    verifier = TreeVerifier(model, want_hidden=True)
+    verifier = TreeVerifier(model, feature_layers=(-1,))
     verifier.prefill(prefix[:-1])
     tree.tokens[0] = prefix[-1]
     logits, hidden = verifier.verify(tree)
