@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from drafters import draft_model, medusa, prompt_lookup
+from drafters import draft_model, eagle, medusa, prompt_lookup
 from drafters.dynamic_tree import DynamicTree
 from verify.protocol import Drafter
 from verify.target import Target
@@ -22,6 +22,8 @@ DrafterBuilder = Callable[[Mapping, TreePolicy, Target], Drafter]
 
 DRAFTERS: dict[str, DrafterBuilder] = {
     "draft_model": draft_model.from_config,
+    "eagle": eagle.from_config,
+    "eagle3": eagle.from_config,
     "medusa": medusa.from_config,
     "prompt_lookup": prompt_lookup.from_config,
 }

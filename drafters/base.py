@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Mapping
+
 import torch
+from omegaconf import OmegaConf
+from transformers import PretrainedConfig
 
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, warp
-from verify.tree import TreeBuilder, TreeError, TreeTopology
+from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
 
-__all__ = ["DraftContext", "Drafter", "add_children", "check_depth", "propose_children"]
+__all__ = ["DraftContext", "Drafter", "add_children", "check_depth", "fill_by_levels",
+           "propose_children", "shallow_config", "typed_config"]
+
+
+def typed_config(schema: type, cfg: Mapping, what: str):
+    """`cfg` (a conf/drafter mapping) merged into the dataclass `schema`, its only defaults:
+    a misspelt key or a wrong type fails here, naming the known keys."""
+    unknown = set(cfg) - set(schema.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown {what} setting(s) {sorted(unknown)}; known: "
+                         f"{sorted(schema.__dataclass_fields__)}")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(cfg)))
+
+
+def shallow_config(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
+    """A copy of a model config with only its first `num_layers` decoder layers."""
+    config = copy.deepcopy(config)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:num_layers]  # Qwen2 checks the two agree
+    config.num_hidden_layers = num_layers
+    return config
 
 
 def check_depth(topology: TreeTopology, max_depth: int | None, drafter: str) -> None:
@@ -20,6 +45,42 @@ def check_depth(topology: TreeTopology, max_depth: int | None, drafter: str) -> 
     if max_depth is not None and topology.depth > max_depth:
         raise TreeError(f"tree depth {topology.depth} exceeds what {drafter} can fill "
                         f"(at most {max_depth})")
+
+
+def fill_by_levels(topology: TreeTopology, root: int, root_logits: torch.Tensor,
+                   forward_level: Callable[[TreeBuilder, list[int]], torch.Tensor],
+                   depth_limit: int, params: SamplingParams,
+                   generator: torch.Generator | None) -> TokenTree:
+    """Fill a static topology level by level, for drafters that run a model per level.
+
+    root_logits (V,): the draft's prediction after the root. forward_level(builder, nodes)
+    runs the draft over tree `nodes` (the newest level's nodes that have children in the
+    topology) and returns their logits (len(nodes), V). Levels past `depth_limit` are left
+    out (a draft model near the end of its position range).
+    """
+    builder = TreeBuilder(root)
+    placed = {0: 0}  # topology node -> tree node
+    logits = {0: root_logits}  # tree node -> (V,) draft logits after its path
+    frontier = [0]  # topology nodes whose children the next level drafts
+    for depth in range(1, depth_limit + 1):
+        first = len(builder)
+        for node in frontier:
+            add_children(builder, topology, placed, node, logits[placed[node]], params,
+                         generator)
+        frontier = [t for t, i in placed.items() if i >= first and topology.children(t)]
+        if not frontier or depth == depth_limit:
+            break
+        nodes = [placed[t] for t in frontier]
+        logits.update(zip(nodes, forward_level(builder, nodes)))
+    return builder.build()
+
+
+def node_path(parents: list[int], node: int) -> list[int]:
+    """Tree node ids from the root to `node`, given each node's parent (-1 for the root)."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
 def add_children(builder: TreeBuilder, topology: TreeTopology, placed: dict[int, int], node: int,

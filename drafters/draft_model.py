@@ -10,14 +10,13 @@ layers (`truncated_copy`, a self-draft that needs no training).
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Mapping
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from drafters.base import add_children, check_depth
+from drafters.base import check_depth, fill_by_levels, node_path, shallow_config
 from drafters.engine import DraftEngine
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
@@ -89,23 +88,8 @@ class DraftModelDrafter:
     def _expand(self, root: int, root_logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None) -> TokenTree:
         """Fill the topology level by level: one draft forward per level that has children."""
-        builder = TreeBuilder(root)
-        placed = {0: 0}  # topology node -> tree node
-        logits = {0: root_logits}  # tree node -> (V,) draft logits after its path
-        frontier = [0]  # topology nodes whose children the next level drafts
-        limit = self._depth_limit()
-        for depth in range(1, limit + 1):
-            first = len(builder)
-            for node in frontier:
-                add_children(builder, self.topology, placed, node, logits[placed[node]], params,
-                             generator)
-            frontier = [t for t, i in placed.items() if i >= first and self.topology.children(t)]
-            if not frontier or depth == limit:
-                break
-            nodes = [placed[t] for t in frontier]
-            rows = self._forward_level(builder, nodes)  # (len(nodes), V)
-            logits.update(zip(nodes, rows))
-        return builder.build()
+        return fill_by_levels(self.topology, root, root_logits, self._forward_level,
+                              self._depth_limit(), params, generator)
 
     def _depth_limit(self) -> int:
         """The topology's depth, less near the end of the draft model's position range (a node
@@ -118,7 +102,7 @@ class DraftModelDrafter:
     def _forward_level(self, builder: TreeBuilder, nodes: list[int]) -> torch.Tensor:
         """Feed tree `nodes` (the newest level with children) through the cache; returns their
         logits (n, V)."""
-        paths = [_path(builder.parents, node) for node in nodes]
+        paths = [node_path(builder.parents, node) for node in nodes]
         positions, mask = self.engine.level(paths, self.model.dtype)
         tokens = torch.tensor([builder.tokens[node] for node in nodes])
         return self._forward(tokens, positions, mask)
@@ -129,14 +113,6 @@ class DraftModelDrafter:
         logits, _ = cached_forward(self.model, self.engine.cache, tokens, positions,
                                    attention_mask, logits_to_keep=1 if keep_last else 0)
         return logits
-
-
-def _path(parents: list[int], node: int) -> list[int]:
-    """Tree node ids from the root to `node`."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
@@ -150,10 +126,7 @@ def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     if not 1 <= num_layers < total:
         raise ValueError(f"num_layers must be in [1, {total - 1}] for a target of {total} "
                          f"layers, got {num_layers}")
-    config = copy.deepcopy(model.config)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:num_layers]  # Qwen2 checks the two agree
-    config.num_hidden_layers = num_layers
+    config = shallow_config(model.config, num_layers)
     with torch.device("meta"):
         draft = AutoModelForCausalLM.from_config(config)
     result = draft.load_state_dict(model.state_dict(), strict=False, assign=True)

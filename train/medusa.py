@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
+from drafters.base import typed_config
 from drafters.medusa import MedusaHeads
 from drafters.vocab import most_frequent_tokens
 from train.distill import Answer
@@ -43,12 +44,7 @@ class MedusaConfig:
 
 def medusa_config(drafter: DictConfig) -> MedusaConfig:
     """Type-check the drafter group's keys against MedusaConfig (a typo fails here)."""
-    known = set(MedusaConfig.__dataclass_fields__)
-    unknown = set(drafter) - known
-    if unknown:
-        raise ValueError(f"unknown Medusa setting(s) {sorted(unknown)}; known: {sorted(known)}")
-    merged = OmegaConf.merge(OmegaConf.structured(MedusaConfig), drafter)
-    cfg: MedusaConfig = OmegaConf.to_object(merged)
+    cfg: MedusaConfig = typed_config(MedusaConfig, drafter, "Medusa")
     if cfg.variant not in ("medusa1", "medusa2"):
         raise ValueError(f"drafter.variant must be medusa1 or medusa2, got {cfg.variant!r}")
     return cfg

@@ -11,6 +11,9 @@ from drafters import build_drafter
 from verify.loop import generate
 
 
+STATIC_TREES = ["chain4", "tree16"]
+
+
 @dataclass(frozen=True)
 class Row:
     """config: conf/drafter/<config>.yaml; overrides: what tiny 2-layer targets need;
@@ -20,14 +23,21 @@ class Row:
     config: str
     overrides: dict = field(default_factory=dict)
     accepts: bool = True
+    dynamic: bool = False  # grows EAGLE-2 dynamic trees too
+
+    @property
+    def trees(self) -> list[str]:
+        return STATIC_TREES + (["eagle2"] if self.dynamic else [])
 
 
 DRAFTERS = [
     Row("draft_model", {"num_layers": 1}),
+    Row("eagle", accepts=False, dynamic=True),  # fresh weights: tests/train covers acceptance
+    Row("eagle3", accepts=False, dynamic=True),
     Row("medusa", {"num_heads": 5}),  # fresh heads; tree16 is 5 deep
     Row("prompt_lookup", accepts=False),
 ]
-TREES = ["chain4", "tree16"]
+CASES = [(row, tree) for row in DRAFTERS for tree in row.trees]
 ARCHS = ["llama", "gpt2"]
 NEW_TOKENS = 80
 # Repetitive, so prompt lookup finds matches; chosen so that no greedy step of the tiny targets
@@ -41,8 +51,7 @@ def plain(tiny):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tree", TREES)
-@pytest.mark.parametrize("row", DRAFTERS, ids=lambda row: row.config)
+@pytest.mark.parametrize("row, tree", CASES, ids=[f"{r.config}-{t}" for r, t in CASES])
 def test_greedy_output_is_plain_decoding(row, tree, arch, tiny, conf, plain):
     target = tiny(arch)
     cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)

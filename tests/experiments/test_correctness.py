@@ -35,9 +35,12 @@ def test_chi_square_accepts_matching_counts_and_rejects_skewed_ones():
     assert chi_square_test(bad, expected)[1] < 1e-6
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup"])
-def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter):
-    cfg = correctness_cfg("tree=tree8", "distribution.samples=2000", drafter=drafter)
+@pytest.mark.parametrize("drafter, tree", [("draft_model", "tree8"), ("prompt_lookup", "tree8"),
+                                           ("eagle", "tree8"), ("eagle3", "eagle2")])
+def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
+    # eagle on a static tree samples its children (q recorded); eagle3 on EAGLE-2's dynamic
+    # tree picks them by top-k (one-hot proposals)
+    cfg = correctness_cfg(f"tree={tree}", "distribution.samples=2000", drafter=drafter)
     rows = {row["rule"]: row for row in distribution_rows(cfg)}
     assert rows["sampling"]["passed"], rows["sampling"]
     assert rows["sampling"]["detail"]["draft_tokens_per_sample"] > 0.5  # drafts were tested

@@ -1,0 +1,311 @@
+"""EAGLE drafting: autoregression over the target's features (Li et al. 2024, EAGLE-1/2/3).
+
+The target's hidden state at position j (its "feature" f_j) predicted token j + 1. EAGLE's draft
+reads (f_j, embedding of token j + 1) at position j and predicts the next feature, from which a
+vocabulary projection gives token j + 2: it knows which token was actually sampled, which a
+Medusa head does not, and it can go on from its own predicted features, one tree level at a
+time, with its own KV cache (drafters.engine).
+
+- EAGLE-1 (`variant: eagle1`): f is the target's last (normed) state; the draft is a linear
+  layer over [embedding, feature] (2H -> H) and one decoder layer of the target's own
+  architecture, built from its config (no copied modeling file); trained with a feature
+  regression plus cross-entropy. EAGLE-2 is a tree policy (drafters.dynamic_tree) on top.
+- EAGLE-3 (`variant: eagle3`): f concatenates a low, a middle and a high layer, fused 3H -> H;
+  trained on its own unrolled outputs (training-time test) with cross-entropy only, and a
+  trainable head over a reduced draft vocabulary.
+
+Deeper tree nodes read the draft's own output of their parent in place of a target feature.
+At each step the target's real features of the accepted path replace those guesses: the draft
+re-runs the accepted rows (one forward, which also predicts the first level), so its cache only
+ever holds entries built from real features. The target's token embedding is shared, frozen.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, PreTrainedModel
+
+from drafters.base import check_depth, fill_by_levels, node_path, shallow_config, typed_config
+from drafters.dynamic_tree import CandidateTree, DynamicTree
+from drafters.engine import DraftEngine
+from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
+from verify.accept import Acceptance
+from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
+from verify.protocol import DraftContext
+from verify.sampling import SamplingParams, warp
+from verify.target import Target, write_atomically
+from verify.tree import TokenTree, TreeBuilder, TreeTopology
+
+VARIANTS = ("eagle1", "eagle3")
+WEIGHTS_FILE = "draft.safetensors"
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class EagleConfig:
+    """conf/drafter/eagle.yaml and eagle3.yaml, typed: the only defaults of these keys."""
+
+    name: str = "eagle"
+    variant: str = "eagle1"  # eagle1: last-layer features | eagle3: fused low/mid/high
+    feature_layers: list[int] | None = None  # null: (-1,) for eagle1, eagle3_layers() for eagle3
+    draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary (slow on CPU)
+    train_lm_head: bool = False  # eagle3: the reduced head learns (starts from the target's rows)
+    checkpoint: str | None = None  # a trained draft (python train.py drafter=eagle ...)
+    # Training only (train.eagle):
+    ttt_steps: int = 1  # unrolled draft steps per position (EAGLE-3's training-time test)
+    step_decay: float = 0.8  # unrolled step s's loss weight: step_decay ** s
+    feature_weight: float = 1.0  # smooth-L1 on the next feature (EAGLE-1; 0 for EAGLE-3)
+    ce_weight: float = 0.1  # cross-entropy to the target's next-token distribution
+    noise: float = 0.1  # uniform noise U(-noise, noise) on input features
+
+
+def eagle_config(cfg: Mapping) -> EagleConfig:
+    """conf/drafter/eagle*.yaml checked against EagleConfig."""
+    config: EagleConfig = typed_config(EagleConfig, cfg, "EAGLE")
+    if config.variant not in VARIANTS:
+        raise ValueError(f"drafter.variant must be one of {VARIANTS}, got {config.variant!r}")
+    return config
+
+
+def default_layers(variant: str, total_layers: int) -> tuple[int, ...]:
+    """The feature layers a variant reads when the config names none."""
+    return LAST if variant == "eagle1" else eagle3_layers(total_layers)
+
+
+class EagleDraft(nn.Module):
+    """The draft network for a target model.
+
+    feature_layers: absolute hidden-state indices it reads (F of them); vocab_ids (V',) its
+    draft vocabulary (None: all V). fuse (F*H -> H, EAGLE-3 only), input_proj ([emb, g] 2H ->
+    H), body (one decoder layer + final norm of the target's architecture), lm_head (H -> V').
+    """
+
+    def __init__(self, target: PreTrainedModel, feature_layers: tuple[int, ...],
+                 vocab_ids: torch.Tensor | None = None, train_lm_head: bool = False):
+        super().__init__()
+        config, lm_head = target.config, target.get_output_embeddings()
+        self.target_vocab_size, hidden = lm_head.weight.shape
+        self.feature_layers = resolve_layers(feature_layers, num_layers(config))
+        if vocab_ids is not None:
+            vocab_ids = check_vocab_ids(vocab_ids, self.target_vocab_size)
+        self.register_buffer("vocab_ids", vocab_ids)
+        width = len(self.feature_layers) * hidden
+        self.fuse = nn.Linear(width, hidden, bias=False) if width != hidden else None
+        self.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.body = AutoModel.from_config(_body_config(config))
+        self.lm_head = copy_linear(lm_head, vocab_ids).requires_grad_(train_lm_head)
+        self._embed = (target.get_input_embeddings(),)  # the target's, frozen: not saved here
+        self.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target_vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., F * H) target features -> (..., H), the draft's input feature."""
+        return features if self.fuse is None else self.fuse(features)
+
+    def forward(self, inputs: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """inputs (B, n, H): fused target features or the draft's own outputs; tokens (B, n)
+        the tokens that follow them; positions (B, n). attention_mask: None (causal), (B,
+        cached + n) padding, or an additive (B, 1, n, cached + n) tree mask. Returns the
+        predicted next features (B, n, H); with `cache`, their keys/values are appended."""
+        embedded = self._embed[0](tokens).to(inputs.dtype)
+        x = self.input_proj(torch.cat([embedded, inputs], dim=-1))
+        out = self.body(inputs_embeds=x, position_ids=positions, attention_mask=attention_mask,
+                        cache=cache, use_cache=cache is not None)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., V') over the draft vocabulary."""
+        return self.lm_head(hidden)
+
+    @property
+    def hyperparameters(self) -> dict:
+        """What rebuilds this draft on a target, as saved in a checkpoint's config."""
+        return {"feature_layers": list(self.feature_layers),
+                "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size,
+                "train_lm_head": bool(self.lm_head.weight.requires_grad)}
+
+
+def _body_config(config):
+    """One decoder layer of the target's architecture; the draft feeds embeddings itself, so
+    the body's own token table is cut to one row."""
+    body = shallow_config(config, 1)
+    body.vocab_size = 1
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(body, key, None)
+    return body
+
+
+class EagleDrafter:
+    """Proposes a static topology (level by level) or an EAGLE-2 dynamic tree from the draft.
+
+    Static trees with sampling draw each node's children without replacement from the draft's
+    warped distribution and record it (exact tree sampling); dynamic trees pick children by
+    top-k (see drafters.dynamic_tree for why).
+    """
+
+    max_depth = None  # the draft can continue any path
+
+    def __init__(self, draft: EagleDraft, tree: TreeTopology | DynamicTree, name: str = "eagle"):
+        if not isinstance(tree, DynamicTree):
+            check_depth(tree, self.max_depth, name)
+        self.draft = draft.eval()
+        self.tree, self.name = tree, name
+        self.feature_layers = draft.feature_layers
+        self.engine = DraftEngine(draft.body.config)
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """A new sequence: forget the draft's cache."""
+        self.engine.reset()
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """Nothing to keep: the next proposal re-runs the accepted path on real features."""
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        root_hidden, root_logits = self._catch_up(ctx)
+        root = int(ctx.tokens[-1])
+        try:
+            if isinstance(self.tree, DynamicTree):
+                return self._grow_dynamic(root, root_hidden, root_logits, ctx.params)
+            return self._fill_static(root, root_hidden, root_logits, ctx)
+        finally:
+            self.engine.rollback()  # the tree's entries were built on draft features
+
+    def _catch_up(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the rows the target just computed features for: (f_j, token j + 1) for the k
+        positions T - 1 - k .. T - 2. Returns the root's predicted feature (H,) and the draft
+        logits (V,) of its children."""
+        if ctx.features is None:
+            raise ValueError(f"{self.name} needs the target's features (ctx.features) at "
+                             f"layers {self.feature_layers}; verify.loop.generate computes them")
+        count, length = len(ctx.features), len(ctx.tokens)
+        start = length - 1 - count
+        if not 0 <= start <= self.engine.length:
+            raise ValueError(f"{self.name} got features for positions {start}..{length - 2} but "
+                             f"holds {self.engine.length}: call begin() for a new sequence")
+        self.engine.crop(start)
+        weight = self.draft.input_proj.weight
+        inputs = self.draft.fuse_features(ctx.features.to(weight))[None]  # (1, k, H)
+        tokens = ctx.tokens[start + 1:].to(weight.device)[None]
+        positions = torch.arange(start, length - 1, device=weight.device)[None]
+        hidden = self.draft(inputs, tokens, positions, cache=self.engine.cache)[0]  # (k, H)
+        self.engine.extend(count)
+        return hidden[-1], self._full_logits(hidden[-1:])[0]
+
+    def _fill_static(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
+                     ctx: DraftContext) -> TokenTree:
+        hidden = {0: root_hidden}  # tree node -> the draft's predicted feature after it
+
+        def forward_level(builder: TreeBuilder, nodes: list[int]) -> torch.Tensor:
+            parents = [builder.parents[n] for n in nodes]
+            paths = [node_path(builder.parents, n) for n in nodes]
+            out = self._forward_level(paths, [builder.tokens[n] for n in nodes],
+                                      torch.stack([hidden[p] for p in parents]))
+            hidden.update(zip(nodes, out))
+            return self._full_logits(out)
+
+        return fill_by_levels(self.tree, root, root_logits, forward_level, self.tree.depth,
+                              ctx.params, ctx.generator)
+
+    def _grow_dynamic(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
+                      params: SamplingParams) -> TokenTree:
+        hidden = {0: root_hidden}
+
+        def expand(candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
+            parents = [candidates.parents[n] for n in nodes]
+            out = self._forward_level([candidates.path(n) for n in nodes],
+                                      [candidates.tokens[n] for n in nodes],
+                                      torch.stack([hidden[p] for p in parents]))
+            hidden.update(zip(nodes, out))
+            return _log_probs(self._full_logits(out), params)
+
+        return self.tree.grow(root, _log_probs(root_logits[None], params)[0], expand)
+
+    def _forward_level(self, paths: list[list[int]], tokens: list[int],
+                       parent_hidden: torch.Tensor) -> torch.Tensor:
+        """One tree level through the draft's cache: nodes ending `paths`, their tokens and
+        their parents' predicted features (n, H) -> their own predicted features (n, H)."""
+        weight = self.draft.input_proj.weight
+        positions, mask = self.engine.level(paths, weight.dtype)
+        tokens = torch.tensor(tokens, device=weight.device)[None]
+        return self.draft(parent_hidden[None], tokens, positions.to(weight.device)[None],
+                          mask.to(weight.device), cache=self.engine.cache)[0]
+
+    def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, H) predicted features -> float CPU logits (n, V) over the target's vocabulary."""
+        logits = self.draft.logits(hidden).float().cpu()
+        return to_target_vocab(logits, self.draft.vocab_ids, self.draft.target_vocab_size)
+
+
+def save_draft(draft: EagleDraft, folder: str | Path, target_name: str,
+               extra: Callable[[Path], None] | None = None) -> None:
+    """Write the draft (draft.safetensors + config.json naming its target) to `folder`,
+    atomically, replacing what was there; `extra(tmp)` may add files (training state)."""
+    hidden = draft.input_proj.weight.shape[0]
+    config = {"target": {"name": target_name, "hidden_size": hidden,
+                         "vocab_size": draft.target_vocab_size}, **draft.hyperparameters}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / WEIGHTS_FILE))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if extra is not None:
+            extra(tmp)
+
+    write_atomically(Path(folder), write, overwrite=True)
+
+
+def load_draft(folder: str | Path, target: Target) -> EagleDraft:
+    """A draft saved by `save_draft`, on `target`; ValueError when it was trained for another
+    target (by name, hidden size or vocabulary)."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    check_target(config["target"], target, folder)
+    device = str(target.model.get_output_embeddings().weight.device)
+    state = load_file(str(folder / WEIGHTS_FILE), device=device)
+    draft = EagleDraft(target.model, tuple(config["feature_layers"]), state.get("vocab_ids"),
+                       config["train_lm_head"])
+    draft.load_state_dict(state)
+    return draft
+
+
+def check_target(saved: Mapping, target: Target, folder: Path) -> None:
+    """Refuse a draft trained on another target: its features mean something else."""
+    vocab, hidden = target.model.get_output_embeddings().weight.shape
+    have = {"name": target.name, "hidden_size": hidden, "vocab_size": vocab}
+    if {key: saved[key] for key in have} != have:
+        raise ValueError(f"the EAGLE draft in {folder} was trained on {saved['name']!r} (hidden "
+                         f"size {saved['hidden_size']}, vocabulary {saved['vocab_size']}), not "
+                         f"on {target.name!r} (hidden size {hidden}, vocabulary {vocab})")
+
+
+def _log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(n, V) draft logits -> log-probabilities of the distribution drafts come from (warped
+    when sampling), -inf where a token cannot be proposed."""
+    if params.greedy:
+        return logits.log_softmax(-1)
+    return warp(logits, params).log()
+
+
+def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) -> EagleDrafter:
+    """conf/drafter/eagle.yaml / eagle3.yaml: a fresh (untrained) draft, or `checkpoint:
+    <folder>` for a trained one (whose saved settings then apply)."""
+    config = eagle_config(cfg)
+    if config.checkpoint:
+        draft = load_draft(config.checkpoint, target)
+    else:
+        layers = config.feature_layers or default_layers(config.variant,
+                                                         num_layers(target.model.config))
+        draft = EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head)
+    return EagleDrafter(draft, tree, name=config.name)

@@ -1,0 +1,116 @@
+"""The EAGLE drafters: the draft network's shapes, tree levels against drafting one path at a
+time, the feature contract, checkpoints and their refusal for another target."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from drafters import build_drafter
+from drafters.eagle import EagleDraft, EagleDrafter, eagle_config, load_draft, save_draft
+from verify.features import eagle3_layers
+from verify.loop import generate
+from verify.protocol import DraftContext
+from verify.sampling import SamplingParams
+from verify.target import Target
+from verify.tree import TreeTopology
+
+PROMPT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])
+
+
+def features(target: Target, tokens: torch.Tensor, layers) -> torch.Tensor:
+    """(T, F * H) target features of `tokens`, as the verifier hands them over."""
+    with torch.no_grad():
+        states = target.model(tokens[None], output_hidden_states=True).hidden_states
+    return torch.cat([states[i][0] for i in layers], dim=-1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_draft_shapes(arch, variant, tiny):
+    target = tiny(arch)
+    layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
+    draft = EagleDraft(target.model, layers, vocab_ids=torch.arange(0, 256, 2))
+    f = features(target, PROMPT, draft.feature_layers)  # (T, F * H)
+    assert f.shape == (len(PROMPT), 64 * len(layers))
+    inputs = draft.fuse_features(f)[None]
+    hidden = draft(inputs, PROMPT[None], torch.arange(len(PROMPT))[None])
+    assert hidden.shape == (1, len(PROMPT), 64)
+    assert draft.logits(hidden).shape == (1, len(PROMPT), 128)
+    # the target's token table is shared, not copied: the body's own is cut to one row
+    assert draft.body.get_input_embeddings().weight.shape[0] == 1
+
+
+def sequential_logits(drafter: EagleDrafter, ctx: DraftContext, path_tokens: list[int]):
+    """Draft logits (V,) after the root and `path_tokens`, fed one node at a time."""
+    hidden, logits = drafter._catch_up(ctx)
+    for depth in range(1, len(path_tokens) + 1):
+        path = list(range(depth + 1))  # a chain: node d is the d-th path token
+        out = drafter._forward_level([path], [path_tokens[depth - 1]], hidden[None])
+        hidden, logits = out[0], drafter._full_logits(out)[0]
+    drafter.engine.rollback()
+    return logits
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_tree_levels_equal_drafting_each_path_alone(variant, tiny):
+    # tree masks and positions: every node's children are the top-k of the draft run along
+    # that node's path alone
+    target = tiny("llama")
+    topology = TreeTopology.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
+    drafter = EagleDrafter(EagleDraft(target.model, layers), topology)
+    ctx = DraftContext(PROMPT, features(target, PROMPT[:-1], drafter.feature_layers),
+                       SamplingParams())
+    tree = drafter.propose(ctx)
+    assert len(tree) == topology.size
+    for node in range(len(tree)):
+        kids = tree.children(node)
+        if not kids:
+            continue
+        path = tree.ancestor_mask()[node].nonzero().flatten().tolist()[1:]
+        expected = sequential_logits(drafter, ctx, tree.tokens[path].tolist())
+        assert tree.tokens[kids].tolist() == expected.topk(len(kids)).indices.tolist()
+
+
+def test_missing_features_are_refused(tiny):
+    target = tiny("llama")
+    drafter = EagleDrafter(EagleDraft(target.model, (-1,)), TreeTopology.chain(2))
+    with pytest.raises(ValueError, match="needs the target's features"):
+        drafter.propose(DraftContext(PROMPT, None, SamplingParams()))
+    drafter.begin(PROMPT)
+    too_few = features(target, PROMPT[-4:-1], (-1,))  # rows for the last 3 positions only
+    with pytest.raises(ValueError, match="call begin"):
+        drafter.propose(DraftContext(PROMPT, too_few, SamplingParams()))
+
+
+def test_checkpoint_round_trip_and_refusal_for_another_target(tiny, tmp_path):
+    target = tiny("llama")
+    draft = EagleDraft(target.model, eagle3_layers(2), vocab_ids=torch.arange(10, 200),
+                       train_lm_head=True)
+    save_draft(draft, tmp_path / "draft", target.name)
+    loaded = load_draft(tmp_path / "draft", target)
+    inputs, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs, PROMPT[None, :5], positions),
+                           draft(inputs, PROMPT[None, :5], positions))
+    assert loaded.hyperparameters == draft.hyperparameters
+    other = Target(tiny("qwen2").model, None, "tiny-qwen2")
+    with pytest.raises(ValueError, match="trained on 'tiny-llama'.*not on 'tiny-qwen2'"):
+        load_draft(tmp_path / "draft", other)
+
+
+def test_a_trained_checkpoint_decodes_through_build_drafter(tiny, tmp_path, conf):
+    target = tiny("gpt2")
+    save_draft(EagleDraft(target.model, (-1,)), tmp_path / "draft", target.name)
+    cfg = OmegaConf.merge(conf("drafter", "eagle"), {"checkpoint": str(tmp_path / "draft")})
+    drafter = build_drafter(cfg, conf("tree", "eagle2"), target)
+    plain = generate(target.model, PROMPT, 20).tokens
+    assert torch.equal(generate(target.model, PROMPT, 20, drafter=drafter).tokens, plain)
+
+
+def test_config_keys_are_typed(conf):
+    assert eagle_config(conf("drafter", "eagle3")).ttt_steps == 3
+    with pytest.raises(ValueError, match=r"unknown EAGLE setting\(s\) \['ttt_step'\]"):
+        eagle_config({"name": "eagle", "ttt_step": 2})
+    with pytest.raises(ValueError, match="variant must be one of"):
+        eagle_config({"name": "eagle", "variant": "eagle2"})
