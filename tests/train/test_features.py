@@ -1,0 +1,139 @@
+"""Prefill features: padded batches give each sequence the states of its own unpadded forward,
+layers in declared order, and a shard cache that is reused and survives interruption."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import train.features as features
+from train.distill import Answer
+from train.features import answer_sequences, extract_features, feature_folder
+from verify.target import load_target
+
+LENGTHS = [5, 9, 3, 12, 7]
+# 24 tokens a batch: lengths 3, 5, 7 | 9, 12, the 9 padded to 12
+BATCH = dict(tokens_per_batch=24)
+
+
+def make_sequences(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 256, (n,), generator=generator),
+             torch.rand(n, generator=generator) < 0.5) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(tiny="llama")
+
+
+@torch.no_grad()
+def unpadded_states(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(h[0] for h in model(input_ids=input_ids[None], output_hidden_states=True)
+                 .hidden_states)
+
+
+def assert_fp16_equal(features: torch.Tensor, reference: torch.Tensor) -> None:
+    assert features.dtype == torch.float16
+    assert torch.allclose(features.float(), reference.half().float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_padded_batches_give_each_sequence_its_unpadded_states(tmp_path, arch):
+    target = load_target(tiny=arch)
+    sequences = make_sequences()
+    found = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    assert len(found) == len(sequences) and found.layers == (2,)
+    for (ids, mask), got in zip(sequences, found):  # the caller's order, not by length
+        assert torch.equal(got.input_ids, ids) and torch.equal(got.loss_mask, mask)
+        assert got.features.shape == (len(ids), 64)
+        assert_fp16_equal(got.features, unpadded_states(target.model, ids)[-1])
+
+
+def test_layers_are_concatenated_in_declared_order(target, tmp_path):
+    sequences = make_sequences()
+    found = extract_features(target, sequences, [-1, 0, 1], cache_dir=tmp_path, **BATCH)
+    assert found.layers == (2, 0, 1)
+    for (ids, _), got in zip(sequences, found):
+        states = unpadded_states(target.model, ids)
+        assert got.features.shape == (len(ids), 3 * 64)
+        for block, layer in zip(got.features.split(64, dim=-1), (2, 0, 1)):
+            assert_fp16_equal(block, states[layer])
+    with pytest.raises(ValueError, match="does not exist"):
+        extract_features(target, sequences, [3], cache_dir=tmp_path)
+
+
+def count_forwards(monkeypatch) -> list[int]:
+    """Batch sizes of the forwards extract_features runs from here on."""
+    calls: list[int] = []
+    real = features.prefill_features
+
+    def counting(model, input_ids, layers):
+        calls.append(len(input_ids))
+        return real(model, input_ids, layers)
+    monkeypatch.setattr(features, "prefill_features", counting)
+    return calls
+
+
+def test_shards_are_reused_and_only_missing_ones_computed(target, tmp_path, monkeypatch):
+    sequences = make_sequences()
+    first = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    assert sorted(p.name for p in first.folder.iterdir()) == [
+        "shard-00000.safetensors", "shard-00001.safetensors"]  # no temporary files left
+    calls = count_forwards(monkeypatch)
+    again = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    assert calls == [] and again.folder == first.folder
+    (first.folder / "shard-00001.safetensors").unlink()  # as if interrupted before it
+    third = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    assert calls == [2]
+    for a, b in zip(first, third):
+        assert torch.equal(a.features, b.features) and torch.equal(a.input_ids, b.input_ids)
+
+
+def test_a_crash_while_writing_leaves_no_shard_behind(target, tmp_path, monkeypatch):
+    sequences = make_sequences()
+    real = features.save_file
+    written = []
+
+    def crash_on_second(tensors, path):
+        if written:
+            Path(path).write_bytes(b"half a shard")
+            raise KeyboardInterrupt
+        written.append(path)
+        real(tensors, path)
+    monkeypatch.setattr(features, "save_file", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    folder = feature_folder(tmp_path, target, (2,), sequences, 24)
+    assert sorted(p.name for p in folder.iterdir()) == ["shard-00000.safetensors"]
+    monkeypatch.setattr(features, "save_file", real)
+    calls = count_forwards(monkeypatch)
+    found = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    assert calls == [2] and len(found) == len(sequences)
+
+
+def test_the_cache_folder_changes_with_anything_the_features_depend_on(target, tmp_path):
+    sequences = make_sequences()
+    base = feature_folder(tmp_path, target, (2,), sequences, 24)
+    flipped = [(ids, ~mask) for ids, mask in sequences]
+    others = [feature_folder(tmp_path, target, (1,), sequences, 24),
+              feature_folder(tmp_path, target, (2,), sequences, 48),
+              feature_folder(tmp_path, target, (2,), make_sequences(seed=1), 24),
+              feature_folder(tmp_path, target, (2,), flipped, 24)]
+    assert base == feature_folder(tmp_path, target, (2,), make_sequences(), 24)
+    assert base not in others and len(set(others)) == len(others)
+
+
+def test_distilled_answers_become_sequences_with_the_loss_on_the_response():
+    answer = Answer(torch.tensor([4, 5, 6]), torch.tensor([7, 8]), None)
+    [(input_ids, loss_mask)] = answer_sequences([answer])
+    assert input_ids.tolist() == [4, 5, 6, 7, 8]
+    assert loss_mask.tolist() == [False, False, False, True, True]
+
+
+def test_states_beyond_float16_are_refused(tmp_path):
+    target = load_target(tiny="llama")
+    with torch.no_grad():
+        target.model.get_input_embeddings().weight.mul_(1e6)  # token embeddings past 65,504
+    with pytest.raises(OverflowError, match="overflow float16"):
+        extract_features(target, make_sequences(), [0], cache_dir=tmp_path)

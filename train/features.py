@@ -1,0 +1,191 @@
+"""The target's features over training sequences, extracted by prefill and cached in shards.
+
+EAGLE-1 and Medusa-1 train on the frozen target's hidden states over fixed text: one
+teacher-forced forward per sequence, no generation (5-8x cheaper per token than distilling
+answers). Sequences are (input_ids (T,), loss_mask (T,)) pairs from either source: ShareGPT
+conversations (`train.conversations`) or distilled answers (`answer_sequences`). Features go
+through `verify.features.select_features`, so a drafter trains on the rows the verifier hands
+it when decoding. Shards are written atomically: an interrupted extraction keeps the ones it
+finished and the next run computes only the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from train.distill import Answer
+from verify.features import num_layers, resolve_layers, select_features
+from verify.target import Target, cache_root
+
+TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
+
+
+@dataclass
+class SequenceFeatures:
+    """One sequence: input_ids (T,) long, loss_mask (T,) bool (True on tokens to learn), and
+    features (T, F * H) float16, row t the target's states at token t (they predict token t+1)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    features: torch.Tensor
+
+
+@dataclass
+class FeatureSet:
+    """Features of a list of sequences, indexable in the order they were given.
+
+    layers: absolute hidden-state indices (see verify.features), in the order their states are
+    concatenated along a feature row; folder: the shard cache they were read from.
+    """
+
+    sequences: list[SequenceFeatures]
+    layers: tuple[int, ...]
+    folder: Path
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index: int) -> SequenceFeatures:
+        return self.sequences[index]
+
+
+def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
+    """Distilled answers as sequences: input_ids = prompt + response (P + R,), loss on the
+    response."""
+    return [(torch.cat([a.prompt, a.response]),
+             torch.cat([torch.zeros(len(a.prompt), dtype=torch.bool),
+                        torch.ones(len(a.response), dtype=torch.bool)]))
+            for a in answers]
+
+
+def extract_features(target: Target, sequences: Sequence[TokenSequence], layers: Sequence[int],
+                     cache_dir: str | Path | None = None, tokens_per_batch: int = 8192
+                     ) -> FeatureSet:
+    """The target's features at `layers` (indices into HF's hidden_states, -1 the last normed
+    state) over `sequences`, from shards in the cache where present.
+
+    Sequences are batched by length, each batch at most `tokens_per_batch` tokens with padding
+    (one sequence at least), and one batch makes one shard. The cache folder under `cache_dir`
+    (default: cache_root() / "features") is named by the target, the layers, the batching and
+    every token id and mask, so another setting never reads these shards.
+    """
+    layers = resolve_layers(layers, num_layers(target.model.config))
+    folder = feature_folder(cache_dir, target, layers, sequences, tokens_per_batch)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
+    batches = _batches([len(sequences[i][0]) for i in order], tokens_per_batch)
+    folder.mkdir(parents=True, exist_ok=True)
+    todo = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)
+            if not _shard_path(folder, b).exists()}
+    if todo:
+        _extract(target, layers, todo, folder)
+    found = [s for b in range(len(batches)) for s in _read_shard(_shard_path(folder, b))]
+    # found[k] is sequence order[k]: back to the caller's order
+    given = [found[k] for k in sorted(range(len(order)), key=order.__getitem__)]
+    return FeatureSet(given, layers, folder)
+
+
+def _extract(target: Target, layers: tuple[int, ...], todo: dict[int, list[TokenSequence]],
+             folder: Path) -> None:
+    """Shard b of `folder` for every batch b in `todo`, after an estimate of their size
+    (tokens x F x H x 2 bytes) and with a progress bar in tokens."""
+    tokens = sum(len(ids) for batch in todo.values() for ids, _ in batch)
+    hidden = target.model.config.hidden_size
+    print(f"features: {tokens:,} tokens x {len(layers)} layers x {hidden} -> "
+          f"{tokens * len(layers) * hidden * 2 / 2**30:.2f} GiB float16 in {folder}")
+    with tqdm(total=tokens, unit="tok", desc="extracting features") as bar:
+        for b, batch in todo.items():
+            states = prefill_features(target.model, [ids for ids, _ in batch], layers)
+            _write_shard(_shard_path(folder, b), [SequenceFeatures(ids, mask, f)
+                                                  for (ids, mask), f in zip(batch, states)])
+            bar.update(sum(len(ids) for ids, _ in batch))
+
+
+@torch.no_grad()
+def prefill_features(model: torch.nn.Module, input_ids: list[torch.Tensor], layers: Sequence[int]
+                     ) -> list[torch.Tensor]:
+    """(T_i, F * H) float16 CPU features of each (T_i,) sequence, in one right-padded forward.
+
+    The base model runs without its LM head (no vocabulary-wide logits). Padding follows every
+    real token and is masked, so it never reaches a real token's state.
+    """
+    width = max(len(ids) for ids in input_ids)
+    padded = torch.zeros((len(input_ids), width), dtype=torch.long)  # (B, W)
+    attention_mask = torch.zeros_like(padded)
+    for row, ids in enumerate(input_ids):
+        padded[row, :len(ids)] = ids
+        attention_mask[row, :len(ids)] = 1
+    out = model.base_model(input_ids=padded.to(model.device),
+                           attention_mask=attention_mask.to(model.device),
+                           output_hidden_states=True)
+    # float16 halves the cache; drafters train under bf16 autocast anyway
+    features = select_features(out.hidden_states, layers).to(torch.float16).cpu()  # (B, W, F*H)
+    # Some layers carry "massive activations" (SmolLM2-135M: ~25k, float16 ends at 65,504).
+    if not torch.isfinite(features).all():
+        raise OverflowError(f"features of layers {tuple(layers)} overflow float16")
+    return [features[row, :len(ids)] for row, ids in enumerate(input_ids)]
+
+
+def feature_folder(cache_dir: str | Path | None, target: Target, layers: tuple[int, ...],
+                   sequences: Sequence[TokenSequence], tokens_per_batch: int) -> Path:
+    """A folder named by everything the shards depend on. Token ids and masks are hashed as
+    bytes: a JSON list of a million ids would cost seconds."""
+    digest = hashlib.sha256(json.dumps({
+        "target": target.name, "adapter": target.adapter, "dtype": str(target.model.dtype),
+        "layers": layers, "tokens_per_batch": tokens_per_batch}).encode())
+    for ids, mask in sequences:
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(ids.to(torch.int64).numpy().tobytes())
+        digest.update(mask.to(torch.bool).numpy().tobytes())
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "features"
+    return root / target.name.replace("/", "--") / digest.hexdigest()[:16]
+
+
+def _batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Consecutive runs of ascending `lengths` (as indices into them) whose padded size,
+    count x longest, stays within `tokens_per_batch`."""
+    batches: list[list[int]] = []
+    for i, length in enumerate(lengths):
+        if batches and (len(batches[-1]) + 1) * length <= tokens_per_batch:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _shard_path(folder: Path, index: int) -> Path:
+    return folder / f"shard-{index:05d}.safetensors"
+
+
+def _write_shard(path: Path, sequences: list[SequenceFeatures]) -> None:
+    """Sequences concatenated, with lengths to split them again; written to a temporary name
+    and renamed, so a shard on disk is always whole."""
+    tensors = {
+        "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
+        "input_ids": torch.cat([s.input_ids for s in sequences]).to(torch.long),
+        "loss_mask": torch.cat([s.loss_mask for s in sequences]).to(torch.bool),
+        "features": torch.cat([s.features for s in sequences]),
+    }
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp))
+    except BaseException:  # Ctrl-C mid-write included: leave no half file behind
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def _read_shard(path: Path) -> list[SequenceFeatures]:
+    """A shard's sequences, as views into its tensors (no copies)."""
+    tensors = load_file(str(path))
+    lengths = tensors["lengths"].tolist()
+    parts = (tensors[key].split(lengths) for key in ("input_ids", "loss_mask", "features"))
+    return [SequenceFeatures(*fields) for fields in zip(*parts)]
