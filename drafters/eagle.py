@@ -38,9 +38,10 @@ from drafters.engine import DraftEngine
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
+from verify.files import write_atomically
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams, warp
-from verify.target import Target, write_atomically
+from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 VARIANTS = ("eagle1", "eagle3")

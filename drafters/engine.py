@@ -25,6 +25,7 @@ class DraftEngine:
 
     def __init__(self, config: PretrainedConfig):
         self.config = config
+        self.forwards = 0  # draft forwards run (catch-ups and tree levels), for cost reports
         self.reset()
 
     def reset(self) -> None:
@@ -51,6 +52,7 @@ class DraftEngine:
         if self.fed:
             raise RuntimeError("committed entries cannot follow a tree: rollback or commit first")
         self.length += count
+        self.forwards += 1
 
     def level(self, paths: list[list[int]], dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +60,7 @@ class DraftEngine:
         fed level; returns their positions (n,) and additive mask (1, 1, n, cached + n), where
         cached counts committed and earlier fed entries. Every ancestor below the root must
         have been fed by an earlier level."""
+        self.forwards += 1
         for path in paths:
             if path[-1] in self.fed:
                 raise ValueError(f"node {path[-1]} was fed already")

@@ -28,8 +28,9 @@ from drafters.base import add_children, check_depth
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST
+from verify.files import write_atomically
 from verify.protocol import DraftContext
-from verify.target import Target, write_atomically
+from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 WEIGHTS_FILE = "heads.safetensors"

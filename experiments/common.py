@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +10,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.data import Question, load_spec_bench
-from verify.target import Target
+from verify.files import write_json
+from verify.target import Target, hf_generate  # noqa: F401  (bench.py imports it from here)
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # Hydra's config root
 
@@ -38,15 +36,6 @@ def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig) ->
     return path
 
 
-def write_json(path: Path, payload: dict) -> None:
-    """Write `payload` as indented JSON through a temporary file: never half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
-
-
 @contextmanager
 def single_thread() -> Iterator[None]:
     """Run tiny-model work on one thread: for 64-wide matrices, thread hand-offs cost more
@@ -58,15 +47,3 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-@torch.no_grad()
-def hf_generate(target: Target, ids: torch.Tensor, max_new_tokens: int,
-                **generate_kwargs) -> torch.Tensor:
-    """The (M,) new tokens of Hugging Face greedy `generate` from a (T,) prompt, stopping at the
-    target's EOS; extra keywords (prompt_lookup_num_tokens=, assistant_model=) pass through."""
-    eos, pad = list(target.eos_token_ids) or None, target.eos_token_id
-    out = target.model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=eos, pad_token_id=pad if pad is not None else 0,
-                                **generate_kwargs)
-    return out[0, len(ids):]

@@ -29,12 +29,12 @@ from tqdm import tqdm
 
 from drafters import build_drafter
 from experiments.chain import chain_rows
-from experiments.common import hf_generate, pick_questions, single_thread, write_report
+from experiments.common import pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution
 from verify.accept import SpeculativeSamplingRule, make_rule
 from verify.loop import generate
 from verify.sampling import SamplingParams
-from verify.target import Target, build_tiny_model, load_target_from_config
+from verify.target import Target, build_tiny_model, hf_generate, load_target_from_config
 
 
 class WrongResidualRule(SpeculativeSamplingRule):

@@ -6,14 +6,12 @@ $TREEDRAFT_DATA or an explicit `data_root` points elsewhere.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from verify.files import default_data_root, read_jsonl
+
 SPEC_BENCH_FILE = Path("spec_bench") / "question.jsonl"
-# The repository's own data/ folder: found from this file, so it holds wherever the clone lives.
-REPO_DATA = Path(__file__).resolve().parents[1] / "data"
 
 # File order: MT-bench's 8 categories (10 questions each) then Spec-Bench's 5 (80 each).
 SPEC_BENCH_CATEGORIES = (
@@ -40,14 +38,6 @@ class Question:
     question_id: int
     category: str
     prompt: str
-
-
-def default_data_root() -> Path:
-    """$TREEDRAFT_DATA, else the repository's own `data/` folder."""
-    env = os.environ.get("TREEDRAFT_DATA")
-    if env:
-        return Path(env).expanduser()
-    return REPO_DATA
 
 
 def load_spec_bench(
@@ -94,9 +84,3 @@ def _spec_bench_path(data_root: str | Path | None) -> Path:
             f"$TREEDRAFT_DATA) to a folder containing {SPEC_BENCH_FILE}"
         )
     return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file (blank lines skipped)."""
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

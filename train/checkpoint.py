@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from drafters.medusa import ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE, MedusaHeads, save_heads
-from verify.target import readable_folder
+from verify.files import readable_folder
 
 STATE_FILE = "train_state.pt"
 

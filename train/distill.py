@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
+from verify.files import save_tensors_atomically, shard_path
 from verify.target import Target, cache_root
 
 
@@ -53,13 +53,13 @@ def distill(target: Target, prompts: list[torch.Tensor], max_new_tokens: int, ba
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     folder.mkdir(parents=True, exist_ok=True)
     todo = [b for b in range(len(batches)) if b % world_size == rank
-            and not _shard_path(folder, b).exists()]
+            and not shard_path(folder, b).exists()]
     for b in tqdm(todo, desc="distilling answers", disable=rank != 0 or not todo):
         answers = answer_batch(target, [prompts[i] for i in batches[b]], max_new_tokens,
                                keep_hidden=True)
-        _write_shard(_shard_path(folder, b), answers)
+        _write_shard(shard_path(folder, b), answers)
     barrier()  # every rank reads every shard
-    return [a for b in range(len(batches)) for a in _read_shard(_shard_path(folder, b))]
+    return [a for b in range(len(batches)) for a in _read_shard(shard_path(folder, b))]
 
 
 def cache_folder(cache_dir: str | None, target: Target, prompts: list[torch.Tensor],
@@ -118,10 +118,6 @@ def _pad_id(target: Target) -> int:
     return target.eos_token_id if target.eos_token_id is not None else 0
 
 
-def _shard_path(folder: Path, index: int) -> Path:
-    return folder / f"shard-{index:05d}.safetensors"
-
-
 def _write_shard(path: Path, answers: list[Answer]) -> None:
     """Answers concatenated, with lengths to split them again; written to a temporary name and
     renamed, so a shard on disk is always whole."""
@@ -133,9 +129,7 @@ def _write_shard(path: Path, answers: list[Answer]) -> None:
     }
     if answers[0].hidden is not None:
         tensors["hidden"] = torch.cat([a.hidden for a in answers])
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    save_tensors_atomically(tensors, path)
 
 
 def _read_shard(path: Path) -> list[Answer]:

@@ -12,12 +12,11 @@ import torch
 from tqdm import tqdm
 
 from drafters.medusa import MedusaDrafter, MedusaHeads
-from experiments.common import hf_generate
 from train.distill import Answer
 from train.loop import chunks
 from train.medusa import answer_batch_inputs, head_targets
 from verify.loop import generate
-from verify.target import Target
+from verify.target import Target, hf_generate
 from verify.tree import TreeTopology
 
 

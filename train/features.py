@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from train.distill import Answer
 from verify.features import num_layers, resolve_layers, select_features
+from verify.files import save_tensors_atomically, shard_path
 from verify.target import Target, cache_root
 
 TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
@@ -84,10 +84,10 @@ def extract_features(target: Target, sequences: Sequence[TokenSequence], layers:
     batches = _batches([len(sequences[i][0]) for i in order], tokens_per_batch)
     folder.mkdir(parents=True, exist_ok=True)
     todo = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)
-            if not _shard_path(folder, b).exists()}
+            if not shard_path(folder, b).exists()}
     if todo:
         _extract(target, layers, todo, folder)
-    found = [s for b in range(len(batches)) for s in _read_shard(_shard_path(folder, b))]
+    found = [s for b in range(len(batches)) for s in _read_shard(shard_path(folder, b))]
     # found[k] is sequence order[k]: back to the caller's order
     given = [found[k] for k in sorted(range(len(order)), key=order.__getitem__)]
     return FeatureSet(given, layers, folder)
@@ -104,7 +104,7 @@ def _extract(target: Target, layers: tuple[int, ...], todo: dict[int, list[Token
     with tqdm(total=tokens, unit="tok", desc="extracting features") as bar:
         for b, batch in todo.items():
             states = prefill_features(target.model, [ids for ids, _ in batch], layers)
-            _write_shard(_shard_path(folder, b), [SequenceFeatures(ids, mask, f)
+            _write_shard(shard_path(folder, b), [SequenceFeatures(ids, mask, f)
                                                   for (ids, mask), f in zip(batch, states)])
             bar.update(sum(len(ids) for ids, _ in batch))
 
@@ -161,10 +161,6 @@ def _batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
     return batches
 
 
-def _shard_path(folder: Path, index: int) -> Path:
-    return folder / f"shard-{index:05d}.safetensors"
-
-
 def _write_shard(path: Path, sequences: list[SequenceFeatures]) -> None:
     """Sequences concatenated, with lengths to split them again; written to a temporary name
     and renamed, so a shard on disk is always whole."""
@@ -174,13 +170,7 @@ def _write_shard(path: Path, sequences: list[SequenceFeatures]) -> None:
         "loss_mask": torch.cat([s.loss_mask for s in sequences]).to(torch.bool),
         "features": torch.cat([s.features for s in sequences]),
     }
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp))
-    except BaseException:  # Ctrl-C mid-write included: leave no half file behind
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+    save_tensors_atomically(tensors, path)
 
 
 def _read_shard(path: Path) -> list[SequenceFeatures]:

@@ -20,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from drafters.medusa import ADAPTER_DIR, MedusaHeads, load_heads
-from experiments.common import write_json
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, save_checkpoint
 from train.distill import Answer, cache_folder, distill, encode_prompts
 from train.distributed import DistEnv
@@ -38,6 +37,7 @@ from train.medusa import (
     sequence_batch,
 )
 from train.prompts import interleave, load_prompt_files
+from verify.files import write_json
 from verify.target import Target, load_target_from_config
 from verify.tree_builder import build_tree, expected_tokens
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from verify.files import write_atomically
 from verify.verifier import context_window
 
 log = logging.getLogger(__name__)
@@ -271,42 +270,13 @@ def _convert_gguf(source: Path, gguf_file: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool = False) -> None:
-    """Fill folder `dest` via `write(tmp)` on a temp folder beside it, then rename it into place.
-
-    An interrupted or failing write leaves `dest` as it was and no temp folder behind. Without
-    `overwrite`, a `dest` already there (another process renamed its copy into place first) is
-    kept and ours discarded. With it, the old `dest` is swapped out to `<dest>.old` for the
-    instant between two renames and then deleted; `readable_folder` finds it there if a crash
-    falls into that instant.
-    """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        write(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = _old_copy(dest)
-    if overwrite and dest.is_dir():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-    try:
-        os.replace(tmp, dest)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not dest.is_dir():
-            raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def readable_folder(dest: Path) -> Path | None:
-    """`dest`, or the copy an interrupted overwrite left at `<dest>.old`, or None."""
-    for folder in (dest, _old_copy(dest)):
-        if folder.is_dir():
-            return folder
-    return None
-
-
-def _old_copy(dest: Path) -> Path:
-    return dest.with_name(f"{dest.name}.old")
+@torch.no_grad()
+def hf_generate(target: Target, ids: torch.Tensor, max_new_tokens: int,
+                **generate_kwargs) -> torch.Tensor:
+    """The (M,) new tokens of Hugging Face greedy `generate` from a (T,) prompt, stopping at the
+    target's EOS; extra keywords (prompt_lookup_num_tokens=, assistant_model=) pass through."""
+    eos, pad = list(target.eos_token_ids) or None, target.eos_token_id
+    out = target.model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=eos, pad_token_id=pad if pad is not None else 0,
+                                **generate_kwargs)
+    return out[0, len(ids):]

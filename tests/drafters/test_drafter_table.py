@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 from drafters import build_drafter
 from verify.loop import generate
 
-
 STATIC_TREES = ["chain4", "tree16"]
 
 

@@ -5,12 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.data import (
-    REPO_DATA,
-    SPEC_BENCH_CATEGORIES,
-    default_data_root,
-    load_spec_bench,
-)
+from experiments.data import SPEC_BENCH_CATEGORIES, load_spec_bench
+from verify.files import REPO_DATA, default_data_root
 
 MT_BENCH = SPEC_BENCH_CATEGORIES[:8]
 

@@ -4,12 +4,11 @@ with the states decoding would hand the heads, and a shard cache that survives i
 import pytest
 import torch
 
-from experiments.common import hf_generate
 from train.distill import Answer, answer_batch, cache_folder, distill
 from train.evaluate import answer_states
 from train.medusa import choose_draft_vocab, head_targets
 from train.prompts import interleave, load_prompt_files
-from verify.target import load_target
+from verify.target import hf_generate, load_target
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train.features as features
+import verify.files as files
 from train.distill import Answer
 from train.features import answer_sequences, extract_features, feature_folder
 from verify.target import load_target
@@ -92,7 +93,7 @@ def test_shards_are_reused_and_only_missing_ones_computed(target, tmp_path, monk
 
 def test_a_crash_while_writing_leaves_no_shard_behind(target, tmp_path, monkeypatch):
     sequences = make_sequences()
-    real = features.save_file
+    real = files.save_file
     written = []
 
     def crash_on_second(tensors, path):
@@ -101,12 +102,12 @@ def test_a_crash_while_writing_leaves_no_shard_behind(target, tmp_path, monkeypa
             raise KeyboardInterrupt
         written.append(path)
         real(tensors, path)
-    monkeypatch.setattr(features, "save_file", crash_on_second)
+    monkeypatch.setattr(files, "save_file", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
     folder = feature_folder(tmp_path, target, (2,), sequences, 24)
     assert sorted(p.name for p in folder.iterdir()) == ["shard-00000.safetensors"]
-    monkeypatch.setattr(features, "save_file", real)
+    monkeypatch.setattr(files, "save_file", real)
     calls = count_forwards(monkeypatch)
     found = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
     assert calls == [2] and len(found) == len(sequences)

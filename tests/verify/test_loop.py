@@ -4,9 +4,8 @@ compaction), EOS and length handling, and bad inputs."""
 import pytest
 import torch
 
-from experiments.common import hf_generate
 from verify.loop import generate
-from verify.target import Target, load_target
+from verify.target import Target, hf_generate, load_target
 from verify.tree import TokenTree
 
 
