@@ -3,18 +3,50 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
+from verify.files import write_atomically
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
 
 __all__ = ["DraftContext", "Drafter", "add_children", "check_depth", "fill_by_levels",
            "propose_children", "shallow_config", "typed_config"]
+
+
+CONFIG_FILE = "config.json"  # beside a trained drafter's weights: its settings and its target
+
+
+def save_module(module: torch.nn.Module, folder: str | Path, weights_file: str, config: dict,
+                extra: Callable[[Path], None] | None = None) -> None:
+    """Write `module`'s state dict (safetensors `weights_file`) and `config` (config.json) to
+    `folder`, atomically, replacing what was there; `extra(tmp)` may add files (a training
+    checkpoint's state)."""
+    # safetensors refuses views into larger storages: give it compact copies
+    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / weights_file))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if extra is not None:
+            extra(tmp)
+
+    write_atomically(Path(folder), write, overwrite=True)
+
+
+def read_config(folder: str | Path) -> dict:
+    """The config.json a trained drafter was saved with."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no trained drafter in {folder} ({CONFIG_FILE} missing)")
+    return json.loads(path.read_text())
 
 
 def typed_config(schema: type, cfg: Mapping, what: str):

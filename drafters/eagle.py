@@ -22,23 +22,29 @@ ever holds entries built from real features. The target's token embedding is sha
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from drafters.base import check_depth, fill_by_levels, node_path, shallow_config, typed_config
+from drafters.base import (
+    check_depth,
+    fill_by_levels,
+    node_path,
+    read_config,
+    save_module,
+    shallow_config,
+    typed_config,
+)
 from drafters.dynamic_tree import CandidateTree, DynamicTree
 from drafters.engine import DraftEngine
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
-from verify.files import write_atomically
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams, warp
 from verify.target import Target
@@ -46,7 +52,6 @@ from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 VARIANTS = ("eagle1", "eagle3")
 WEIGHTS_FILE = "draft.safetensors"
-CONFIG_FILE = "config.json"
 
 
 @dataclass
@@ -256,22 +261,14 @@ def save_draft(draft: EagleDraft, folder: str | Path, target_name: str,
     hidden = draft.input_proj.weight.shape[0]
     config = {"target": {"name": target_name, "hidden_size": hidden,
                          "vocab_size": draft.target_vocab_size}, **draft.hyperparameters}
-    tensors = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS_FILE))
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if extra is not None:
-            extra(tmp)
-
-    write_atomically(Path(folder), write, overwrite=True)
+    save_module(draft, folder, WEIGHTS_FILE, config, extra)
 
 
 def load_draft(folder: str | Path, target: Target) -> EagleDraft:
     """A draft saved by `save_draft`, on `target`; ValueError when it was trained for another
     target (by name, hidden size or vocabulary)."""
     folder = Path(folder)
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    config = read_config(folder)
     check_target(config["target"], target, folder)
     device = str(target.model.get_output_embeddings().weight.device)
     state = load_file(str(folder / WEIGHTS_FILE), device=device)

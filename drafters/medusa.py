@@ -16,25 +16,22 @@ target actually writes: on a CPU that is what makes heads affordable.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from drafters.base import add_children, check_depth
+from drafters.base import add_children, check_depth, read_config, save_module
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST
-from verify.files import write_atomically
 from verify.protocol import DraftContext
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 WEIGHTS_FILE = "heads.safetensors"
-CONFIG_FILE = "config.json"
 ADAPTER_DIR = "adapter"  # Medusa-2: the target's LoRA adapter, trained with the heads
 
 
@@ -187,23 +184,14 @@ def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str,
     """
     config = {"target": {"name": target_name, "hidden_size": heads.hidden_size,
                          "vocab_size": heads.target_vocab_size}, **heads.hyperparameters}
-    # safetensors refuses views into larger storages: give it compact copies
-    tensors = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS_FILE))
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if extra is not None:
-            extra(tmp)
-
-    write_atomically(Path(folder), write, overwrite=True)
+    save_module(heads, folder, WEIGHTS_FILE, config, extra)
 
 
 def load_heads(folder: str | Path, target: Target) -> MedusaHeads:
     """Heads saved by `save_heads`, on `target`'s LM head; ValueError when the checkpoint was
     made for a target of another hidden size or vocabulary."""
     folder = Path(folder)
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    config = read_config(folder)
     lm_head = target.model.get_output_embeddings()
     _check_target(config["target"], lm_head, target.name, folder)
     _check_adapter(folder, target)

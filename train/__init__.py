@@ -1,7 +1,7 @@
 """Training for the drafters that learn: `python train.py drafter=<name>` lands in `run_training`.
 
-One recipe per learned drafter (train/recipe.py for Medusa); drafters without weights
-(draft_model, prompt_lookup) have nothing to train and say so.
+One recipe per learned drafter (train/recipes/); drafters without weights (draft_model,
+prompt_lookup) have nothing to train and say so.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from omegaconf import DictConfig
 def run_training(cfg: DictConfig, group: str | None = None) -> dict:
     """Train the configured drafter (every rank of a torchrun job calls this); prints and
     returns the end-of-training evaluation on rank 0."""
-    from train import recipe  # heavy imports only when something is trained
     from train.distributed import close_distributed, init_distributed
+    from train.recipes import RECIPES, recipe_for  # heavy imports only when something trains
 
-    recipes = {"medusa": recipe.run}
-    if cfg.drafter.name not in recipes:
+    recipe = recipe_for(cfg.drafter.name)
+    if recipe is None:
         print(f"drafter {cfg.drafter.name!r} has nothing to train: it drafts without learned "
-              f"weights. Trainable: {sorted(recipes)}")
+              f"weights. Trainable: {sorted(RECIPES)}")
         return {}
     env = init_distributed(cfg.device)
     try:
-        results = recipes[cfg.drafter.name](cfg, env, group)
+        results = recipe.run(cfg, env, group)
     finally:
         close_distributed()
     if env.is_main:
@@ -33,17 +33,20 @@ def run_training(cfg: DictConfig, group: str | None = None) -> dict:
 
 
 def format_results(results: dict) -> str:
-    """The end-of-training report: per-head accuracy, tau, the greedy check, where things went."""
+    """The end-of-training report: held-out accuracy per head (Medusa) or per draft depth
+    (EAGLE), tau, the greedy check, where things went."""
     accuracy, decoding = results["accuracy"], results["decoding"]
-    lines = ["| head | top-1 | top-5 |", "|---|---|---|"]
-    lines += [f"| {k} (token +{k + 2}) | {top1:.3f} | {top5:.3f} |"
+    label = accuracy.get("label", "head")
+    lines = [f"| {label} | predicts | top-1 | top-5 |", "|---|---|---|---|"]
+    lines += [f"| {k} | token +{k + 2} | {top1:.3f} | {top5:.3f} |"
               for k, (top1, top5) in enumerate(zip(accuracy["top1"], accuracy["top5"]))]
+    predicted = (f" (predicted from the table {decoding['predicted_tau']:.2f})"
+                 if "predicted_tau" in decoding else "")
     lines += [
         "",
-        f"held-out decoding, tree of {decoding['tree_nodes']} nodes (depth "
-        f"{decoding['tree_depth']}): tau {decoding['tau']:.2f} (predicted from the table "
-        f"{decoding['predicted_tau']:.2f}); greedy output identical to the target's on "
-        f"{decoding['identical']}/{decoding['prompts']} prompts",
+        f"held-out decoding, {decoding['tree']}: tau {decoding['tau']:.2f}{predicted}; greedy "
+        f"output identical to the target's on {decoding['identical']}/{decoding['prompts']} "
+        "prompts",
         f"checkpoint: {results['checkpoint']}  (use: drafter.checkpoint={results['checkpoint']})",
         f"evaluation: {results['eval']}  (a tree sized on this machine: python -m "
         f"experiments.tree_search accuracies={results['eval']})",

@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from drafters.medusa import MedusaDrafter, MedusaHeads
+from drafters.medusa import MedusaHeads
 from train.distill import Answer
 from train.loop import chunks
 from train.medusa import answer_batch_inputs, head_targets
 from verify.loop import generate
+from verify.protocol import Drafter
 from verify.target import Target, hf_generate
-from verify.tree import TreeTopology
 
 
 @torch.no_grad()
@@ -56,17 +56,17 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, answers: list[Answer
     return {"top1": top1, "top5": top5, "rank_accuracy": table, "rows": int(len(targets))}
 
 
-def decode_check(target: Target, heads: MedusaHeads, topology: TreeTopology,
-                 prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
-    """tau of greedy Medusa decoding and its agreement with the target's greedy output."""
-    drafter = MedusaDrafter(heads, topology)
-    tokens = steps = identical = 0
+def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
+                 max_new_tokens: int, tree: str) -> dict:
+    """Greedy decoding of held-out prompts with a trained drafter: the loop's own tau, and
+    whether the output is token for token the target's (Hugging Face greedy `generate`)."""
+    forwards = produced = identical = 0
     for ids in tqdm(prompts, desc="evaluating decoding"):
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=target.eos_token_ids)
         reference = hf_generate(target, ids, max_new_tokens)
         identical += int(torch.equal(result.tokens, reference.cpu()))
-        tokens += len(result.tokens)
-        steps += len(result.steps)
-    return {"tau": tokens / max(steps, 1), "identical": identical, "prompts": len(prompts),
-            "tree_nodes": topology.size - 1, "tree_depth": topology.depth}
+        forwards += len(result.steps)
+        produced += result.tau * len(result.steps)
+    return {"tau": produced / max(forwards, 1), "identical": identical, "prompts": len(prompts),
+            "tree": tree}

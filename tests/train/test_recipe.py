@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-import train.recipe as recipe
+import train.recipes.medusa as recipe
 from drafters import build_drafter
 from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies
@@ -107,7 +107,7 @@ def test_the_run_reports_where_things_went_and_tree_search_reads_its_table(train
     results = run_training(train_cfg())
     out = capsys.readouterr().out
     assert f"drafter.checkpoint={results['checkpoint']}" in out and "tau" in out
-    assert "| 1 (token +3) |" in out  # one accuracy row per head
+    assert "| 1 | token +3 |" in out  # one accuracy row per head
     table = load_accuracies(results["eval"])
     assert table == results["accuracy"]["rank_accuracy"] and len(table) == 2
 

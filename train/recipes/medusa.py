@@ -19,8 +19,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from drafters.medusa import ADAPTER_DIR, MedusaHeads, load_heads
-from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, save_checkpoint
+from drafters import build_drafter
+from drafters.medusa import ADAPTER_DIR, WEIGHTS_FILE, MedusaHeads, load_heads, save_heads
+from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
 from train.distill import Answer, cache_folder, distill, encode_prompts
 from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
@@ -66,8 +67,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
 
     def save(step: int) -> None:
         if env.is_main:
-            save_checkpoint(out_dir / CHECKPOINT_DIR, heads, target.name, step, optimizer,
-                            scheduler, peft_model)
+            save_heads(heads, out_dir / CHECKPOINT_DIR, target.name,
+                       training_state(step, optimizer, scheduler, peft_model))
         env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
 
     train_steps(objective, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
@@ -179,7 +180,7 @@ def _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model) -> in
     if found is None:
         return 0
     check_resumable(found, target.name, heads.hyperparameters)
-    step = load_checkpoint(found, heads, optimizer, scheduler, peft_model)
+    step = load_checkpoint(found, heads, WEIGHTS_FILE, optimizer, scheduler, peft_model)
     print(f"resuming from {found} after step {step}")
     return step
 
@@ -191,10 +192,15 @@ def evaluate(cfg: DictConfig, target: Target, heads: MedusaHeads, heldout: list[
     hidden = answer_states(target.model, heldout)
     accuracy = head_accuracy(heads, hidden, heldout, cfg.eval.top_k)
     topology = build_tree(accuracy["rank_accuracy"], cfg.eval.tree_budget)
+    choices = [list(c) for c in topology.choices]
+    drafter = build_drafter({**OmegaConf.to_container(cfg.drafter, resolve=True),
+                             "checkpoint": str(out_dir / CHECKPOINT_DIR)},
+                            {"choices": choices}, target)
     prompts = [a.prompt for a in heldout[:cfg.eval.num_prompts]]
-    decoding = decode_check(target, heads, topology, prompts, cfg.eval.max_new_tokens)
+    tree = f"tree of {topology.size - 1} nodes (depth {topology.depth})"
+    decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, tree)
     decoding["predicted_tau"] = expected_tokens(topology, accuracy["rank_accuracy"])
-    decoding["tree_choices"] = [list(c) for c in topology.choices]
+    decoding["tree_choices"] = choices
     results = {"accuracy": accuracy, "decoding": decoding,
                "checkpoint": str(out_dir / CHECKPOINT_DIR), "eval": str(out_dir / "eval.json")}
     write_json(out_dir / "eval.json",

@@ -1,0 +1,24 @@
+"""One recipe per learned drafter, each with torchtune's skeleton: setup (target, data, drafter,
+objective, optimizer), train (train.loop.train_steps, resumable checkpoints), save, evaluate
+(held-out accuracy, and tau through build_drafter and the decoding loop itself).
+
+A new learned drafter is one module here with `run(cfg, env, group) -> results` and one entry
+below; modules are imported only when their drafter is trained.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# conf/drafter name -> the module whose run() trains it
+RECIPES = {
+    "medusa": "train.recipes.medusa",
+    "eagle": "train.recipes.eagle",
+    "eagle3": "train.recipes.eagle",
+}
+
+
+def recipe_for(drafter: str) -> ModuleType | None:
+    """The recipe module that trains `drafter`, or None for drafters without weights."""
+    return importlib.import_module(RECIPES[drafter]) if drafter in RECIPES else None
