@@ -1,60 +1,141 @@
 """Speed benchmark on Spec-Bench prompts, every method against plain decoding in one run.
 
     python -m experiments.bench drafter=prompt_lookup tree=chain4 num_prompts=40
+    python -m experiments.bench 'compare=["eagle:eagle2","draft_model:chain4:num_layers=2"]'
 
 Methods run one after another on each prompt (so machine noise hits all alike):
 - hf_greedy: Hugging Face `generate`, greedy: the baseline every speedup divides by;
-- the configured drafter through the tree verifier;
+- the configured drafter through the tree verifier, then each `compare` entry
+  ("<drafter>:<tree>[:key=value,...]", the keys overriding conf/drafter/<drafter>.yaml);
 - peers (`peers=[...]`): plain_loop, this framework's loop with no drafter (its overhead next
   to hf_greedy); Hugging Face `generate` with `prompt_lookup_num_tokens=` (hf_prompt_lookup)
   and with `assistant_model=` (hf_assisted).
 Reports tokens/s per category, speedup, tau (tokens per target forward), acceptance rate per
-tree depth, draft and verify time. Prints markdown, writes JSON and a bar chart.
+tree depth, and where a step's time goes (draft, verify, the rest; ms per draft forward).
+Prints markdown, writes JSON and a bar chart.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from drafters import build_drafter
 from drafters.draft_model import truncated_copy
 from experiments.bench_report import format_tables, plot_speedups, summarise
-from experiments.common import hf_generate, pick_questions, write_report
+from experiments.common import CONF_DIR, hf_generate, pick_questions, write_report
 from verify.loop import generate
+from verify.protocol import Drafter
 from verify.target import Target, load_target_from_config
 
 BASELINE = "hf_greedy"
+COMPARE_FORMAT = "<drafter>:<tree>[:key=value,...]"
+
+Method = Callable[[torch.Tensor, int], dict]
 
 
-def hf_method(target: Target, **generate_kwargs):
+class Contender(NamedTuple):
+    """A drafter to time through the tree verifier, under its method name."""
+
+    name: str
+    drafter: DictConfig
+    tree: DictConfig
+
+
+def hf_method(target: Target, **generate_kwargs) -> Method:
     """A method running Hugging Face `generate` greedily with extra keyword arguments."""
     def run(ids: torch.Tensor, max_new_tokens: int) -> dict:
         return {"new_tokens": len(hf_generate(target, ids, max_new_tokens, **generate_kwargs))}
     return run
 
 
-def treedraft_method(target: Target, drafter):
-    """A method running this framework's loop (drafter None: plain decoding)."""
+def treedraft_method(target: Target, drafter: Drafter | None) -> Method:
+    """A method running this framework's loop (drafter None: plain decoding). Its record
+    counts the draft forwards when the drafter runs a DraftEngine."""
+    engine = getattr(drafter, "engine", None)
+
     def run(ids: torch.Tensor, max_new_tokens: int) -> dict:
+        before = engine.forwards if engine is not None else 0  # a running count: diff it
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=target.eos_token_ids)
-        return {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps]}
+        record = {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps],
+                  "prefill_s": result.prefill_s}
+        if engine is not None:
+            record["draft_forwards"] = engine.forwards - before
+        return record
     return run
 
 
-def build_methods(cfg: DictConfig, target: Target) -> dict:
+def parse_compare(entry: str) -> Contender:
+    """One `compare` entry, "<drafter>:<tree>[:key=value,...]": conf/drafter/<drafter>.yaml with
+    the keys overridden (each must be one of its keys), conf/tree/<tree>.yaml, and the method
+    name "<drafter>/<tree>", or "<drafter>/<tree> (<label>)" given `label=<label>`.
+    Raises ValueError for a malformed entry, an unknown drafter, tree or key."""
+    parts = entry.split(":", 2)  # the overrides may hold colons (paths)
+    if len(parts) < 2 or not all(parts[:2]):
+        raise ValueError(f"compare entry {entry!r} is not {COMPARE_FORMAT}")
+    drafter_cfg, tree_cfg = _conf_file("drafter", parts[0]), _conf_file("tree", parts[1])
+    overrides = _overrides(parts[2] if len(parts) == 3 else "", entry)
+    label = overrides.pop("label", None)
+    settable = set(drafter_cfg) - {"name"}  # the name picks the drafter: the entry's first part
+    unknown = sorted(set(overrides) - settable)
+    if unknown:
+        raise ValueError(f"compare entry {entry!r}: {parts[0]} cannot set {unknown}; its keys: "
+                         f"{sorted(settable)} (and label)")
+    name = f"{drafter_cfg.name}/{tree_cfg.name}" + (f" ({label})" if label else "")
+    return Contender(name, OmegaConf.merge(drafter_cfg, overrides), tree_cfg)
+
+
+def _conf_file(group: str, name: str) -> DictConfig:
+    """conf/<group>/<name>.yaml, or a ValueError listing the known names."""
+    path = Path(CONF_DIR) / group / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(f"compare: unknown {group} {name!r}; known: {known}")
+    cfg = OmegaConf.load(path)
+    cfg.pop("defaults", None)  # Hydra's list of what it composes along (train.py's), no setting
+    return cfg
+
+
+def _overrides(text: str, entry: str) -> DictConfig:
+    """"key=value,..." as a config, values typed as YAML reads them (1, null, /a/path)."""
+    items = [item for item in text.split(",") if item]
+    bad = [item for item in items if not re.fullmatch(r"\w+=.*", item)]
+    if bad:
+        raise ValueError(f"compare entry {entry!r}: {bad} not key=value ({COMPARE_FORMAT})")
+    return OmegaConf.from_dotlist(items)
+
+
+def contenders(cfg: DictConfig) -> list[Contender]:
+    """The drafters to time: `drafter=`/`tree=` first, then the `compare` entries; a name
+    already taken (the same drafter and tree twice, no label) gets " #2", " #3", ..."""
+    found = [Contender(f"{cfg.drafter.name}/{cfg.tree.name}", cfg.drafter, cfg.tree)]
+    for entry in cfg.compare:
+        contender = parse_compare(entry)
+        taken, name, suffix = {c.name for c in found}, contender.name, 2
+        while name in taken:
+            name, suffix = f"{contender.name} #{suffix}", suffix + 1
+        found.append(contender._replace(name=name))
+    return found
+
+
+def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) -> dict:
+    """Method name -> method, in the order they run on each prompt (baseline first)."""
     methods = {BASELINE: hf_method(target)}
     if "plain_loop" in cfg.peers:
         methods["plain_loop"] = treedraft_method(target, None)
-    drafter = build_drafter(cfg.drafter, cfg.tree, target)
-    methods[f"{cfg.drafter.name}/{cfg.tree.name}"] = treedraft_method(target, drafter)
+    for contender in drafters:
+        drafter = build_drafter(contender.drafter, contender.tree, target)
+        methods[contender.name] = treedraft_method(target, drafter)
     if "hf_prompt_lookup" in cfg.peers:
         methods["hf_prompt_lookup"] = hf_method(
             target, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_num_tokens)
@@ -66,8 +147,9 @@ def build_methods(cfg: DictConfig, target: Target) -> dict:
 
 def run_benchmark(cfg: DictConfig) -> dict:
     """Time every method on every prompt; returns the summary (see bench_report.summarise)."""
+    drafters = contenders(cfg)  # a bad compare entry fails before the target loads
     target = load_target_from_config(cfg.target)
-    methods = build_methods(cfg, target)
+    methods = build_methods(cfg, target, drafters)
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
     prompts = [(q, target.encode_prompt(q.prompt)) for q in questions]
     for _, ids in prompts[: cfg.warmup]:  # first calls pay one-off costs; keep them out
@@ -84,11 +166,17 @@ def run_benchmark(cfg: DictConfig) -> dict:
     return summarise(records, BASELINE)
 
 
+def report_stem(cfg: DictConfig) -> str:
+    """The result files' name: the target and every drafter's method name, file-safe."""
+    names = [re.sub(r"[^\w.+-]+", "-", c.name).strip("-") for c in contenders(cfg)]
+    return f"{cfg.target.name}-" + "+".join(names)
+
+
 @hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     summary = run_benchmark(cfg)
-    stem = f"{cfg.target.name}-{cfg.drafter.name}-{cfg.tree.name}"
+    stem = report_stem(cfg)
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)
     print(format_tables(summary))
     print(f"\nJSON: {path}")

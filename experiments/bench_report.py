@@ -7,7 +7,8 @@ from pathlib import Path
 
 def summarise(records: dict[str, list[dict]], baseline: str) -> dict:
     """Per method: tokens/s overall and per category, speedup against `baseline` (ratio of
-    tokens/s on the same prompts), and for tree methods tau and acceptance per depth."""
+    tokens/s on the same prompts), and for tree methods tau, acceptance per depth and where a
+    step's time goes."""
     speeds = {name: _tokens_per_second(recs) for name, recs in records.items()}
     methods = {}
     for name, recs in records.items():
@@ -20,6 +21,7 @@ def summarise(records: dict[str, list[dict]], baseline: str) -> dict:
         steps = [s for r in recs for s in r.get("steps", [])]
         if steps:
             summary.update(_step_figures(steps))
+            summary.update(_time_per_step(recs, summary))
         methods[name] = summary
     return {"baseline": baseline, "prompts": len(records[baseline]), "methods": methods}
 
@@ -35,7 +37,8 @@ def _tokens_per_second(records: list[dict]) -> dict[str, float]:
 
 
 def _step_figures(steps: list[dict]) -> dict:
-    """tau, acceptance rate per depth, draft/verify seconds."""
+    """tau, acceptance rate per depth, the share of steps accepting 0, 1, 2, ... drafts,
+    draft/verify seconds."""
     depth = max(s["tree_depth"] for s in steps)
     per_depth = []
     for d in range(1, depth + 1):
@@ -45,6 +48,8 @@ def _step_figures(steps: list[dict]) -> dict:
     return {
         "tau": sum(s["accepted"] + 1 for s in steps) / len(steps),
         "acceptance_per_depth": per_depth,
+        "accepted_histogram": [sum(s["accepted"] == k for s in steps) / len(steps)
+                               for k in range(max(s["accepted"] for s in steps) + 1)],
         "mean_tree_size": sum(s["tree_size"] for s in steps) / len(steps),
         "draft_s": sum(s["draft_s"] for s in steps),
         "verify_s": sum(s["verify_s"] for s in steps),
@@ -52,20 +57,31 @@ def _step_figures(steps: list[dict]) -> dict:
     }
 
 
+def _time_per_step(records: list[dict], figures: dict) -> dict:
+    """Milliseconds per target forward: drafting, verifying, and the rest of the method's wall
+    time (the loop's bookkeeping and the prefill, which is also given alone), so the three add
+    up to wall time per step; for drafters with a DraftEngine (records count draft forwards),
+    drafting milliseconds per draft forward."""
+    draft_s, verify_s, steps = figures["draft_s"], figures["verify_s"], figures["target_forwards"]
+    other_s = sum(r["seconds"] for r in records) - draft_s - verify_s
+    prefill_s = sum(r.get("prefill_s", 0.0) for r in records)
+    times = {f"{part}_ms_per_step": 1000 * seconds / steps for part, seconds in (
+        ("draft", draft_s), ("verify", verify_s), ("other", other_s), ("prefill", prefill_s))}
+    forwards = [r["draft_forwards"] for r in records if "draft_forwards" in r]
+    if forwards:
+        times["draft_forwards"] = sum(forwards)
+        times["ms_per_draft_forward"] = 1000 * draft_s / sum(forwards) if sum(forwards) else None
+    return times
+
+
 def format_tables(summary: dict) -> str:
     """Two markdown tables: methods overall, and speedup per category."""
     methods = summary["methods"]
     lines = [f"Baseline: {summary['baseline']}, {summary['prompts']} prompts.", "",
-             "| method | tokens/s | speedup | tau | accept rate by depth | draft s | verify s |",
-             "|---|---|---|---|---|---|---|"]
-    for name, m in methods.items():
-        tau = f"{m['tau']:.2f}" if "tau" in m else "-"
-        rates = ", ".join("-" if r is None else f"{r:.2f}"
-                          for r in m.get("acceptance_per_depth", [])) or "-"
-        draft = f"{m['draft_s']:.1f}" if "draft_s" in m else "-"
-        verify = f"{m['verify_s']:.1f}" if "verify_s" in m else "-"
-        lines.append(f"| {name} | {m['tokens_per_s']['overall']:.1f} | "
-                     f"{m['speedup']['overall']:.2f}x | {tau} | {rates} | {draft} | {verify} |")
+             "| method | tokens/s | speedup | tau | accept rate by depth | draft ms/step | "
+             "verify ms/step | other ms/step | ms/draft fwd |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [_method_row(name, m) for name, m in methods.items()]
     categories = [c for c in methods[summary["baseline"]]["speedup"] if c != "overall"]
     lines += ["", "| category | " + " | ".join(methods) + " |",
               "|---" * (len(methods) + 1) + "|"]
@@ -73,6 +89,19 @@ def format_tables(summary: dict) -> str:
         cells = " | ".join(f"{m['speedup'][cat]:.2f}x" for m in methods.values())
         lines.append(f"| {cat} | {cells} |")
     return "\n".join(lines)
+
+
+def _method_row(name: str, m: dict) -> str:
+    """One row of the methods table; '-' where a figure does not apply to the method."""
+    def cell(key: str, spec: str) -> str:
+        return "-" if m.get(key) is None else format(m[key], spec)
+
+    rates = ", ".join("-" if r is None else f"{r:.2f}"
+                      for r in m.get("acceptance_per_depth", [])) or "-"
+    times = " | ".join(cell(key, ".1f") for key in (
+        "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step", "ms_per_draft_forward"))
+    return (f"| {name} | {m['tokens_per_s']['overall']:.1f} | {m['speedup']['overall']:.2f}x | "
+            f"{cell('tau', '.2f')} | {rates} | {times} |")
 
 
 def plot_speedups(summary: dict, path: Path) -> Path:
@@ -86,15 +115,18 @@ def plot_speedups(summary: dict, path: Path) -> Path:
     speedups = next(iter(methods.values()))["speedup"]
     categories = [c for c in speedups if c != "overall"] + ["overall"]
     width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(max(8, len(categories) * 0.9), 4))
+    # wider per category as methods add bars; tab10 repeats colours past ten methods
+    colours = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20").colors
+    fig, ax = plt.subplots(figsize=(max(8, len(categories) * (0.4 + 0.12 * len(methods))), 4))
     for i, (name, m) in enumerate(methods.items()):
         xs = [c + i * width for c in range(len(categories))]
-        ax.bar(xs, [m["speedup"][c] for c in categories], width, label=name)
+        ax.bar(xs, [m["speedup"][c] for c in categories], width, label=name,
+               color=colours[i % len(colours)])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories,
                   rotation=45, ha="right")
     ax.set_ylabel(f"speedup over {summary['baseline']}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -1,11 +1,15 @@
-"""Benchmark figures on hand-made records, and one end-to-end run on a tiny target."""
+"""Benchmark figures on hand-made records, compare entries, and end-to-end runs on a tiny
+target."""
+
+import json
+import re
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.bench import run_benchmark
+from experiments.bench import contenders, parse_compare, report_stem, run_benchmark
 from experiments.bench_report import format_tables, plot_speedups, summarise
-from experiments.common import CONF_DIR
+from experiments.common import CONF_DIR, write_report
 
 
 def step(accepted, depth=3):
@@ -16,11 +20,17 @@ def step(accepted, depth=3):
 RECORDS = {
     "base": [{"category": "qa", "new_tokens": 10, "seconds": 1.0},
              {"category": "rag", "new_tokens": 10, "seconds": 2.0}],
-    "tree": [{"category": "qa", "new_tokens": 10, "seconds": 0.5,
+    "tree": [{"category": "qa", "new_tokens": 10, "seconds": 0.5, "draft_forwards": 4,
               "steps": [step(0), step(2), step(3)]},
-             {"category": "rag", "new_tokens": 10, "seconds": 2.0,
+             {"category": "rag", "new_tokens": 10, "seconds": 2.0, "draft_forwards": 6,
               "steps": [step(1), step(3)]}],
 }
+
+
+def bench_config(*overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("bench", ["target=tiny_llama", "drafter.num_layers=1", "tree=tree8",
+                                 "num_prompts=3", "max_new_tokens=12", *overrides])
 
 
 def test_speedup_is_a_ratio_of_tokens_per_second_per_category():
@@ -38,22 +48,94 @@ def test_tau_and_acceptance_per_depth_by_hand():
     # depth 1: 4 of 5 steps; depth 2: 3 of the 4 that reached it; depth 3: 2 of 3
     assert tree["acceptance_per_depth"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
     assert tree["target_forwards"] == 5
+    assert tree["accepted_histogram"] == pytest.approx([0.2, 0.2, 0.2, 0.4])
+
+
+def test_time_per_step_by_hand():
+    tree = summarise(RECORDS, "base")["methods"]["tree"]
+    # 5 steps of 10 ms drafting and 100 ms verifying in 2.5 s of wall time; 10 draft forwards
+    assert tree["draft_ms_per_step"] == pytest.approx(10.0)
+    assert tree["verify_ms_per_step"] == pytest.approx(100.0)
+    assert tree["other_ms_per_step"] == pytest.approx(500.0 - 110.0)
+    assert tree["draft_forwards"] == 10 and tree["ms_per_draft_forward"] == pytest.approx(5.0)
 
 
 def test_tables_and_plot(tmp_path):
     summary = summarise(RECORDS, "base")
     table = format_tables(summary)
-    assert "| tree | 8.0 | 1.20x | 2.80 | 0.80, 0.75, 0.67 |" in table
+    assert "| tree | 8.0 | 1.20x | 2.80 | 0.80, 0.75, 0.67 | 10.0 | 100.0 | 390.0 | 5.0 |" in table
+    assert "| base | 6.7 | 1.00x | - | - | - | - | - | - |" in table
     assert "| qa | 1.00x | 2.00x |" in table
     path = plot_speedups(summary, tmp_path / "speedup.png")
     assert path.stat().st_size > 1000
 
 
+def test_plot_with_many_methods(tmp_path):
+    records = {"base": RECORDS["base"], **{f"tree{i}": RECORDS["tree"] for i in range(12)}}
+    path = plot_speedups(summarise(records, "base"), tmp_path / "speedup.png")
+    assert path.stat().st_size > 1000
+
+
+def test_a_compare_entry_loads_its_configs_with_overrides():
+    contender = parse_compare("draft_model:chain4:num_layers=1,label=one layer")
+    assert contender.name == "draft_model/chain4 (one layer)"
+    assert contender.drafter.name == "draft_model" and contender.drafter.num_layers == 1
+    assert contender.drafter.path is None  # the YAML's other keys stay
+    assert contender.tree.name == "chain4" and len(contender.tree.choices) == 4
+    # the overrides may hold colons; values are typed as YAML reads them
+    contender = parse_compare("eagle3:eagle2:checkpoint=/runs/a:b,draft_vocab_size=null")
+    assert contender.name == "eagle3/eagle2"
+    assert contender.drafter.checkpoint == "/runs/a:b"
+    assert contender.drafter.draft_vocab_size is None and contender.tree.total_tokens == 24
+    assert "defaults" not in contender.drafter  # Hydra's composition list is no setting
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("eagle", "is not <drafter>:<tree>"),
+    (":chain4", "is not <drafter>:<tree>"),
+    ("eagel:chain4", "unknown drafter 'eagel'; known: ['draft_model', 'eagle'"),
+    ("eagle:tree9", "unknown tree 'tree9'; known: ['chain4'"),
+    ("eagle:chain4:num_layers=1", "eagle cannot set ['num_layers']"),
+    ("eagle:chain4:name=medusa", "eagle cannot set ['name']"),
+    ("eagle:chain4:checkpoint", "['checkpoint'] not key=value"),
+])
+def test_a_bad_compare_entry_is_refused_clearly(entry, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_compare(entry)
+
+
+def test_method_names_stay_distinct_and_the_main_drafter_comes_first():
+    cfg = bench_config("compare=[draft_model:chain4,draft_model:chain4,draft_model:tree8,"
+                       "'draft_model:chain4:label=b']")
+    assert [c.name for c in contenders(cfg)] == [
+        "draft_model/tree8", "draft_model/chain4", "draft_model/chain4 #2",
+        "draft_model/tree8 #2", "draft_model/chain4 (b)"]
+    assert report_stem(cfg) == ("tiny-llama-draft_model-tree8+draft_model-chain4+"
+                                "draft_model-chain4-2+draft_model-tree8-2+draft_model-chain4-b")
+
+
+def test_drafters_compared_on_a_tiny_target(tmp_path):
+    cfg = bench_config("num_prompts=2", "max_new_tokens=8", "peers=[plain_loop]",
+                       "compare=['draft_model:chain4:num_layers=1',eagle:eagle2]")
+    summary = run_benchmark(cfg)
+    path = write_report(tmp_path, report_stem(cfg), [summary], cfg)  # as main() does
+    methods = json.loads(path.read_text())["rows"][0]["methods"]
+    assert list(methods) == ["hf_greedy", "plain_loop", "draft_model/tree8",
+                             "draft_model/chain4", "eagle/eagle2"]
+    for name in ["draft_model/tree8", "draft_model/chain4", "eagle/eagle2"]:
+        m = methods[name]
+        assert m["draft_forwards"] >= m["target_forwards"]  # a catch-up forward at least
+        assert m["ms_per_draft_forward"] > 0
+        per_step = m["draft_ms_per_step"] + m["verify_ms_per_step"] + m["other_ms_per_step"]
+        assert per_step == pytest.approx(1000 * m["seconds"] / m["target_forwards"])
+        # the prefill is timed inside the method's wall time, outside its steps
+        assert 0 < m["prefill_ms_per_step"] <= m["other_ms_per_step"]
+    assert "ms_per_draft_forward" not in methods["plain_loop"]
+    assert "| plain_loop |" in format_tables(summary)
+
+
 def test_end_to_end_on_a_tiny_target():
-    with initialize_config_dir(CONF_DIR, version_base=None):
-        cfg = compose("bench", ["target=tiny_llama", "drafter.num_layers=1", "tree=tree8",
-                                "num_prompts=3", "max_new_tokens=12",
-                                "hf_assistant_num_layers=1"])
+    cfg = bench_config("hf_assistant_num_layers=1")
     summary = run_benchmark(cfg)
     methods = summary["methods"]
     assert list(methods) == ["hf_greedy", "plain_loop", "draft_model/tree8",
