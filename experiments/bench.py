@@ -32,10 +32,10 @@ from tqdm import tqdm
 from drafters import build_drafter
 from drafters.draft_model import truncated_copy
 from experiments.bench_report import format_tables, plot_speedups, summarise
-from experiments.common import CONF_DIR, hf_generate, pick_questions, write_report
+from experiments.common import CONF_DIR, pick_questions, write_report
 from verify.loop import generate
 from verify.protocol import Drafter
-from verify.target import Target, load_target_from_config
+from verify.target import Target, hf_generate, load_target_from_config
 
 BASELINE = "hf_greedy"
 COMPARE_FORMAT = "<drafter>:<tree>[:key=value,...]"
@@ -101,9 +101,7 @@ def _conf_file(group: str, name: str) -> DictConfig:
     if not path.is_file():
         known = sorted(p.stem for p in path.parent.glob("*.yaml"))
         raise ValueError(f"compare: unknown {group} {name!r}; known: {known}")
-    cfg = OmegaConf.load(path)
-    cfg.pop("defaults", None)  # Hydra's list of what it composes along (train.py's), no setting
-    return cfg
+    return OmegaConf.load(path)
 
 
 def _overrides(text: str, entry: str) -> DictConfig:

@@ -11,7 +11,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.data import Question, load_spec_bench
 from verify.files import write_json
-from verify.target import Target, hf_generate  # noqa: F401  (bench.py imports it from here)
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # Hydra's config root
 

@@ -38,7 +38,8 @@ def format_results(results: dict) -> str:
     accuracy, decoding = results["accuracy"], results["decoding"]
     label = accuracy.get("label", "head")
     lines = [f"| {label} | predicts | top-1 | top-5 |", "|---|---|---|---|"]
-    lines += [f"| {k} | token +{k + 2} | {top1:.3f} | {top5:.3f} |"
+    first = 1 if label == "depth" else 0  # heads count from 0, tree depths from 1
+    lines += [f"| {k + first} | token +{k + 2} | {top1:.3f} | {top5:.3f} |"
               for k, (top1, top5) in enumerate(zip(accuracy["top1"], accuracy["top5"]))]
     predicted = (f" (predicted from the table {decoding['predicted_tau']:.2f})"
                  if "predicted_tau" in decoding else "")

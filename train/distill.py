@@ -19,6 +19,9 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from train.distributed import DistEnv
+from train.prompts import interleave, load_prompt_files
+from train.schema import DataConfig
 from verify.files import save_tensors_atomically, shard_path
 from verify.target import Target, cache_root
 
@@ -139,3 +142,31 @@ def _read_shard(path: Path) -> list[Answer]:
     responses = tensors["responses"].split(lengths)
     hidden = tensors["hidden"].split(lengths) if "hidden" in tensors else [None] * len(lengths)
     return [Answer(*parts) for parts in zip(prompts, responses, hidden)]
+
+
+def distilled_data(data: DataConfig, target: Target, env: DistEnv
+                   ) -> tuple[list[Answer], list[Answer]]:
+    """The target's answers to data.num_prompts training prompts and to the held-out ones
+    (answered first in the interleaved order, so they stay the same whatever num_prompts is)."""
+    texts = interleave(load_prompt_files(data.root, list(data.sources)), data.seed)
+    wanted = data.heldout_prompts + data.num_prompts
+    prompts = _encode_until(target, texts, wanted, data.max_prompt_tokens)
+    held, train = prompts[:data.heldout_prompts], prompts[data.heldout_prompts:]
+    answers = []
+    for part in (held, train):
+        folder = cache_folder(data.cache_dir, target, part, data.max_new_tokens,
+                              data.batch_size)
+        answers.append(distill(target, part, data.max_new_tokens, data.batch_size, folder,
+                               env.rank, env.world_size, env.barrier))
+    return answers[1], answers[0]
+
+
+def _encode_until(target: Target, texts: list[str], count: int, max_tokens: int
+                  ) -> list[torch.Tensor]:
+    prompts: list[torch.Tensor] = []
+    for start in range(0, len(texts), count):
+        prompts += encode_prompts(target, texts[start:start + count], max_tokens)
+        if len(prompts) >= count:
+            return prompts[:count]
+    raise ValueError(f"only {len(prompts)} training prompts fit data.max_prompt_tokens="
+                     f"{max_tokens}; asked for {count}")

@@ -51,12 +51,13 @@ def autocast(optim: OptimConfig, device: torch.device):
 def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                 make_batch: Callable[[int], dict], start_step: int, optim: OptimConfig,
                 env: DistEnv, logger: Logger, log_every: int,
-                save: Callable[[int], None], save_every: int) -> dict[str, float]:
+                save: Callable[[int], None], save_every: int,
+                label: str = "head") -> dict[str, float]:
     """Run steps start_step .. optim.max_steps - 1; returns the last logged metrics.
 
-    objective(**batch) -> (loss, counts (K, 3)): per head [rows with a target, top-1 hits,
-    top-5 hits], summed over ranks for the metrics. `save(step)` runs every `save_every`
-    steps and after the last.
+    objective(**batch) -> (loss, counts (K, 3)): per head (Medusa) or unrolled step (EAGLE),
+    named `label`, [rows with a target, top-1 hits, top-5 hits], summed over ranks for the
+    metrics. `save(step)` runs every `save_every` steps and after the last.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     metrics: dict[str, float] = {}
@@ -75,9 +76,9 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
         window.add(loss.item(), counts.detach().cpu())
         done = step + 1
         if done % log_every == 0 or done == optim.max_steps:
-            metrics = window.flush(env, lr=scheduler.get_last_lr()[0])
+            metrics = window.flush(env, scheduler.get_last_lr()[0], label)
             logger.log(metrics, step=done)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['head0/top1']:.2f}")
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics[f'{label}0/top1']:.2f}")
         if done % save_every == 0 or done == optim.max_steps:
             save(done)
     return metrics
@@ -96,14 +97,14 @@ class _Window:
         self.losses.append(loss)
         self.counts = counts if self.counts is None else self.counts + counts
 
-    def flush(self, env: DistEnv, lr: float) -> dict[str, float]:
+    def flush(self, env: DistEnv, lr: float, label: str) -> dict[str, float]:
         counts = all_reduce_sum(self.counts, env)  # (K, 3)
         elapsed = time.perf_counter() - self.start
         metrics = {"loss": sum(self.losses) / len(self.losses), "lr": lr,
                    "rows_per_s": float(counts[0, 0]) / elapsed}
         for k, (rows, top1, top5) in enumerate(counts.tolist()):
-            metrics[f"head{k}/top1"] = top1 / max(rows, 1)
-            metrics[f"head{k}/top5"] = top5 / max(rows, 1)
+            metrics[f"{label}{k}/top1"] = top1 / max(rows, 1)
+            metrics[f"{label}{k}/top5"] = top5 / max(rows, 1)
         self.reset()
         return metrics
 

@@ -46,6 +46,8 @@ class DataConfig:
     batch_size: int = 64  # prompts answered per batched `generate` call
     cache_dir: str | None = None  # null: <treedraft cache>/distill
     cache_hidden: bool = True  # Medusa-1 trains on the cached states; false: recomputes them
+    sharegpt_tokens: int = 0  # EAGLE: ShareGPT tokens prefilled for features (0: none)
+    max_sequence_tokens: int = 512  # EAGLE: a conversation is cut to this many tokens
     seed: int = 0
 
 
@@ -84,8 +86,10 @@ class EvalConfig:
 
     num_prompts: int = 8
     max_new_tokens: int = 64
-    top_k: int = 10  # ranks per head in the accuracy table the tree builder reads
-    tree_budget: int = 16  # nodes of the tree built from that table for the tau check
+    top_k: int = 10  # ranks per head in the accuracy table the tree builder reads (Medusa)
+    tree_budget: int = 16  # nodes of the tree the tau check decodes with
+    depth: int = 5  # EAGLE: accuracy by draft depth 1..depth, and its EAGLE-2 tree's depth
+    tree_top_k: int = 8  # EAGLE: the EAGLE-2 tree's top_k
 
 
 @dataclass

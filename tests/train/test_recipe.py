@@ -33,7 +33,7 @@ def _heads_state(out_dir):
 def test_two_training_steps_lower_the_heads_loss(train_cfg):
     cfg = train_cfg("optim.max_steps=2", "optim.lr=0.01")
     target = load_target_from_config(cfg.target)
-    train_set, _ = recipe.prepare_data(cfg, target, SINGLE)
+    train_set, _ = recipe.distilled_data(cfg.data, target, SINGLE)
     hidden, targets = cached_rows(train_set, 2)
     fresh = recipe.MedusaHeads(target.model.get_output_embeddings(), 2, 1)
     run_training(cfg)

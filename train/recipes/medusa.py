@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from drafters import build_drafter
 from drafters.medusa import ADAPTER_DIR, WEIGHTS_FILE, MedusaHeads, load_heads, save_heads
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
-from train.distill import Answer, cache_folder, distill, encode_prompts
+from train.distill import Answer, distilled_data
 from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
 from train.logger import build_logger
@@ -37,7 +37,6 @@ from train.medusa import (
     medusa_config,
     sequence_batch,
 )
-from train.prompts import interleave, load_prompt_files
 from verify.files import write_json
 from verify.target import Target, load_target_from_config
 from verify.tree_builder import build_tree, expected_tokens
@@ -52,7 +51,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     target = load_target_from_config(cfg.target)
     target.model.to(env.device)
     out_dir = Path(cfg.out_dir)
-    train_set, heldout = prepare_data(cfg, target, env)
+    train_set, heldout = distilled_data(cfg.data, target, env)
     heads = _build_heads(mcfg, target, train_set)
     peft_model = _add_lora(target, mcfg) if mcfg.variant == "medusa2" else None
     if peft_model is None:
@@ -83,35 +82,6 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     logger.finish()
     results["logged_to"] = logger.location
     return results
-
-
-def prepare_data(cfg: DictConfig, target: Target, env: DistEnv
-                 ) -> tuple[list[Answer], list[Answer]]:
-    """The target's answers to the training prompts and to the held-out ones (answered first
-    in the interleaved order, so they stay the same whatever num_prompts is)."""
-    data = cfg.data
-    texts = interleave(load_prompt_files(data.root, list(data.sources)), data.seed)
-    wanted = data.heldout_prompts + data.num_prompts
-    prompts = _encode_until(target, texts, wanted, data.max_prompt_tokens)
-    held, train = prompts[:data.heldout_prompts], prompts[data.heldout_prompts:]
-    answers = []
-    for part in (held, train):
-        folder = cache_folder(data.cache_dir, target, part, data.max_new_tokens,
-                              data.batch_size)
-        answers.append(distill(target, part, data.max_new_tokens, data.batch_size, folder,
-                               env.rank, env.world_size, env.barrier))
-    return answers[1], answers[0]
-
-
-def _encode_until(target: Target, texts: list[str], count: int, max_tokens: int
-                  ) -> list[torch.Tensor]:
-    prompts: list[torch.Tensor] = []
-    for start in range(0, len(texts), count):
-        prompts += encode_prompts(target, texts[start:start + count], max_tokens)
-        if len(prompts) >= count:
-            return prompts[:count]
-    raise ValueError(f"only {len(prompts)} training prompts fit data.max_prompt_tokens="
-                     f"{max_tokens}; asked for {count}")
 
 
 def _build_heads(mcfg: MedusaConfig, target: Target, train_set: list[Answer]) -> MedusaHeads:

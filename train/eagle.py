@@ -1,0 +1,107 @@
+"""EAGLE's training objective (EAGLE-1 and EAGLE-3's training-time test), on cached features.
+
+Row j of a sequence feeds the draft (feature f_j, token j + 1) and asks for what the target
+computed at j + 1: its feature f^L_{j+1} (smooth-L1, EAGLE-1) and its next-token distribution
+p_{j+1} = softmax(LM head(f^L_{j+1})) over the draft vocabulary (cross-entropy, both). Only rows
+whose predicted token j + 2 is a token to learn (an assistant token) count.
+
+Training-time test (EAGLE-3): at decoding time a depth-d node reads the draft's own output of
+its parent, not a target feature. Step s of the unroll does exactly that: row j reads the step
+s - 1 output of row j - 1 and attends to the real entries up to j - s (its chain's root) and to
+its own chain's entries of steps 1..s, the tree mask a depth-s node sees. Its targets are
+step 0's. Step s weighs step_decay ** s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from drafters.eagle import EagleConfig, EagleDraft
+from drafters.vocab import copy_linear
+
+
+class EagleLoss(nn.Module):
+    """The draft's loss on a batch of right-padded sequences.
+
+    target_head: the target's LM head rows of the draft vocabulary, frozen (soft targets).
+    input_width: the first `input_width` columns of a feature row are the draft's input
+    (F * H); the last H columns are the target's last normed state f^L.
+    """
+
+    def __init__(self, draft: EagleDraft, target_head: nn.Module, config: EagleConfig):
+        super().__init__()
+        self.draft, self.config = draft, config
+        self.target_head = copy_linear(target_head, draft.vocab_ids).requires_grad_(False)
+        self.input_width = len(draft.feature_layers) * target_head.weight.shape[1]
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, learn: torch.Tensor,
+                steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids (B, T); features (B, T, C) float; learn (B, T) bool, the tokens to learn
+        (assistant tokens, not padding); steps: unrolled steps (default config.ttt_steps; the
+        evaluation unrolls further). Returns the loss and counts (S, 3): per step [rows, top-1
+        hits, top-5 hits] against the target's most likely draft-vocabulary token."""
+        inputs, tokens, target_states, rows = self._rows(input_ids, features, learn)
+        with torch.no_grad():
+            target_probs = self.target_head(target_states).float().softmax(-1)  # (B, T-1, V')
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        steps = steps or self.config.ttt_steps
+        cache = DynamicCache(config=self.draft.body.config) if steps > 1 else None
+        loss, counts, hidden = features.new_zeros((), dtype=torch.float32), [], None
+        for step in range(steps):
+            if step > 0:  # the draft's own previous outputs, one row down (chain order)
+                inputs = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
+            mask = ttt_mask(tokens.shape[1], step, inputs.dtype, inputs.device) if step else None
+            hidden = self.draft(inputs, tokens, positions, mask, cache)  # (B, T-1, H)
+            valid = rows.clone()
+            valid[:, :step] = False  # rows without a chain root `step` positions back
+            step_loss, step_counts = self._step_loss(hidden, target_states, target_probs, valid)
+            loss = loss + self.config.step_decay ** step * step_loss
+            counts.append(step_counts)
+        return loss, torch.stack(counts)
+
+    def _rows(self, input_ids, features, learn):
+        """Inputs (B, T-1, H) of rows 0..T-2, their next tokens (B, T-1), the target states
+        f^L_{j+1} they predict (B, T-1, H), and which rows count (B, T-1)."""
+        inputs = features[:, :-1, :self.input_width]
+        if self.training and self.config.noise:
+            inputs = inputs + torch.empty_like(inputs).uniform_(-self.config.noise,
+                                                                self.config.noise)
+        rows = torch.zeros_like(learn[:, 1:])
+        rows[:, :-1] = learn[:, 2:]  # row j predicts token j + 2; the last row predicts nothing
+        return (self.draft.fuse_features(inputs), input_ids[:, 1:],
+                features[:, 1:, -self.target_head.weight.shape[1]:], rows)
+
+    def _step_loss(self, hidden, target_states, target_probs, valid):
+        logits = self.draft.logits(hidden).float()
+        count = valid.sum().clamp_min(1)
+        ce = -(target_probs * logits.log_softmax(-1)).sum(-1)
+        loss = self.config.ce_weight * (ce * valid).sum() / count
+        if self.config.feature_weight:
+            l1 = nn.functional.smooth_l1_loss(hidden.float(), target_states.float(),
+                                              reduction="none").mean(-1)
+            loss = loss + self.config.feature_weight * (l1 * valid).sum() / count
+        return loss, _hits(logits.detach(), target_probs.argmax(-1), valid)
+
+
+def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask (1, 1, T, (step + 1) * T) for unrolled step `step` over a cache holding
+    steps 0..step - 1: row j sees real entries 0..j - step and, for s = 1..step, the step-s
+    entry of its own chain, row j - step + s. Rows j < step have no chain: they see only their
+    own entry (so attention stays finite) and are left out of the loss."""
+    rows = torch.arange(length, device=device)
+    allowed = torch.zeros(length, (step + 1) * length, dtype=torch.bool, device=device)
+    allowed[:, :length] = rows[None, :] <= (rows[:, None] - step)
+    for s in range(1, step + 1):
+        allowed[rows, s * length + (rows - step + s).clamp_min(0)] = True
+    allowed[rows, step * length + rows] = True
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _hits(logits: torch.Tensor, best: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[rows, top-1 hits, top-5 hits] of (B, T, V') logits against (B, T) target tokens."""
+    top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (B, T, 5)
+    hit = (top == best[..., None]) & valid[..., None]
+    return torch.stack([valid.sum(), hit[..., 0].sum(), hit.any(-1).sum()]).float()

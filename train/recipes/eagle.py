@@ -1,0 +1,186 @@
+"""The EAGLE training recipe (EAGLE-1 and EAGLE-3): setup, train, save, evaluate.
+
+    python train.py drafter=eagle3                   # ShareGPT features, training-time test
+    python train.py drafter=eagle                    # EAGLE-1: last-layer features
+    python train.py drafter=eagle3 data.sharegpt_tokens=1000000 data.num_prompts=1024
+
+The frozen target reads the training sequences once (prefill, no generation) and its features
+at the draft's layers plus its last state are cached in shards; the draft then trains on them
+alone. Everything lands in cfg.out_dir: checkpoint/ (the draft, loadable by
+`drafter.checkpoint=`, and the training state; rerunning the command resumes from it) and
+eval.json (held-out accuracy per draft depth, tau and the greedy check).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+from drafters import build_drafter
+from drafters.eagle import WEIGHTS_FILE, EagleDraft, default_layers, eagle_config, save_draft
+from drafters.vocab import most_frequent_tokens
+from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
+from train.conversations import sharegpt_sequences
+from train.distill import distilled_data
+from train.distributed import DistEnv
+from train.eagle import EagleLoss
+from train.evaluate import decode_check
+from train.features import FeatureSet, answer_sequences, extract_features
+from train.logger import build_logger
+from train.loop import batch_indices, chunks, train_steps, warmup_cosine
+from verify.features import num_layers, resolve_layers
+from verify.files import write_json
+from verify.target import Target, load_target_from_config
+
+CHECKPOINT_DIR = "checkpoint"
+
+
+def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
+    """Train an EAGLE draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+    ecfg = eagle_config(cfg.drafter)
+    torch.manual_seed(cfg.seed)
+    target = load_target_from_config(cfg.target)
+    target.model.to(env.device).requires_grad_(False)
+    out_dir = Path(cfg.out_dir)
+    total = num_layers(target.model.config)
+    layers = resolve_layers(ecfg.feature_layers or default_layers(ecfg.variant, total), total)
+    train_set, heldout = prepare_features(cfg, target, env, layers)
+    vocab = most_frequent_tokens(_learned_tokens(train_set), ecfg.draft_vocab_size)
+    draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head)
+    objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg).to(env.device)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad],
+                                  lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
+    start = _resume(cfg, out_dir, target, draft, optimizer, scheduler)
+    make_batch = _batcher(train_set, cfg, env)
+    model = DistributedDataParallel(objective) if env.world_size > 1 else objective
+    logger = build_logger(cfg.logger, cfg, out_dir, env.rank, group)
+
+    def save(step: int) -> None:
+        if env.is_main:
+            save_draft(draft, out_dir / CHECKPOINT_DIR, target.name,
+                       training_state(step, optimizer, scheduler))
+        env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
+
+    train_steps(model, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
+                cfg.logger.log_every, save, cfg.save_every, label="step")
+    if not env.is_main:
+        return {}
+    results = evaluate(cfg, target, objective, heldout, out_dir)
+    logger.summary(_flat(results))
+    logger.finish()
+    results["logged_to"] = logger.location
+    return results
+
+
+def prepare_features(cfg: DictConfig, target: Target, env: DistEnv, layers: tuple[int, ...]
+                     ) -> tuple[FeatureSet, FeatureSet]:
+    """Features of the training sequences (ShareGPT prefill + self-distilled answers) and of
+    the held-out answers, at the draft's layers followed by the target's last state."""
+    data, last = cfg.data, num_layers(target.model.config)
+    stored = layers if layers[-1] == last else (*layers, last)
+    answers, heldout = distilled_data(data, target, env)
+    sequences = answer_sequences(answers)
+    if data.sharegpt_tokens:
+        if target.tokenizer is None:
+            raise ValueError("data.sharegpt_tokens needs a target with a tokenizer (chat "
+                             "template); tiny random targets train on distilled answers only")
+        sequences += list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
+                                             data.sharegpt_tokens, seed=data.seed))
+    if not sequences:
+        raise ValueError("no training data: set data.sharegpt_tokens or data.num_prompts")
+    cache = None if data.cache_dir is None else Path(data.cache_dir) / "features"
+    return (extract_features(target, sequences, stored, cache),
+            extract_features(target, answer_sequences(heldout), stored, cache))
+
+
+def _learned_tokens(features: FeatureSet):
+    """The tokens the draft learns to propose (loss positions): its vocabulary's source."""
+    return (s.input_ids[s.loss_mask] for s in features.sequences)
+
+
+def _batcher(features: FeatureSet, cfg: DictConfig, env: DistEnv):
+    """make_batch(step) -> EagleLoss keyword arguments for this rank's sequences of the step."""
+    def make_batch(step: int) -> dict:
+        picked = batch_indices(step, len(features), cfg.optim.batch_sequences, cfg.seed, env)
+        return {k: v.to(env.device) for k, v in pad_batch(features, picked.tolist()).items()}
+    return make_batch
+
+
+def pad_batch(features: FeatureSet, indices: list[int]) -> dict:
+    """Right-padded input_ids (B, T), float features (B, T, C) and learn (B, T), the tokens
+    whose prediction is trained (False on padding)."""
+    chosen = [features[i] for i in indices]
+    width = max(len(s.input_ids) for s in chosen)
+    columns = chosen[0].features.shape[-1]
+    input_ids = torch.zeros(len(chosen), width, dtype=torch.long)
+    states = torch.zeros(len(chosen), width, columns)
+    learn = torch.zeros(len(chosen), width, dtype=torch.bool)
+    for row, s in enumerate(chosen):
+        input_ids[row, :len(s.input_ids)] = s.input_ids
+        states[row, :len(s.input_ids)] = s.features.float()
+        learn[row, :len(s.input_ids)] = s.loss_mask
+    return {"input_ids": input_ids, "features": states, "learn": learn}
+
+
+def _resume(cfg, out_dir, target, draft, optimizer, scheduler) -> int:
+    found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
+    if found is None:
+        return 0
+    check_resumable(found, target.name, draft.hyperparameters)
+    step = load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
+    print(f"resuming from {found} after step {step}")
+    return step
+
+
+@torch.no_grad()
+def heldout_accuracy(objective: EagleLoss, heldout: FeatureSet, depths: int) -> dict:
+    """Top-1 / top-5 agreement of the draft with the target's next token at depths 1..depths,
+    unrolled on its own outputs as decoding does (training-time test without training)."""
+    objective.eval()
+    device = next(objective.draft.parameters()).device
+    counts = sum(objective(**{k: v.to(device) for k, v in pad_batch(heldout, batch).items()},
+                           steps=depths)[1]
+                 for batch in chunks(list(range(len(heldout))), 8))
+    rows = counts[:, 0].clamp_min(1)
+    return {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
+            "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
+
+
+def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: FeatureSet,
+             out_dir: Path) -> dict:
+    """Held-out accuracy by depth, and tau with the saved draft on an EAGLE-2 tree, decoded
+    through build_drafter and the loop; eval.json."""
+    accuracy = heldout_accuracy(objective, heldout, cfg.eval.depth)
+    tree = {"depth": cfg.eval.depth, "top_k": cfg.eval.tree_top_k,
+            "total_tokens": cfg.eval.tree_budget}
+    drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
+                   "checkpoint": str(out_dir / CHECKPOINT_DIR)}
+    drafter = build_drafter(drafter_cfg, tree, target)
+    prompts = [s.input_ids[:_prompt_length(s)] for s in heldout.sequences[:cfg.eval.num_prompts]]
+    label = (f"EAGLE-2 tree of {tree['total_tokens']} nodes (depth {tree['depth']}, top-k "
+             f"{tree['top_k']})")
+    decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, label)
+    results = {"accuracy": accuracy, "decoding": decoding,
+               "checkpoint": str(out_dir / CHECKPOINT_DIR), "eval": str(out_dir / "eval.json")}
+    write_json(out_dir / "eval.json",
+               {"config": OmegaConf.to_container(cfg, resolve=True), **results})
+    return results
+
+
+def _prompt_length(sequence) -> int:
+    """A held-out answer's prompt: the tokens before its first learned one."""
+    learned = sequence.loss_mask.nonzero()
+    return int(learned[0]) if len(learned) else len(sequence.input_ids)
+
+
+def _flat(results: dict) -> dict[str, float]:
+    accuracy, decoding = results["accuracy"], results["decoding"]
+    flat = {f"eval/depth{k + 1}/top1": v for k, v in enumerate(accuracy["top1"])}
+    flat.update({f"eval/{key}": value for key, value in decoding.items()
+                 if isinstance(value, (int, float))})
+    return flat
