@@ -14,6 +14,8 @@ step 0's. Step s weighs step_decay ** s.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -45,21 +47,29 @@ class EagleLoss(nn.Module):
         inputs, tokens, target_states, rows = self._rows(input_ids, features, learn)
         with torch.no_grad():
             target_probs = self.target_head(target_states).float().softmax(-1)  # (B, T-1, V')
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        steps = steps or self.config.ttt_steps
-        cache = DynamicCache(config=self.draft.body.config) if steps > 1 else None
-        loss, counts, hidden = features.new_zeros((), dtype=torch.float32), [], None
-        for step in range(steps):
-            if step > 0:  # the draft's own previous outputs, one row down (chain order)
-                inputs = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
-            mask = ttt_mask(tokens.shape[1], step, inputs.dtype, inputs.device) if step else None
-            hidden = self.draft(inputs, tokens, positions, mask, cache)  # (B, T-1, H)
+        loss, counts = features.new_zeros((), dtype=torch.float32), []
+        for step, hidden in enumerate(self.unroll(inputs, tokens, steps or self.config.ttt_steps)):
             valid = rows.clone()
             valid[:, :step] = False  # rows without a chain root `step` positions back
             step_loss, step_counts = self._step_loss(hidden, target_states, target_probs, valid)
             loss = loss + self.config.step_decay ** step * step_loss
             counts.append(step_counts)
         return loss, torch.stack(counts)
+
+    def unroll(self, inputs: torch.Tensor, tokens: torch.Tensor, steps: int
+               ) -> Iterator[torch.Tensor]:
+        """The draft's predicted features (B, T, H) at steps 0..steps - 1: step 0 reads the
+        target's fused features (B, T, H), step s the step s - 1 outputs one row down; row j
+        always reads token (B, T) j + 1 and sits at position j."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        cache = DynamicCache(config=self.draft.body.config) if steps > 1 else None
+        hidden = None
+        for step in range(steps):
+            if step > 0:  # chain order: row j continues the chain row j - 1 was on
+                inputs = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
+            mask = ttt_mask(tokens.shape[1], step, inputs.dtype, inputs.device) if step else None
+            hidden = self.draft(inputs, tokens, positions, mask, cache)
+            yield hidden
 
     def _rows(self, input_ids, features, learn):
         """Inputs (B, T-1, H) of rows 0..T-2, their next tokens (B, T-1), the target states

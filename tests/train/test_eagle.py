@@ -1,0 +1,153 @@
+"""EAGLE training on tiny targets: the training-time test unrolls exactly what decoding runs,
+the loss goes down, an interrupted run resumes to the same state, checkpoints refuse another
+target, and a trained draft gets drafts accepted while decoding stays exact."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.recipes.eagle as recipe
+from drafters import build_drafter
+from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter
+from train import run_training
+from train.distill import distilled_data
+from train.distributed import DistEnv
+from train.eagle import EagleLoss, ttt_mask
+from verify.features import eagle3_layers
+from verify.loop import generate
+from verify.protocol import DraftContext
+from verify.sampling import SamplingParams
+from verify.target import load_target
+from verify.tree import TreeTopology
+
+TOKENS = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 7, 9])
+
+
+def _features(target, tokens, layers):
+    with torch.no_grad():
+        states = target.model(tokens[None], output_hidden_states=True).hidden_states
+    return torch.cat([states[i][0] for i in layers], dim=-1)
+
+
+def _eagle_cfg(tmp_path, *overrides, out="run"):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.common import CONF_DIR
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("train", ["experiment=eagle_smoke", f"out_dir={tmp_path / out}",
+                                 f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+
+
+def test_the_ttt_mask_lets_a_row_see_its_chain_only():
+    allowed = ttt_mask(5, 2, torch.float32, torch.device("cpu"))[0, 0] == 0  # (5, 15)
+    # row 4 at step 2: real entries 0..2, its step-1 entry (row 3) and itself (step 2, row 4)
+    assert allowed[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert allowed[2].nonzero().flatten().tolist() == [0, 5 + 1, 10 + 2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_unrolled_steps_equal_drafting_the_chain(arch, variant):
+    # step s, row j of the training-time test is the depth-s node of the chain rooted at real
+    # entry j - s, exactly as the drafter computes it at decoding time (tree mask, positions)
+    target = load_target(tiny=arch)
+    layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
+    draft = EagleDraft(target.model, layers).eval()
+    objective = EagleLoss(draft, target.model.get_output_embeddings(), EagleConfig(noise=0.0))
+    features = _features(target, TOKENS, draft.feature_layers)
+    inputs = draft.fuse_features(features[None, :-1])
+    with torch.no_grad():
+        unrolled = list(objective.unroll(inputs, TOKENS[None, 1:], steps=4))
+    drafter = EagleDrafter(draft, TreeTopology.chain(1))
+    for step, j in [(0, 5), (1, 6), (3, 9), (2, 12)]:
+        root = j - step
+        ctx = DraftContext(TOKENS[:root + 2], features[:root + 1], SamplingParams())
+        with torch.no_grad():
+            hidden, _ = drafter._catch_up(ctx)
+            for depth in range(1, step + 1):
+                token = int(TOKENS[root + 1 + depth])
+                hidden = drafter._forward_level([list(range(depth + 1))], [token],
+                                                hidden[None])[0]
+        drafter.engine.reset()
+        torch.testing.assert_close(unrolled[step][0, j], hidden, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+def test_training_steps_lower_the_loss(arch, variant):
+    torch.manual_seed(0)
+    target = load_target(tiny=arch)
+    layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
+    draft = EagleDraft(target.model, layers, train_lm_head=variant == "eagle3")
+    config = EagleConfig(variant=variant, ttt_steps=1 if variant == "eagle1" else 3, noise=0.0)
+    objective = EagleLoss(draft, target.model.get_output_embeddings(), config)
+    stored = layers if variant == "eagle1" else (*draft.feature_layers, 2)
+    batch = {"input_ids": TOKENS[None], "features": _features(target, TOKENS, stored)[None],
+             "learn": torch.ones(1, len(TOKENS), dtype=torch.bool)}
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss, counts = objective(**batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    assert counts.shape == (config.ttt_steps, 3)
+    assert losses[-1] < losses[0] * 0.8, losses
+
+
+def _state(out_dir):
+    return load_file(str(out_dir / "checkpoint" / "draft.safetensors"))
+
+
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, monkeypatch):
+    run_training(_eagle_cfg(tmp_path, out="whole"))
+    real = recipe.batch_indices
+
+    def interrupted(step, *args):
+        if step == 3:  # after the checkpoint of step 2
+            raise KeyboardInterrupt
+        return real(step, *args)
+    monkeypatch.setattr(recipe, "batch_indices", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(_eagle_cfg(tmp_path, out="cut"))
+    assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
+    monkeypatch.setattr(recipe, "batch_indices", real)
+    run_training(_eagle_cfg(tmp_path, out="cut"))
+    whole, resumed = _state(tmp_path / "whole"), _state(tmp_path / "cut")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_resuming_refuses_another_draft_or_another_target(tmp_path):
+    run_training(_eagle_cfg(tmp_path))
+    config = json.loads((tmp_path / "run/checkpoint/config.json").read_text())
+    assert config["target"]["name"] == "tiny-llama"
+    with pytest.raises(ValueError, match=r"draft_vocab_size: saved \d+, asked 64"):
+        run_training(_eagle_cfg(tmp_path, "drafter.draft_vocab_size=64"))
+    with pytest.raises(ValueError, match="belongs to 'tiny-llama', not 'tiny-qwen2'"):
+        run_training(_eagle_cfg(tmp_path, "target=tiny_qwen2"))
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle3"])
+def test_a_trained_draft_is_accepted_and_decoding_stays_exact(tmp_path, drafter):
+    # A tiny random target's answers cannot be generalised from 16 prompts, but they can be
+    # learnt: on its training prompts a trained draft must get drafts accepted. Any misaligned
+    # feature, token or vocabulary map between training and decoding would show here.
+    cfg = _eagle_cfg(tmp_path, f"drafter={drafter}", "optim.max_steps=200", "optim.lr=0.003",
+                     "optim.warmup_steps=10", "save_every=1000")
+    results = run_training(cfg)
+    assert results["decoding"]["identical"] == results["decoding"]["prompts"]
+    target = load_target(tiny="llama")
+    answers, _ = distilled_data(cfg.data, target, DistEnv(0, 1, torch.device("cpu")))
+    tree = {"depth": 3, "top_k": 3, "total_tokens": 6}
+    trained = build_drafter({**cfg.drafter, "checkpoint": results["checkpoint"]}, tree, target)
+    taus = []
+    for answer in answers[:6]:
+        plain = generate(target.model, answer.prompt, 16).tokens
+        result = generate(target.model, answer.prompt, 16, drafter=trained)
+        assert torch.equal(result.tokens, plain)
+        taus.append(result.tau)
+    assert sum(taus) / len(taus) > 1.8, taus
