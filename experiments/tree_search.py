@@ -1,14 +1,24 @@
-"""Size a static draft tree from measured costs, Sequoia-style.
+"""Size a draft tree from measured costs, Sequoia-style: a static Medusa tree, or the node
+budget of EAGLE-2's dynamic tree.
 
     python -m experiments.tree_search accuracies=<path to a JSON file> \
         sizes=[1,2,4,8,16,32,64] name=medusa_auto out=conf/tree/medusa_auto.yaml
+    python -m experiments.tree_search mode=dynamic drafter=eagle3 \
+        drafter.checkpoint=<run>/checkpoint budgets=[4,8,12,16,24,32] depth=5 top_k=8 \
+        num_prompts=8 max_new_tokens=64 name=eagle2_auto
 
-The JSON holds {"rank_accuracy": [[...], ...]}: rank_accuracy[d][r] is the probability that
-the drafter's rank-r proposal at depth d is right (see verify.tree_builder). The command times
-one verification step of n tokens on the target for each size n, picks the node budget whose
-best tree gives the most expected tokens per unit of time (verify.tree_builder.choose_budget),
-writes that tree as a conf/tree YAML, and prints (and writes as JSON) the table behind the
-choice.
+mode=static (the default): the JSON holds {"rank_accuracy": [[...], ...]}: rank_accuracy[d][r]
+is the probability that the drafter's rank-r proposal at depth d is right (see
+verify.tree_builder). The command times one verification step of n tokens on the target for
+each size n, picks the node budget whose best tree gives the most expected tokens per unit of
+time (verify.tree_builder.choose_budget), and writes that tree as a conf/tree YAML.
+
+mode=dynamic: a dynamic tree has no such table, so each budget's tau and draft time are
+measured by decoding held-out training prompts (experiments.tree_search_dynamic), and t(n) is
+timed for n = budget + 1; the budget with the most predicted tokens/s is written as a conf/tree
+YAML (depth, top_k, total_tokens).
+
+Either mode prints (and writes as JSON) the table behind the choice.
 """
 
 from __future__ import annotations
@@ -25,7 +35,19 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
+from drafters.dynamic_tree import DynamicTree
 from experiments.common import single_thread, write_report
+from experiments.tree_search_dynamic import (
+    budget_drafters,
+    budget_rows,
+    check_budgets,
+    decode_budgets,
+    describe_machine,
+    format_budget_table,
+    heldout_prompts,
+    measurement_note,
+    write_dynamic_tree_config,
+)
 from verify.target import load_target_from_config
 from verify.tree import TokenTree, TreeTopology
 from verify.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
@@ -148,16 +170,46 @@ def search(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:
     return build_tree(accuracies, budget), size_table(accuracies, cost, budget)
 
 
+def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
+    """Measure tau and draft time per budget by decoding, and t(budget + 1) and t(1) on the
+    configured target; returns the chosen tree, the budget table and what it was measured on."""
+    budgets = check_budgets(list(cfg.budgets), cfg.depth, cfg.top_k)
+    target = load_target_from_config(cfg.target)
+    drafters = budget_drafters(cfg.drafter, budgets, cfg.depth, cfg.top_k, target, cfg.seed)
+    prompts = heldout_prompts(cfg.data, target, cfg.num_prompts)
+    with single_thread() if cfg.target.tiny else nullcontext():
+        cost = measure_verify_cost(target.model, [1] + [b + 1 for b in budgets],
+                                   cfg.context_len, cfg.repeats)
+        # First calls pay one-off costs (allocations, kernel selection): keep them out.
+        decode_budgets(target, drafters, prompts[:1], min(cfg.max_new_tokens, 16))
+        results = decode_budgets(target, drafters, prompts, cfg.max_new_tokens)
+        machine = describe_machine(target.model)
+    rows = budget_rows(cost, results)
+    chosen = next(r["total_tokens"] for r in rows if r["chosen"])
+    return (DynamicTree(cfg.depth, cfg.top_k, chosen), rows,
+            measurement_note(cfg, machine, rows))
+
+
 @hydra.main(config_path="../conf", config_name="tree_search", version_base=None)
 def main(cfg: DictConfig) -> None:
+    if cfg.mode not in ("static", "dynamic"):  # before `name`, which the mode picks, resolves
+        raise ValueError(f"mode must be static (a Medusa tree from an accuracy table) or "
+                         f"dynamic (an EAGLE-2 budget from decoding), got {cfg.mode!r}")
     torch.manual_seed(cfg.seed)
-    topology, rows = search(cfg)
     out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_tree_config(topology, out, cfg.name)
+    if cfg.mode == "static":
+        topology, rows = search(cfg)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_tree_config(topology, out, cfg.name)
+        table, about = format_table(rows), f"{topology.size - 1} nodes, depth {topology.depth}"
+    else:
+        tree, rows, note = search_dynamic(cfg)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_dynamic_tree_config(tree, out, cfg.name, note)
+        table, about = format_budget_table(rows), note
     path = write_report(Path(cfg.out_dir), f"{cfg.target.name}-{cfg.name}", rows, cfg)
-    print(format_table(rows))
-    print(f"\ntree: {out} ({topology.size - 1} nodes, depth {topology.depth})\nJSON: {path}")
+    print(table)
+    print(f"\ntree: {out} ({about})\nJSON: {path}")
 
 
 if __name__ == "__main__":

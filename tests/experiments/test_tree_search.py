@@ -1,5 +1,6 @@
 """Tree search: verification timed per size without disturbing the cache, and the command end to
-end on a tiny target, its tree the one choose_budget picks from the measured costs."""
+end on a tiny target, its tree the one choose_budget picks from the measured costs; in dynamic
+mode, EAGLE-2's budget chosen from decoded tau, draft time and t(n), written as a tree config."""
 
 import json
 
@@ -8,11 +9,19 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from drafters import tree_policy
+from drafters.dynamic_tree import DynamicTree
 from experiments import tree_search
 from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies, measure_verify_cost, time_step
-from verify.target import build_tiny_model
-from verify.tree import TokenTree, TreeTopology
+from experiments.tree_search_dynamic import (
+    BudgetCost,
+    check_budgets,
+    choose_total_tokens,
+    heldout_prompts,
+)
+from verify.target import build_tiny_model, load_target_from_config
+from verify.tree import TokenTree, TreeError, TreeTopology
 from verify.tree_builder import build_tree, choose_budget
 from verify.verifier import TreeVerifier
 
@@ -93,3 +102,83 @@ def test_the_accuracies_file_is_required():
         cfg = compose("tree_search", ["target=tiny_llama"])
     with pytest.raises(ValueError, match="set accuracies="):
         tree_search.search(cfg)
+
+
+def compose_dynamic(tmp_path, *overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("tree_search", ["target=tiny_llama", "mode=dynamic", "drafter=eagle",
+                                       "budgets=[4,2]", "depth=2", "top_k=2", "num_prompts=2",
+                                       "max_new_tokens=8", "context_len=16", "repeats=1",
+                                       f"out={tmp_path / 'tree' / 'auto.yaml'}",
+                                       f"out_dir={tmp_path}", *overrides])
+
+
+def test_dynamic_mode_end_to_end_on_a_tiny_target(tmp_path, capsys):
+    cfg = compose_dynamic(tmp_path)
+    tree_search.main(cfg)
+    rows = json.loads((tmp_path / "tiny-llama-eagle2_auto.json").read_text())["rows"]
+    assert [(r["total_tokens"], r["n"]) for r in rows] == [(0, 1), (2, 3), (4, 5)]
+    assert rows[0]["predicted_speedup"] == pytest.approx(1.0) and not rows[0]["chosen"]
+    for r in rows[1:]:
+        assert r["tau"] >= 1 and r["t_s"] > 0 and r["draft_s_per_step"] > 0
+        assert 1 < r["mean_tree_size"] <= r["n"]
+        assert r["predicted_tokens_per_s"] == pytest.approx(
+            r["tau"] / (r["t_s"] + r["draft_s_per_step"]))
+    chosen = choose_total_tokens([BudgetCost(r["total_tokens"], r["tau"], r["t_s"],
+                                             r["draft_s_per_step"]) for r in rows[1:]])
+    assert [r["total_tokens"] for r in rows if r["chosen"]] == [chosen]
+    written = OmegaConf.load(tmp_path / "tree" / "auto.yaml")
+    assert written.name == "eagle2_auto"
+    assert tree_policy(written) == DynamicTree(depth=2, top_k=2, total_tokens=chosen)
+    header = (tmp_path / "tree" / "auto.yaml").read_text().split("\nname:")[0]
+    assert "mode=dynamic on tiny-llama (float32, cpu" in header.replace("\n# ", " ")
+    printed = capsys.readouterr().out
+    assert "| total_tokens | t(n) ms | draft ms/step | tau |" in printed
+    assert "plain decoding" in printed and "**chosen**" in printed
+
+
+def test_the_best_predicted_tokens_per_second_is_chosen():
+    costs = [BudgetCost(4, tau=2.0, verify_s=0.010, draft_s=0.002),   # 166.7 tokens/s
+             BudgetCost(8, tau=2.6, verify_s=0.012, draft_s=0.003),   # 173.3
+             BudgetCost(16, tau=2.8, verify_s=0.020, draft_s=0.004)]  # 116.7
+    assert choose_total_tokens(costs) == 8
+    # a cheaper draft step tips the balance towards the bigger tree
+    assert choose_total_tokens(costs[:2] + [BudgetCost(16, 2.8, 0.012, 0.002)]) == 16
+    # ties go to the smaller budget, whatever the order
+    assert choose_total_tokens([BudgetCost(8, 2.0, 0.01, 0.0), BudgetCost(4, 2.0, 0.01, 0.0)]) == 4
+
+
+def test_dynamic_mode_refuses_a_drafter_without_dynamic_trees(tmp_path):
+    cfg = compose_dynamic(tmp_path, "drafter=prompt_lookup")
+    with pytest.raises(TreeError, match="drafter=prompt_lookup cannot grow"):
+        tree_search.main(cfg)
+    assert not (tmp_path / "tree").exists()
+
+
+@pytest.mark.parametrize("budgets, message", [
+    ([], "non-empty list of integers >= 1"),
+    ([0, 4], "non-empty list of integers >= 1"),
+    ([2, True], "non-empty list of integers >= 1"),
+    ([4, 7], "budget 7 exceeds the 6 candidates"),  # depth 2, top_k 2: 2 + 2 x 2
+])
+def test_bad_budgets_are_refused(budgets, message):
+    with pytest.raises(ValueError, match=message):
+        check_budgets(budgets, depth=2, top_k=2)
+    assert check_budgets([6, 2, 6], depth=2, top_k=2) == [2, 6]
+    with pytest.raises(ValueError, match="DynamicTree.depth must be an integer >= 1"):
+        check_budgets([4], depth=0, top_k=2)
+
+
+def test_only_held_out_prompts_are_decoded(tmp_path):
+    cfg = compose_dynamic(tmp_path)
+    target = load_target_from_config(cfg.target)
+    first = heldout_prompts(cfg.data, target, 2)
+    assert len(first) == 2 and all(len(ids) <= cfg.data.max_prompt_tokens for ids in first)
+    assert all(torch.equal(a, b) for a, b in zip(first, heldout_prompts(cfg.data, target, 3)))
+    with pytest.raises(ValueError, match="later prompts are trained on"):
+        heldout_prompts(cfg.data, target, cfg.data.heldout_prompts + 1)
+
+
+def test_an_unknown_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="mode must be static .* or dynamic"):
+        tree_search.main(compose_dynamic(tmp_path, "mode=sequoia"))

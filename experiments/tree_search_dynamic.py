@@ -1,0 +1,188 @@
+"""EAGLE-2's node budget (`total_tokens`) from measured decoding and verification cost.
+
+A dynamic tree has no accuracy table to predict its acceptance from: what a budget buys is
+measured by decoding held-out training prompts greedily with the drafter on
+DynamicTree(depth, top_k, total_tokens=budget). With tau the tokens per target forward, t(n)
+the measured time of verifying n tokens and d the draft time per step, a budget is predicted
+to run at tau / (t(budget + 1) + d) tokens/s; plain decoding runs at 1 / t(1).
+`experiments.tree_search mode=dynamic` puts the pieces here together.
+"""
+
+from __future__ import annotations
+
+import platform
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from drafters import build_drafter
+from drafters.dynamic_tree import DynamicTree
+from train.distill import _encode_until
+from train.prompts import interleave, load_prompt_files
+from verify.loop import GenerationResult, generate
+from verify.protocol import Drafter
+from verify.target import Target
+from verify.tree import TreeError
+
+
+@dataclass(frozen=True)
+class BudgetCost:
+    """One budget's measurements: tau (tokens per target forward, bonus included), verify_s
+    = t(budget + 1) and draft_s, the mean drafting seconds per step."""
+
+    budget: int
+    tau: float
+    verify_s: float
+    draft_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tau / (self.verify_s + self.draft_s)
+
+
+def choose_total_tokens(costs: Sequence[BudgetCost]) -> int:
+    """The budget with the most predicted tokens/s; ties go to the smaller budget."""
+    if not costs:
+        raise ValueError("no budget measured")
+    return max(sorted(costs, key=lambda c: c.budget), key=lambda c: c.tokens_per_s).budget
+
+
+def check_budgets(budgets: Sequence[int], depth: int, top_k: int) -> list[int]:
+    """The distinct budgets, ascending; each must be an integer from 1 to the number of
+    candidates `depth` rounds of `top_k` can propose (more would verify a smaller tree than
+    the t(budget + 1) it is charged)."""
+    DynamicTree(depth, top_k, 1)  # refuses a depth or top_k below 1
+    candidates = top_k + (depth - 1) * top_k * top_k
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                          for b in budgets):
+        raise ValueError(f"budgets must be a non-empty list of integers >= 1 (draft nodes per "
+                         f"step, root not counted), got {list(budgets)}")
+    if max(budgets) > candidates:
+        raise ValueError(f"budget {max(budgets)} exceeds the {candidates} candidates depth "
+                         f"{depth} and top_k {top_k} propose")
+    return sorted(set(budgets))
+
+
+def budget_drafters(drafter_cfg: Mapping, budgets: Sequence[int], depth: int, top_k: int,
+                    target: Target, seed: int) -> dict[int, Drafter]:
+    """{budget: the configured drafter on DynamicTree(depth, top_k, budget)}.
+
+    Raises TreeError for a drafter that cannot grow dynamic trees.
+    """
+    drafters = {}
+    for budget in budgets:
+        # The same seed for each build: a fresh (untrained) draft is the same draft for every
+        # budget, so the budgets alone differ.
+        torch.manual_seed(seed)
+        tree = {"depth": depth, "top_k": top_k, "total_tokens": budget}
+        try:
+            drafters[budget] = build_drafter(drafter_cfg, tree, target)
+        except TreeError as e:
+            raise TreeError(f"mode=dynamic measures EAGLE-2 dynamic trees, which drafter="
+                            f"{drafter_cfg['name']} cannot grow (use eagle or eagle3): {e}") from e
+    return drafters
+
+
+def heldout_prompts(data: DictConfig, target: Target, count: int) -> list[torch.Tensor]:
+    """The first `count` (P,) prompts every training run on `data` holds out: the interleaved
+    training prompts that fit data.max_prompt_tokens, in train.distill.distilled_data's order.
+    Spec-Bench is the evaluation set, so tuning never sees it."""
+    if not 1 <= count <= data.heldout_prompts:
+        raise ValueError(f"num_prompts must be from 1 to data.heldout_prompts "
+                         f"({data.heldout_prompts}): later prompts are trained on, got {count}")
+    texts = interleave(load_prompt_files(data.root, list(data.sources)), data.seed)
+    return _encode_until(target, texts, count, data.max_prompt_tokens)
+
+
+def decode_budgets(target: Target, drafters: Mapping[int, Drafter], prompts: list[torch.Tensor],
+                   max_new_tokens: int) -> dict[int, GenerationResult]:
+    """{budget: every prompt's greedy decoding merged (tokens concatenated, steps in order)}."""
+    results: dict[int, list[GenerationResult]] = {budget: [] for budget in drafters}
+    for ids in prompts:
+        # Budgets take turns on each prompt, so machine noise hits all alike.
+        for budget, drafter in drafters.items():
+            results[budget].append(generate(target.model, ids, max_new_tokens, drafter=drafter,
+                                            eos_token_id=target.eos_token_ids))
+    return {budget: GenerationResult(torch.cat([r.tokens for r in rs]),
+                                     [s for r in rs for s in r.steps],
+                                     sum(r.prefill_s for r in rs))
+            for budget, rs in results.items()}
+
+
+def budget_rows(cost: Mapping[int, float], results: Mapping[int, GenerationResult]
+                ) -> list[dict]:
+    """The table behind the choice: plain decoding (total_tokens 0, n 1), then one row per
+    budget with its measured t(budget + 1), draft seconds per step, tau, mean tree size (root
+    included), predicted tokens/s and predicted speedup over plain decoding."""
+    costs = [BudgetCost(budget, result.tau, cost[budget + 1],
+                        result.draft_s / max(len(result.steps), 1))
+             for budget, result in results.items()]
+    chosen = choose_total_tokens(costs)
+    plain = BudgetCost(0, 1.0, cost[1], 0.0)
+    sizes = {budget: _mean_tree_size(result) for budget, result in results.items()}
+    return [{"total_tokens": c.budget, "n": c.budget + 1, "t_s": c.verify_s,
+             "draft_s_per_step": c.draft_s, "tau": c.tau,
+             "mean_tree_size": sizes.get(c.budget, 1.0),  # plain decoding: the root alone
+             "predicted_tokens_per_s": c.tokens_per_s,
+             "predicted_speedup": c.tokens_per_s * plain.verify_s, "chosen": c.budget == chosen}
+            for c in [plain, *costs]]
+
+
+def _mean_tree_size(result: GenerationResult) -> float:
+    # Below the budget + 1 charged when the draft has too few finite candidates.
+    return sum(s.tree_size for s in result.steps) / max(len(result.steps), 1)
+
+
+def format_budget_table(rows: list[dict]) -> str:
+    """Markdown, one line per row of budget_rows."""
+    lines = ["| total_tokens | t(n) ms | draft ms/step | tau | mean nodes | predicted tokens/s "
+             "| predicted speedup | |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        note = "plain decoding" if r["total_tokens"] == 0 else ("**chosen**" if r["chosen"]
+                                                                  else "")
+        lines.append(f"| {r['total_tokens']} | {1000 * r['t_s']:.1f} | "
+                     f"{1000 * r['draft_s_per_step']:.1f} | {r['tau']:.3f} | "
+                     f"{r['mean_tree_size']:.1f} | {r['predicted_tokens_per_s']:.1f} | "
+                     f"{r['predicted_speedup']:.2f}x | {note} |")
+    return "\n".join(lines)
+
+
+def describe_machine(model: torch.nn.Module) -> str:
+    """Where the timings were taken: the model's dtype and device (a GPU's name, or the CPU's
+    architecture and torch's thread count)."""
+    param = next(model.parameters())
+    if param.device.type == "cuda":
+        where = torch.cuda.get_device_name(param.device)
+    else:
+        where = (f"{param.device.type} {platform.processor() or platform.machine()}, "
+                 f"threads={torch.get_num_threads()}")
+    return f"{str(param.dtype).removeprefix('torch.')}, {where}"
+
+
+def write_dynamic_tree_config(tree: DynamicTree, path: str | Path, name: str,
+                              comment: str) -> None:
+    """Write `tree` as a conf/tree YAML (name, depth, top_k, total_tokens) under `comment`,
+    wrapped into YAML comment lines."""
+    # Paths (a checkpoint's) stay whole on one line.
+    lines = textwrap.wrap(comment, width=98, break_long_words=False, break_on_hyphens=False)
+    header = "\n".join(f"# {line}" for line in lines)
+    Path(path).write_text(f"{header}\nname: {name}\ndepth: {tree.depth}\ntop_k: {tree.top_k}\n"
+                          f"total_tokens: {tree.total_tokens}\n")
+
+
+def measurement_note(cfg: DictConfig, machine: str, rows: list[dict]) -> str:
+    """What the chosen budget was measured on and what it predicts, for the YAML's header."""
+    plain, best = rows[0], next(r for r in rows if r["chosen"])
+    checkpoint = cfg.drafter.get("checkpoint")
+    weights = f"checkpoint {checkpoint}" if checkpoint else "fresh, untrained weights"
+    return (f"Measured by experiments.tree_search mode=dynamic on {cfg.target.name} ({machine}): "
+            f"budgets {[r['total_tokens'] for r in rows[1:]]} decoded greedily by drafter "
+            f"{cfg.drafter.name} ({weights}) on "
+            f"{cfg.num_prompts} held-out training prompts x {cfg.max_new_tokens} tokens. "
+            f"Predicted {best['predicted_speedup']:.2f}x plain decoding: tau {best['tau']:.2f}, "
+            f"t({best['n']}) {1000 * best['t_s']:.1f} ms, draft "
+            f"{1000 * best['draft_s_per_step']:.1f} ms/step, t(1) {1000 * plain['t_s']:.1f} ms.")
