@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from drafters import build_drafter
 from drafters.dynamic_tree import DynamicTree
-from train.distill import _encode_until
+from train.distill import encode_until
 from train.prompts import interleave, load_prompt_files
 from verify.loop import GenerationResult, generate
 from verify.protocol import Drafter
@@ -95,7 +95,7 @@ def heldout_prompts(data: DictConfig, target: Target, count: int) -> list[torch.
         raise ValueError(f"num_prompts must be from 1 to data.heldout_prompts "
                          f"({data.heldout_prompts}): later prompts are trained on, got {count}")
     texts = interleave(load_prompt_files(data.root, list(data.sources)), data.seed)
-    return _encode_until(target, texts, count, data.max_prompt_tokens)
+    return encode_until(target, texts, count, data.max_prompt_tokens)
 
 
 def decode_budgets(target: Target, drafters: Mapping[int, Drafter], prompts: list[torch.Tensor],

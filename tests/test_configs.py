@@ -20,7 +20,7 @@ COMMANDS = {
     "correctness": ("target", "drafter", "tree"),
     "bench": ("target", "drafter", "tree"),
     "train": ("target", "drafter", "data", "optim", "logger", "experiment"),
-    "tree_search": ("target",),
+    "tree_search": ("target", "drafter"),
 }
 CASES = [(command, group, option) for command, groups in COMMANDS.items()
          for group in groups for option in GROUPS[group]]

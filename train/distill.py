@@ -150,7 +150,7 @@ def distilled_data(data: DataConfig, target: Target, env: DistEnv
     (answered first in the interleaved order, so they stay the same whatever num_prompts is)."""
     texts = interleave(load_prompt_files(data.root, list(data.sources)), data.seed)
     wanted = data.heldout_prompts + data.num_prompts
-    prompts = _encode_until(target, texts, wanted, data.max_prompt_tokens)
+    prompts = encode_until(target, texts, wanted, data.max_prompt_tokens)
     held, train = prompts[:data.heldout_prompts], prompts[data.heldout_prompts:]
     answers = []
     for part in (held, train):
@@ -161,8 +161,9 @@ def distilled_data(data: DataConfig, target: Target, env: DistEnv
     return answers[1], answers[0]
 
 
-def _encode_until(target: Target, texts: list[str], count: int, max_tokens: int
-                  ) -> list[torch.Tensor]:
+def encode_until(target: Target, texts: list[str], count: int, max_tokens: int
+                 ) -> list[torch.Tensor]:
+    """The first `count` of `texts` whose chat-templated prompt fits `max_tokens` tokens."""
     prompts: list[torch.Tensor] = []
     for start in range(0, len(texts), count):
         prompts += encode_prompts(target, texts[start:start + count], max_tokens)
