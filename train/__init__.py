@@ -49,11 +49,20 @@ def format_results(results: dict) -> str:
         f"output identical to the target's on {decoding['identical']}/{decoding['prompts']} "
         "prompts",
         f"checkpoint: {results['checkpoint']}  (use: drafter.checkpoint={results['checkpoint']})",
-        f"evaluation: {results['eval']}  (a tree sized on this machine: python -m "
-        f"experiments.tree_search accuracies={results['eval']})",
+        f"evaluation: {results['eval']}  ({_tree_hint(results)})",
         f"logs: {results['logged_to']}",
     ]
     return "\n".join(lines)
+
+
+def _tree_hint(results: dict) -> str:
+    """How to size a tree for this drafter on this machine (experiments.tree_search)."""
+    if "rank_accuracy" in results["accuracy"]:
+        return f"a tree sized on this machine: python -m experiments.tree_search " \
+               f"accuracies={results['eval']}"
+    return (f"an EAGLE-2 budget sized on this machine: python -m experiments.tree_search "
+            f"mode=dynamic drafter={results.get('drafter', '<name>')} "
+            f"drafter.checkpoint={results['checkpoint']}")
 
 
 def sweep_group() -> str | None:

@@ -71,7 +71,8 @@ def test_unrolled_steps_equal_drafting_the_chain(arch, variant):
                 hidden = drafter._forward_level([list(range(depth + 1))], [token],
                                                 hidden[None])[0]
         drafter.engine.reset()
-        torch.testing.assert_close(unrolled[step][0, j], hidden, atol=1e-5, rtol=1e-4)
+        # float rounding differs between the two shapes of forward; a wrong mask is off by O(1)
+        torch.testing.assert_close(unrolled[step][0, j], hidden, atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -165,7 +165,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: Fea
     label = (f"EAGLE-2 tree of {tree['total_tokens']} nodes (depth {tree['depth']}, top-k "
              f"{tree['top_k']})")
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, label)
-    results = {"accuracy": accuracy, "decoding": decoding,
+    results = {"accuracy": accuracy, "decoding": decoding, "drafter": cfg.drafter.name,
                "checkpoint": str(out_dir / CHECKPOINT_DIR), "eval": str(out_dir / "eval.json")}
     write_json(out_dir / "eval.json",
                {"config": OmegaConf.to_container(cfg, resolve=True), **results})
