@@ -1,11 +1,12 @@
-"""The README's main job on the embedded default target: train Medusa heads, then evaluate them.
+"""The README's main job on the embedded default target: train an EAGLE draft, then evaluate it.
 
-1. train: the default recipe of `python train.py drafter=medusa` (self-distillation data,
-   Medusa-1 heads, end-of-run accuracy and greedy check); a finished run is reused, an
-   interrupted one resumed;
-2. size a tree for the trained heads from their held-out accuracies and the cost t(n) of
-   verification measured on this machine (experiments.tree_search);
-3. correctness rows with the trained heads: greedy output token for token against plain
+1. train: the default recipe of `python train.py drafter=eagle` (EAGLE-1 on ShareGPT
+   conversations read by the target, no generation; end-of-run accuracy by depth, tau and the
+   greedy check); a finished run is reused, an interrupted one resumed. EAGLE-1 is the learned
+   drafter that trains fastest to the best tau on this CPU (see the README's results);
+2. size its EAGLE-2 tree budget from tau measured by decoding held-out prompts and the cost
+   t(n) of verification measured on this machine (experiments.tree_search mode=dynamic);
+3. correctness rows with the trained draft: greedy output token for token against plain
    decoding on Spec-Bench prompts; the sampling distribution test and its negative control on
    a tiny target;
 4. a short benchmark against plain decoding of the same target, per Spec-Bench category.
@@ -16,7 +17,6 @@ Full-size runs: python -m experiments.correctness / python -m experiments.bench.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -28,15 +28,14 @@ from experiments.bench import run_benchmark
 from experiments.bench_report import format_tables
 from experiments.common import CONF_DIR, write_report
 from experiments.correctness import evaluate, format_table
-from experiments.tree_search import format_table as format_sizes
-from experiments.tree_search import search
+from experiments.tree_search import search_dynamic
+from experiments.tree_search_dynamic import format_budget_table, write_dynamic_tree_config
 from train import run_training
-from verify.tree import TreeTopology
-from verify.tree_builder import write_tree_config
 
-# Where `python train.py` (no overrides) puts the default run, so the two share it.
-TRAIN_OUT = "results/train/smollm2-135m-instruct/medusa"
-TREE_NAME = "medusa_demo"
+DRAFTER = "eagle"
+# Where `python train.py drafter=eagle` (no other overrides) puts its run, so the two share it.
+TRAIN_OUT = "results/train/smollm2-135m-instruct/eagle"
+TREE_NAME = "eagle2_demo"
 
 
 def _compose(command: str, overrides: list[str]) -> DictConfig:
@@ -44,26 +43,24 @@ def _compose(command: str, overrides: list[str]) -> DictConfig:
         return compose(command, overrides)
 
 
-def train_heads() -> dict:
-    print("## 1. Training Medusa heads (python train.py drafter=medusa)\n")
-    return run_training(_compose("train", [f"out_dir={TRAIN_OUT}"]))
+def train_draft() -> dict:
+    print(f"## 1. Training an EAGLE-1 draft (python train.py drafter={DRAFTER})\n")
+    return run_training(_compose("train", [f"drafter={DRAFTER}", f"out_dir={TRAIN_OUT}"]))
 
 
-def size_tree(eval_json: str) -> TreeTopology:
-    print("\n## 2. Tree for the trained heads, sized from measured t(n)\n")
-    cfg = _compose("tree_search", [f"accuracies={eval_json}", "repeats=3",
+def size_tree(checkpoint: str) -> list[str]:
+    """The EAGLE-2 budget for this machine; returns the tree overrides that select it."""
+    print("\n## 2. EAGLE-2 tree budget for the trained draft, from measured t(n) and tau\n")
+    cfg = _compose("tree_search", ["mode=dynamic", f"drafter={DRAFTER}",
+                                   f"drafter.checkpoint={checkpoint}", "budgets=[4,8,16,24]",
+                                   "num_prompts=4", "max_new_tokens=48", "repeats=3",
                                    f"name={TREE_NAME}"])
-    topology, rows = search(cfg)
+    tree, rows, note = search_dynamic(cfg)
     out = Path(TRAIN_OUT) / f"{TREE_NAME}.yaml"
-    write_tree_config(topology, out, TREE_NAME)
-    print(f"{format_sizes(rows)}\n\ntree: {out}")
-    return topology
-
-
-def medusa_overrides(checkpoint: str, topology: TreeTopology) -> list[str]:
-    choices = json.dumps([list(c) for c in topology.choices]).replace(" ", "")
-    return ["drafter=medusa", f"drafter.checkpoint={checkpoint}", f"tree.name={TREE_NAME}",
-            f"tree.choices={choices}"]
+    write_dynamic_tree_config(tree, out, TREE_NAME, note)
+    print(f"{format_budget_table(rows)}\n\ntree: {out}")
+    return ["tree=eagle2", f"tree.name={TREE_NAME}", f"tree.depth={tree.depth}",
+            f"tree.top_k={tree.top_k}", f"tree.total_tokens={tree.total_tokens}"]
 
 
 def main(argv: list[str]) -> int:
@@ -74,18 +71,19 @@ def main(argv: list[str]) -> int:
                          "max_new_tokens=, or the full commands for anything else")
     num_prompts = overrides.get("num_prompts", "13")
     max_new = overrides.get("max_new_tokens", "64")
-    trained = train_heads()
-    drafter = medusa_overrides(trained["checkpoint"], size_tree(trained["eval"]))
+    trained = train_draft()
+    drafter = [f"drafter={DRAFTER}", f"drafter.checkpoint={trained['checkpoint']}",
+               *size_tree(trained["checkpoint"])]
     cfg = _compose("correctness", drafter + [f"greedy.num_prompts={num_prompts}",
                                              f"greedy.max_new_tokens={max_new}",
                                              "distribution.samples=1500", "chain.enabled=false"])
     rows = evaluate(cfg)
-    correctness = write_report(Path(cfg.out_dir), f"demo-medusa-{TREE_NAME}", rows, cfg)
+    correctness = write_report(Path(cfg.out_dir), f"demo-{DRAFTER}-{TREE_NAME}", rows, cfg)
     print(f"\n## 3. Correctness ({correctness})\n\n{format_table(rows)}")
     cfg = _compose("bench", drafter + [f"num_prompts={num_prompts}",
                                        f"max_new_tokens={max_new}", "peers=[]"])
     summary = run_benchmark(cfg)
-    bench = write_report(Path(cfg.out_dir), f"demo-medusa-{TREE_NAME}", [summary], cfg)
+    bench = write_report(Path(cfg.out_dir), f"demo-{DRAFTER}-{TREE_NAME}", [summary], cfg)
     print(f"\n## 4. Benchmark against plain decoding\n\n{format_tables(summary)}")
     print(f"\ncheckpoint: {trained['checkpoint']}\nlogs: {trained['logged_to']}\n"
           f"results: {trained['eval']}, {correctness}, {bench}")

@@ -15,3 +15,20 @@ def train_cfg(tmp_path):
             return compose("train", ["experiment=smoke", f"out_dir={tmp_path / out}",
                                      f"data.cache_dir={tmp_path / 'cache'}", *overrides])
     return make
+
+
+@pytest.fixture
+def interrupt(monkeypatch):
+    """interrupt(recipe_module, step): the recipe's next run stops with KeyboardInterrupt
+    when it asks for step `step`'s batch, as a Ctrl-C there would; returns a function that
+    lets the following runs go through."""
+    def arm(recipe, step: int):
+        real = recipe.batch_indices
+
+        def interrupted(at, *args):
+            if at == step:
+                raise KeyboardInterrupt
+            return real(at, *args)
+        monkeypatch.setattr(recipe, "batch_indices", interrupted)
+        return lambda: monkeypatch.setattr(recipe, "batch_indices", real)
+    return arm

@@ -103,19 +103,13 @@ def _state(out_dir):
     return load_file(str(out_dir / "checkpoint" / "draft.safetensors"))
 
 
-def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, monkeypatch):
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, interrupt):
     run_training(_eagle_cfg(tmp_path, out="whole"))
-    real = recipe.batch_indices
-
-    def interrupted(step, *args):
-        if step == 3:  # after the checkpoint of step 2
-            raise KeyboardInterrupt
-        return real(step, *args)
-    monkeypatch.setattr(recipe, "batch_indices", interrupted)
+    resume = interrupt(recipe, 3)  # after the checkpoint of step 2
     with pytest.raises(KeyboardInterrupt):
         run_training(_eagle_cfg(tmp_path, out="cut"))
     assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
-    monkeypatch.setattr(recipe, "batch_indices", real)
+    resume()
     run_training(_eagle_cfg(tmp_path, out="cut"))
     whole, resumed = _state(tmp_path / "whole"), _state(tmp_path / "cut")
     assert whole.keys() == resumed.keys()

@@ -45,20 +45,14 @@ def test_two_training_steps_lower_the_heads_loss(train_cfg):
     assert after < before - 0.1
 
 
-def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(train_cfg, monkeypatch, tmp_path):
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(train_cfg, interrupt, tmp_path):
     run_training(train_cfg(out="whole"))
-    real = recipe.batch_indices
-
-    def interrupted(step, *args):
-        if step == 3:  # after the checkpoint of step 2
-            raise KeyboardInterrupt
-        return real(step, *args)
-    monkeypatch.setattr(recipe, "batch_indices", interrupted)
+    resume = interrupt(recipe, 3)  # after the checkpoint of step 2
     with pytest.raises(KeyboardInterrupt):
         run_training(train_cfg(out="cut"))
     assert json.loads((tmp_path / "cut/checkpoint/config.json").read_text())["num_heads"] == 2
     assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
-    monkeypatch.setattr(recipe, "batch_indices", real)
+    resume()
     run_training(train_cfg(out="cut"))
     whole, resumed = _heads_state(tmp_path / "whole"), _heads_state(tmp_path / "cut")
     assert whole.keys() == resumed.keys()
