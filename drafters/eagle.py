@@ -179,19 +179,20 @@ class EagleDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:
-        root_hidden, root_logits = self._catch_up(ctx)
+        root_hidden, root_logits = self._catch_up(ctx)  # (H,), (V',)
         root = int(ctx.tokens[-1])
         try:
             if isinstance(self.tree, DynamicTree):
                 return self._grow_dynamic(root, root_hidden, root_logits, ctx.params)
-            return self._fill_static(root, root_hidden, root_logits, ctx)
+            return self._fill_static(root, root_hidden, self._full_logits(root_logits[None])[0],
+                                     ctx)
         finally:
             self.engine.rollback()  # the tree's entries were built on draft features
 
     def _catch_up(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the rows the target just computed features for: (f_j, token j + 1) for the k
-        positions T - 1 - k .. T - 2. Returns the root's predicted feature (H,) and the draft
-        logits (V,) of its children."""
+        positions T - 1 - k .. T - 2. Returns the root's predicted feature (H,) and the float
+        CPU draft-vocabulary logits (V',) of its children."""
         if ctx.features is None:
             raise ValueError(f"{self.name} needs the target's features (ctx.features) at "
                              f"layers {self.feature_layers}; verify.loop.generate computes them")
@@ -207,7 +208,7 @@ class EagleDrafter:
         positions = torch.arange(start, length - 1, device=weight.device)[None]
         hidden = self.draft(inputs, tokens, positions, cache=self.engine.cache)[0]  # (k, H)
         self.engine.extend(count)
-        return hidden[-1], self._full_logits(hidden[-1:])[0]
+        return hidden[-1], self.draft.logits(hidden[-1]).float().cpu()
 
     def _fill_static(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
                      ctx: DraftContext) -> TokenTree:
@@ -219,24 +220,34 @@ class EagleDrafter:
             out = self._forward_level(paths, [builder.tokens[n] for n in nodes],
                                       torch.stack([hidden[p] for p in parents]))
             hidden.update(zip(nodes, out))
-            return self._full_logits(out)
+            return self._full_logits(self.draft.logits(out).float().cpu())
 
         return fill_by_levels(self.tree, root, root_logits, forward_level, self.tree.depth,
                               ctx.params, ctx.generator)
 
     def _grow_dynamic(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
                       params: SamplingParams) -> TokenTree:
+        """EAGLE-2's tree, grown over draft-vocabulary indices (ranking 8k scores instead of
+        49k costs ~0.3 ms less per node here); mapped back to target ids at the end."""
         hidden = {0: root_hidden}
+        to_target = self._target_ids()
 
         def expand(candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
             parents = [candidates.parents[n] for n in nodes]
             out = self._forward_level([candidates.path(n) for n in nodes],
-                                      [candidates.tokens[n] for n in nodes],
+                                      [int(to_target[candidates.tokens[n]]) for n in nodes],
                                       torch.stack([hidden[p] for p in parents]))
             hidden.update(zip(nodes, out))
-            return _log_probs(self._full_logits(out), params)
+            return _log_probs(self.draft.logits(out).float().cpu(), params)
 
-        return self.tree.grow(root, _log_probs(root_logits[None], params)[0], expand)
+        tree = self.tree.grow(root, _log_probs(root_logits[None], params)[0], expand)
+        tree.tokens[1:] = to_target[tree.tokens[1:]]
+        return tree
+
+    def _target_ids(self) -> torch.Tensor:
+        """(V',) the target id of each draft-vocabulary index (d2t)."""
+        vocab = self.draft.vocab_ids
+        return torch.arange(self.draft.target_vocab_size) if vocab is None else vocab.cpu()
 
     def _forward_level(self, paths: list[list[int]], tokens: list[int],
                        parent_hidden: torch.Tensor) -> torch.Tensor:
@@ -248,9 +259,8 @@ class EagleDrafter:
         return self.draft(parent_hidden[None], tokens, positions.to(weight.device)[None],
                           mask.to(weight.device), cache=self.engine.cache)[0]
 
-    def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, H) predicted features -> float CPU logits (n, V) over the target's vocabulary."""
-        logits = self.draft.logits(hidden).float().cpu()
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(n, V') draft-vocabulary logits -> (n, V) over the target's, -inf outside."""
         return to_target_vocab(logits, self.draft.vocab_ids, self.draft.target_vocab_size)
 
 

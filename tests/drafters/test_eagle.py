@@ -6,6 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
+from drafters.dynamic_tree import DynamicTree
 from drafters.eagle import EagleDraft, EagleDrafter, eagle_config, load_draft, save_draft
 from verify.features import eagle3_layers
 from verify.loop import generate
@@ -46,7 +47,7 @@ def sequential_logits(drafter: EagleDrafter, ctx: DraftContext, path_tokens: lis
     for depth in range(1, len(path_tokens) + 1):
         path = list(range(depth + 1))  # a chain: node d is the d-th path token
         out = drafter._forward_level([path], [path_tokens[depth - 1]], hidden[None])
-        hidden, logits = out[0], drafter._full_logits(out)[0]
+        hidden, logits = out[0], drafter.draft.logits(out[0]).float()
     drafter.engine.rollback()
     return logits
 
@@ -70,6 +71,20 @@ def test_tree_levels_equal_drafting_each_path_alone(variant, tiny):
         path = tree.ancestor_mask()[node].nonzero().flatten().tolist()[1:]
         expected = sequential_logits(drafter, ctx, tree.tokens[path].tolist())
         assert tree.tokens[kids].tolist() == expected.topk(len(kids)).indices.tolist()
+
+
+@pytest.mark.parametrize("tree", [TreeTopology.from_choices([[0], [1], [0, 0], [1, 0]]),
+                                  DynamicTree(depth=3, top_k=3, total_tokens=8)],
+                         ids=["static", "dynamic"])
+def test_a_draft_vocabulary_is_all_it_proposes_and_decoding_stays_exact(tree, tiny):
+    target = tiny("llama")
+    even = torch.arange(0, 256, 2)  # a draft vocabulary of the even ids
+    drafter = EagleDrafter(EagleDraft(target.model, (-1,), vocab_ids=even), tree)
+    ctx = DraftContext(PROMPT, features(target, PROMPT[:-1], (-1,)), SamplingParams())
+    proposed = drafter.propose(ctx)
+    assert len(proposed) > 1 and bool((proposed.tokens[1:] % 2 == 0).all())
+    plain = generate(target.model, PROMPT, 24).tokens
+    assert torch.equal(generate(target.model, PROMPT, 24, drafter=drafter).tokens, plain)
 
 
 def test_missing_features_are_refused(tiny):
