@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from drafters.base import check_depth, fill_by_levels, node_path, shallow_config
+from drafters.base import check_depth, fill_by_levels, node_path, shallow_config, typed_config
 from drafters.engine import DraftEngine
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
@@ -174,18 +175,27 @@ def _first_difference(target: dict[str, int], draft: dict[str, int]) -> str | No
     return None
 
 
+@dataclass
+class DraftModelConfig:
+    """conf/drafter/draft_model.yaml, typed: the only defaults of these keys."""
+
+    name: str = "draft_model"
+    path: str | None = None  # a folder or hub id; None: the target cut to num_layers layers
+    num_layers: int = 6  # of SmolLM2-135M's 30 layers
+
+
 def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> DraftModelDrafter:
     """conf/drafter/draft_model.yaml: `path: null` + `num_layers: N` drafts with the target cut
     to N layers; `path: <folder or hub id>` loads that model and checks it is compatible."""
-    path = cfg.get("path")
-    if path is None:
-        model = truncated_copy(target.model, int(cfg["num_layers"]))
+    config: DraftModelConfig = typed_config(DraftModelConfig, cfg, "draft model")
+    if config.path is None:
+        model = truncated_copy(target.model, config.num_layers)
     else:
         dtype = str(target.model.dtype).removeprefix("torch.")
-        draft = load_target(str(path), dtype=dtype)
+        draft = load_target(config.path, dtype=dtype)
         check_compatible(target.model, target.tokenizer, draft.model, draft.tokenizer)
         model = draft.model.to(target.model.device)
-    return DraftModelDrafter(model, topology, name=cfg.get("name", "draft_model"))
+    return DraftModelDrafter(model, topology, name=config.name)
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

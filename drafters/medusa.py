@@ -17,13 +17,15 @@ target actually writes: on a CPU that is what makes heads affordable.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from drafters.base import add_children, check_depth, read_config, save_module
+from drafters.base import add_children, check_depth, read_config, save_module, typed_config
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST
@@ -33,6 +35,35 @@ from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 WEIGHTS_FILE = "heads.safetensors"
 ADAPTER_DIR = "adapter"  # Medusa-2: the target's LoRA adapter, trained with the heads
+
+
+@dataclass
+class MedusaConfig:
+    """conf/drafter/medusa.yaml, checked: the drafter keys plus the training-only ones."""
+
+    name: str = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True
+    draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
+    checkpoint: str | None = None
+    init_heads: str | None = None  # heads to start from, e.g. Medusa-1's for Medusa-2's stage 2
+    variant: str = "medusa1"  # medusa1: frozen target | medusa2: + a LoRA adapter on it
+    head_decay: float = 0.8  # head k's loss weight is head_decay ** k
+    head_loss_weight: float = 0.2  # Medusa-2: the heads' loss next to the LM loss
+    kl_weight: float = 0.0  # Medusa-2: KL(original target || adapted target) per token
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: Any = "all-linear"  # peft's choice: every linear layer but the LM head
+
+
+def medusa_config(drafter: Mapping) -> MedusaConfig:
+    """Type-check the drafter group's keys against MedusaConfig (a typo fails here)."""
+    cfg: MedusaConfig = typed_config(MedusaConfig, drafter, "Medusa")
+    if cfg.variant not in ("medusa1", "medusa2"):
+        raise ValueError(f"drafter.variant must be medusa1 or medusa2, got {cfg.variant!r}")
+    return cfg
 
 
 class ResBlock(nn.Module):
@@ -224,10 +255,10 @@ def _check_adapter(folder: Path, target: Target) -> None:
 def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> MedusaDrafter:
     """conf/drafter/medusa.yaml: fresh heads (`num_heads`, `num_layers`, `share_lm_head`) on the
     target, or `checkpoint: <folder>` to load trained ones (whose own config then applies)."""
-    checkpoint = cfg.get("checkpoint")
-    if checkpoint:
-        heads = load_heads(checkpoint, target)
+    config = medusa_config(cfg)
+    if config.checkpoint:
+        heads = load_heads(config.checkpoint, target)
     else:
-        heads = MedusaHeads(target.model.get_output_embeddings(), int(cfg["num_heads"]),
-                            int(cfg["num_layers"]), bool(cfg["share_lm_head"]))
-    return MedusaDrafter(heads, topology, name=cfg.get("name", "medusa"))
+        heads = MedusaHeads(target.model.get_output_embeddings(), config.num_heads,
+                            config.num_layers, config.share_lm_head)
+    return MedusaDrafter(heads, topology, name=config.name)

@@ -8,46 +8,12 @@ in every step; loss = LM loss (+ KL to the original target) + head_loss_weight *
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from drafters.base import typed_config
 from drafters.medusa import MedusaHeads
 from drafters.vocab import most_frequent_tokens
 from train.distill import Answer
-
-
-@dataclass
-class MedusaConfig:
-    """conf/drafter/medusa.yaml, checked: the drafter keys plus the training-only ones."""
-
-    name: str = "medusa"
-    num_heads: int = 4
-    num_layers: int = 1
-    share_lm_head: bool = True
-    draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
-    checkpoint: str | None = None
-    init_heads: str | None = None  # heads to start from, e.g. Medusa-1's for Medusa-2's stage 2
-    variant: str = "medusa1"  # medusa1: frozen target | medusa2: + a LoRA adapter on it
-    head_decay: float = 0.8  # head k's loss weight is head_decay ** k
-    head_loss_weight: float = 0.2  # Medusa-2: the heads' loss next to the LM loss
-    kl_weight: float = 0.0  # Medusa-2: KL(original target || adapted target) per token
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: Any = "all-linear"  # peft's choice: every linear layer but the LM head
-
-
-def medusa_config(drafter: DictConfig) -> MedusaConfig:
-    """Type-check the drafter group's keys against MedusaConfig (a typo fails here)."""
-    cfg: MedusaConfig = typed_config(MedusaConfig, drafter, "Medusa")
-    if cfg.variant not in ("medusa1", "medusa2"):
-        raise ValueError(f"drafter.variant must be medusa1 or medusa2, got {cfg.variant!r}")
-    return cfg
 
 
 def choose_draft_vocab(answers: list[Answer], size: int | None) -> torch.Tensor | None:

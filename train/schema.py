@@ -4,7 +4,7 @@ conf/train.yaml names `train_schema` first in its defaults, so every YAML group 
 command-line override is merged into these dataclasses and type-checked: `optim.lr=fast` or a
 misspelt key fails at composition, not an hour into a run. The `drafter` and `tree` groups hold
 different keys per option, so they stay open here; each recipe checks its own drafter keys
-(e.g. train.medusa.MedusaConfig).
+(drafters.medusa.MedusaConfig, drafters.eagle.EagleConfig).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ def test_fills_the_topology_from_matches_hand_worked(topology):
     #        0  1  2  3  4  5  6  7  8  9 10 11 12 13
     tokens = [1, 2, 3, 4, 9, 2, 3, 5, 8, 3, 6, 7, 2, 3]
     # "7 2 3" never occurred before. "2 3" did at 1 and 5: continuations from 7 (recent) and 3.
-    # "3" did at 2, 6, 9: only the one at 9 (continuation from 10) is new.
-    drafter = PromptLookupDrafter(topology("tree8"))
+    # "3" did at 2, 6, 9: only the one at 9 (continuation from 10) is new (with unigrams on).
+    drafter = PromptLookupDrafter(topology("tree8"), min_ngram=1)
     assert drafter.candidates(torch.tensor(tokens)) == [7, 3, 10]
     tree = propose(drafter, tokens)
     # tree8: [0] [1] [2] [0,0] [0,1] [1,0] [0,0,0] [0,0,0,0]. Level 1: 5, 4, 6 (first tokens
@@ -33,7 +33,7 @@ def test_fills_the_topology_from_matches_hand_worked(topology):
 
 def test_longer_matches_rank_before_more_recent_shorter_ones():
     tokens = [1, 2, 3, 9, 5, 2, 3, 8, 3, 4, 1, 2, 3]
-    drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [2]]))
+    drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [2]]), min_ngram=1)
     tree = propose(drafter, tokens)
     assert tree.tokens.tolist() == [3, 9, 8, 4]  # "1 2 3" -> 9, then "2 3" -> 8, then "3" -> 4
 
@@ -41,7 +41,7 @@ def test_longer_matches_rank_before_more_recent_shorter_ones():
 def test_siblings_are_the_distinct_next_tokens_of_agreeing_matches():
     tokens = [7, 1, 2, 7, 1, 5, 7, 1, 2, 7, 1, 6, 7]
     drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [0, 0], [0, 1], [0, 2]]),
-                                  max_ngram=1)
+                                  max_ngram=1, min_ngram=1)
     tree = propose(drafter, tokens)
     # Every "7" is followed by 1; after "7 1" the continuations say 6, 2, 5, 2 (recent first).
     assert tree.tokens.tolist() == [7, 1, 6, 2, 5]

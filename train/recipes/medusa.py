@@ -20,7 +20,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from drafters import build_drafter
-from drafters.medusa import ADAPTER_DIR, WEIGHTS_FILE, MedusaHeads, load_heads, save_heads
+from drafters.medusa import (
+    ADAPTER_DIR,
+    WEIGHTS_FILE,
+    MedusaConfig,
+    MedusaHeads,
+    load_heads,
+    medusa_config,
+    save_heads,
+)
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
 from train.distill import Answer, distilled_data
 from train.distributed import DistEnv
@@ -30,11 +38,9 @@ from train.loop import batch_indices, train_steps, warmup_cosine
 from train.medusa import (
     HeadLoss,
     Medusa2Loss,
-    MedusaConfig,
     cached_rows,
     choose_draft_vocab,
     head_targets,
-    medusa_config,
     sequence_batch,
 )
 from verify.files import write_json
