@@ -17,8 +17,9 @@ from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
 
-__all__ = ["DraftContext", "Drafter", "add_children", "check_depth", "fill_by_levels",
-           "propose_children", "shallow_config", "typed_config"]
+__all__ = ["CONFIG_FILE", "DraftContext", "Drafter", "add_children", "check_depth",
+           "fill_by_levels", "node_path", "propose_children", "read_config", "save_module",
+           "shallow_config", "typed_config"]
 
 
 CONFIG_FILE = "config.json"  # beside a trained drafter's weights: its settings and its target

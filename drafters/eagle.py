@@ -49,6 +49,7 @@ from verify.protocol import DraftContext
 from verify.sampling import SamplingParams, warp
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
+from verify.verifier import context_window
 
 VARIANTS = ("eagle1", "eagle3")
 WEIGHTS_FILE = "draft.safetensors"
@@ -181,6 +182,8 @@ class EagleDrafter:
     def propose(self, ctx: DraftContext) -> TokenTree:
         root_hidden, root_logits = self._catch_up(ctx)  # (H,), (V',)
         root = int(ctx.tokens[-1])
+        if not self._fits(len(ctx.tokens)):
+            return TokenTree(ctx.tokens[-1:], torch.tensor([-1]))  # decode plainly at the end
         try:
             if isinstance(self.tree, DynamicTree):
                 return self._grow_dynamic(root, root_hidden, root_logits, ctx.params)
@@ -188,6 +191,12 @@ class EagleDrafter:
                                      ctx)
         finally:
             self.engine.rollback()  # the tree's entries were built on draft features
+
+    def _fits(self, length: int) -> bool:
+        """Whether a tree's deepest node (position length - 2 + depth) stays inside the draft's
+        position range (GPT-2's position table would overflow)."""
+        window = context_window(self.draft.body)
+        return window is None or length - 2 + self.tree.depth < window
 
     def _catch_up(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the rows the target just computed features for: (f_j, token j + 1) for the k

@@ -129,3 +129,14 @@ def test_config_keys_are_typed(conf):
         eagle_config({"name": "eagle", "ttt_step": 2})
     with pytest.raises(ValueError, match="variant must be one of"):
         eagle_config({"name": "eagle", "variant": "eagle2"})
+
+
+@pytest.mark.parametrize("tree", ["chain4", "eagle2"])
+def test_the_end_of_a_learned_position_table_is_decoded_plainly(tree, tiny, conf):
+    # GPT-2's draft body has 512 learned positions: trees that would pass them are not grown
+    target = tiny("gpt2")
+    prompt = torch.arange(500) % 200
+    drafter = build_drafter(conf("drafter", "eagle"), conf("tree", tree), target)
+    result = generate(target.model, prompt, 12, drafter=drafter)
+    assert torch.equal(result.tokens, generate(target.model, prompt, 12).tokens)
+    assert result.steps[-1].tree_size == 1
