@@ -52,7 +52,7 @@ def size_tree(checkpoint: str) -> list[str]:
     """The EAGLE-2 budget for this machine; returns the tree overrides that select it."""
     print("\n## 2. EAGLE-2 tree budget for the trained draft, from measured t(n) and tau\n")
     # shallow trees: on this CPU a draft round (~5 ms) and every verified node cost more than
-    # deep trees win back (depth 2-3 with top-k 4 measured best of depths 2-5, top-k 4-8)
+    # deep trees win back (compared by hand: depth 2-3 with top-k 4 beat depths 4-5, top-k 8)
     cfg = _compose("tree_search", ["mode=dynamic", f"drafter={DRAFTER}",
                                    f"drafter.checkpoint={checkpoint}", "budgets=[4,8,12]",
                                    "depth=3", "top_k=4", "num_prompts=4", "max_new_tokens=48",
