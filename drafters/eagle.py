@@ -180,6 +180,7 @@ class EagleDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:
+        """A tree rooted at ctx.tokens[-1], from the draft run on ctx.features' new rows."""
         root_hidden, root_logits = self._catch_up(ctx)  # (H,), (V',)
         root = int(ctx.tokens[-1])
         if not self._fits(len(ctx.tokens)):
