@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from drafters.eagle import EagleConfig, EagleDraft
 from drafters.vocab import copy_linear
+from train.loop import hit_counts
 
 
 class EagleLoss(nn.Module):
@@ -92,7 +93,7 @@ class EagleLoss(nn.Module):
             l1 = nn.functional.smooth_l1_loss(hidden.float(), target_states.float(),
                                               reduction="none").mean(-1)
             loss = loss + self.config.feature_weight * (l1 * valid).sum() / count
-        return loss, _hits(logits.detach(), target_probs.argmax(-1), valid)
+        return loss, hit_counts(logits.detach(), target_probs.argmax(-1), valid)
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -108,10 +109,3 @@ def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -
     allowed[rows, step * length + rows] = True
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-
-
-def _hits(logits: torch.Tensor, best: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[rows, top-1 hits, top-5 hits] of (B, T, V') logits against (B, T) target tokens."""
-    top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (B, T, 5)
-    hit = (top == best[..., None]) & valid[..., None]
-    return torch.stack([valid.sum(), hit[..., 0].sum(), hit.any(-1).sum()]).float()

@@ -30,6 +30,15 @@ def batch_indices(step: int, num_items: int, batch_size: int, seed: int,
     return order[offset * batch_size:(offset + 1) * batch_size][env.rank::env.world_size]
 
 
+def hit_counts(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[rows, top-1 hits, top-5 hits] of (..., V') logits against (...) target indices, over
+    the rows marked in `rows` (...); a target of -1 (none, or outside the draft vocabulary)
+    counts as a row but never as a hit. The counts an objective returns per head or step."""
+    top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (..., 5)
+    hit = (top == targets[..., None]) & (targets[..., None] >= 0) & rows[..., None]
+    return torch.stack([rows.sum(), hit[..., 0].sum(), hit.any(-1).sum()]).float()
+
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int
                   ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up to each group's lr, then cosine decay to a tenth of it."""

@@ -14,6 +14,7 @@ from torch import nn
 from drafters.medusa import MedusaHeads
 from drafters.vocab import most_frequent_tokens
 from train.distill import Answer
+from train.loop import hit_counts
 
 
 def choose_draft_vocab(answers: list[Answer], size: int | None) -> torch.Tensor | None:
@@ -66,15 +67,8 @@ class HeadLoss(nn.Module):
             # head a (zero) gradient, which DDP needs from every rank.
             ce = nn.functional.cross_entropy(logits, draft, ignore_index=-1, reduction="sum")
             loss = loss + self.decay ** k * ce / (draft >= 0).sum().clamp_min(1)
-            counts.append(_hits(logits.detach(), draft, has_target))
+            counts.append(hit_counts(logits.detach(), draft, has_target))
         return loss, torch.stack(counts)
-
-
-def _hits(logits: torch.Tensor, draft: torch.Tensor, has_target: torch.Tensor) -> torch.Tensor:
-    """[rows with a target, top-1 hits, top-5 hits] for (N, V') logits."""
-    top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (N, 5)
-    hit = (top == draft[:, None]) & (draft[:, None] >= 0)
-    return torch.stack([has_target.sum(), hit[:, 0].sum(), hit.any(-1).sum()]).float()
 
 
 class Medusa2Loss(nn.Module):
