@@ -211,6 +211,10 @@ def sharegpt_sequences(tokenizer: PreTrainedTokenizerBase, max_tokens: int,
     is None; otherwise the conversations are shuffled with it, which holds them all in memory
     (~0.2 GB for the full file).
     """
+    if tokenizer is None:
+        raise ValueError("ShareGPT conversations (data.sharegpt_tokens) need a target with a "
+                         "tokenizer and chat template; tiny random targets train on distilled "
+                         "answers only")
     conversations: Iterator[list[Turn]] | list[list[Turn]] = read_conversations(path)
     if seed is not None:
         conversations = list(conversations)

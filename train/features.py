@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from train.conversations import sharegpt_sequences
 from train.distill import Answer
 from verify.features import num_layers, resolve_layers, select_features
 from verify.files import save_tensors_atomically, shard_path
@@ -65,6 +66,23 @@ def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
              torch.cat([torch.zeros(len(a.prompt), dtype=torch.bool),
                         torch.ones(len(a.response), dtype=torch.bool)]))
             for a in answers]
+
+
+def training_features(data, target: Target, answers: list[Answer], heldout: list[Answer],
+                      layers: Sequence[int]) -> tuple[FeatureSet, FeatureSet]:
+    """Features at `layers` of the training sequences (self-distilled `answers`, then
+    `data.sharegpt_tokens` tokens of ShareGPT conversations prefilled) and of the held-out
+    answers. `data`: the run's data config (sharegpt_tokens, max_sequence_tokens, seed,
+    cache_dir). Raises ValueError when there is nothing to train on."""
+    sequences = answer_sequences(answers)
+    if data.sharegpt_tokens:
+        sequences += list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
+                                             data.sharegpt_tokens, seed=data.seed))
+    if not sequences:
+        raise ValueError("no training data: set data.sharegpt_tokens or data.num_prompts")
+    cache = None if data.cache_dir is None else Path(data.cache_dir) / "features"
+    return (extract_features(target, sequences, layers, cache),
+            extract_features(target, answer_sequences(heldout), layers, cache))
 
 
 def extract_features(target: Target, sequences: Sequence[TokenSequence], layers: Sequence[int],

@@ -14,6 +14,7 @@ from torch import nn
 from drafters.medusa import MedusaHeads
 from drafters.vocab import most_frequent_tokens
 from train.distill import Answer
+from train.features import FeatureSet
 from train.loop import hit_counts
 
 
@@ -40,6 +41,25 @@ def cached_rows(answers: list[Answer], num_heads: int) -> tuple[torch.Tensor, to
     hidden = torch.cat([a.hidden for a in answers])
     targets = torch.cat([head_targets(a.response, num_heads) for a in answers])
     return hidden, targets
+
+
+def feature_rows(features: FeatureSet, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefilled sequences (ShareGPT conversations, answers) as Medusa-1 rows: the (N, H)
+    states whose next token is learned (an assistant token) and their (N, K) head targets.
+    Row t's state predicted token t + 1, so head k asks for token t + k + 2; -1 where that
+    token is past the end or not learned (a user turn)."""
+    if len(features.layers) != 1:
+        raise ValueError(f"Medusa heads read one state per token; these features hold layers "
+                         f"{features.layers}")
+    hidden, targets = [], []
+    for s in features.sequences:
+        learned = torch.where(s.loss_mask, s.input_ids, -1)
+        padded = torch.cat([learned, learned.new_full((num_heads + 2,), -1)])
+        offsets = torch.arange(2, num_heads + 2)
+        rows = s.loss_mask[1:].nonzero().squeeze(1)  # states that predicted a learned token
+        hidden.append(s.features[rows])
+        targets.append(padded[rows[:, None] + offsets[None]])
+    return torch.cat(hidden), torch.cat(targets)
 
 
 class HeadLoss(nn.Module):

@@ -153,3 +153,8 @@ def test_the_real_sharegpt_file_has_17671_complete_conversations():
     print(f"read ShareGPT in {time.perf_counter() - start:.1f} s")
     assert stats == ReadStats(complete=17_671, skipped=0, truncated=True)
     assert turns == 129_071
+
+
+def test_a_target_without_a_tokenizer_is_refused_before_reading():
+    with pytest.raises(ValueError, match="need a target with a tokenizer"):
+        next(sharegpt_sequences(None, 64, 1000))

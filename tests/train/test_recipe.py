@@ -18,7 +18,10 @@ from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies
 from train import run_training
 from train.distributed import DistEnv
-from train.medusa import HeadLoss, cached_rows
+import train.features as features_module
+from train.features import FeatureSet, SequenceFeatures, answer_sequences, extract_features
+from train.medusa import HeadLoss, cached_rows, feature_rows
+from verify.features import num_layers
 from verify.loop import generate
 from verify.target import load_target_from_config
 
@@ -118,3 +121,55 @@ def test_the_command_line_entry_names_runs_by_their_overrides(tmp_path):
     with initialize_config_dir(CONF_DIR, version_base=None):
         cfg = compose("bench", ["drafter=medusa", f"drafter.checkpoint={run}/checkpoint"])
     assert cfg.drafter.checkpoint == f"{run}/checkpoint"
+
+
+def test_prefilled_states_give_the_distilled_answers_own_medusa_rows(train_cfg, tmp_path):
+    # The ShareGPT path (prefill) and the distilled path (states kept while answering) must
+    # hand the heads the same rows: same targets, states equal up to float16.
+    cfg = train_cfg()
+    target = load_target_from_config(cfg.target)
+    answers, _ = recipe.distilled_data(cfg.data, target, SINGLE)
+    hidden, targets = cached_rows(answers, 3)
+    last = num_layers(target.model.config)
+    prefilled = extract_features(target, answer_sequences(answers), (last,), tmp_path / "f")
+    rows, row_targets = feature_rows(prefilled, 3)
+    assert torch.equal(row_targets, targets)
+    torch.testing.assert_close(rows.float(), hidden.float(), atol=5e-3, rtol=1e-2)
+
+
+def test_feature_rows_learn_assistant_tokens_only():
+    # tokens 10..16; turns: user (10, 11), assistant (12, 13), user (14), assistant (15, 16)
+    ids = torch.arange(10, 17)
+    mask = torch.tensor([0, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
+    states = torch.arange(7, dtype=torch.float16)[:, None].expand(7, 4)
+    features = FeatureSet([SequenceFeatures(ids, mask, states)], (2,), Path("."))
+    hidden, targets = feature_rows(features, 2)
+    assert hidden[:, 0].tolist() == [1, 2, 4, 5]  # the states that predicted 12, 13, 15, 16
+    assert targets.tolist() == [[13, -1], [-1, 15], [16, -1], [-1, -1]]
+    with pytest.raises(ValueError, match="one state per token"):
+        feature_rows(FeatureSet(features.sequences, (1, 2), Path(".")), 2)
+
+
+def test_medusa1_trains_on_prefilled_conversations(train_cfg, monkeypatch):
+    # Conversations stand in for ShareGPT (tiny targets have no chat template); user turns
+    # teach nothing, and the draft vocabulary comes from the sequences.
+    generator = torch.Generator().manual_seed(0)
+    conversations = [(torch.randint(3, 200, (40,), generator=generator),
+                      torch.arange(40) % 10 >= 4) for _ in range(12)]
+    asked = []
+
+    def fake_sharegpt(tokenizer, max_tokens, total, seed=None):
+        asked.append(total)
+        return iter(conversations)
+    monkeypatch.setattr(features_module, "sharegpt_sequences", fake_sharegpt)
+    cfg = train_cfg("data.sharegpt_tokens=480", "data.num_prompts=0", "optim.max_steps=6",
+                    "optim.lr=0.01", "drafter.draft_vocab_size=64")
+    results = run_training(cfg)
+    assert asked == [480]
+    assert results["decoding"]["identical"] == results["decoding"]["prompts"]
+    heads = recipe.load_heads(results["checkpoint"], load_target_from_config(cfg.target))
+    seen = torch.cat([ids for ids, _ in conversations]).unique()
+    assert set(heads.draft_index().ge(0).nonzero().squeeze(1).tolist()) <= set(seen.tolist())
+    with pytest.raises(ValueError, match="Medusa-2"):
+        run_training(train_cfg("data.sharegpt_tokens=480", "drafter.variant=medusa2",
+                               out="medusa2"))

@@ -23,12 +23,11 @@ from drafters import build_drafter
 from drafters.eagle import WEIGHTS_FILE, EagleDraft, default_layers, eagle_config, save_draft
 from drafters.vocab import most_frequent_tokens
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
-from train.conversations import sharegpt_sequences
 from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.eagle import EagleLoss
 from train.evaluate import decode_check
-from train.features import FeatureSet, answer_sequences, extract_features
+from train.features import FeatureSet, training_features
 from train.logger import build_logger
 from train.loop import batch_indices, chunks, train_steps, warmup_cosine
 from verify.features import num_layers, resolve_layers
@@ -47,7 +46,9 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     out_dir = Path(cfg.out_dir)
     total = num_layers(target.model.config)
     layers = resolve_layers(ecfg.feature_layers or default_layers(ecfg.variant, total), total)
-    train_set, heldout = prepare_features(cfg, target, env, layers)
+    answers, heldout_answers = distilled_data(cfg.data, target, env)
+    stored = layers if layers[-1] == total else (*layers, total)  # + the state the loss reads
+    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored)
     vocab = most_frequent_tokens(_learned_tokens(train_set), ecfg.draft_vocab_size)
     draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head)
     objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg).to(env.device)
@@ -75,27 +76,6 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     logger.finish()
     results["logged_to"] = logger.location
     return results
-
-
-def prepare_features(cfg: DictConfig, target: Target, env: DistEnv, layers: tuple[int, ...]
-                     ) -> tuple[FeatureSet, FeatureSet]:
-    """Features of the training sequences (ShareGPT prefill + self-distilled answers) and of
-    the held-out answers, at the draft's layers followed by the target's last state."""
-    data, last = cfg.data, num_layers(target.model.config)
-    stored = layers if layers[-1] == last else (*layers, last)
-    answers, heldout = distilled_data(data, target, env)
-    sequences = answer_sequences(answers)
-    if data.sharegpt_tokens:
-        if target.tokenizer is None:
-            raise ValueError("data.sharegpt_tokens needs a target with a tokenizer (chat "
-                             "template); tiny random targets train on distilled answers only")
-        sequences += list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
-                                             data.sharegpt_tokens, seed=data.seed))
-    if not sequences:
-        raise ValueError("no training data: set data.sharegpt_tokens or data.num_prompts")
-    cache = None if data.cache_dir is None else Path(data.cache_dir) / "features"
-    return (extract_features(target, sequences, stored, cache),
-            extract_features(target, answer_sequences(heldout), stored, cache))
 
 
 def _learned_tokens(features: FeatureSet):

@@ -14,6 +14,7 @@ greedy check).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -29,10 +30,12 @@ from drafters.medusa import (
     medusa_config,
     save_heads,
 )
+from drafters.vocab import most_frequent_tokens
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
 from train.distill import Answer, distilled_data
 from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
+from train.features import training_features
 from train.logger import build_logger
 from train.loop import batch_indices, train_steps, warmup_cosine
 from train.medusa import (
@@ -40,14 +43,25 @@ from train.medusa import (
     Medusa2Loss,
     cached_rows,
     choose_draft_vocab,
+    feature_rows,
     head_targets,
     sequence_batch,
 )
+from verify.features import num_layers
 from verify.files import write_json
 from verify.target import Target, load_target_from_config
 from verify.tree_builder import build_tree, expected_tokens
 
 CHECKPOINT_DIR = "checkpoint"
+
+
+class Rows(NamedTuple):
+    """Medusa-1 training rows read by prefill: hidden (N, H) float16, targets (N, K), and the
+    token sequences they came from (the draft vocabulary's source)."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    sequences: list[torch.Tensor]
 
 
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
@@ -58,11 +72,16 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     target.model.to(env.device)
     out_dir = Path(cfg.out_dir)
     train_set, heldout = distilled_data(cfg.data, target, env)
-    heads = _build_heads(mcfg, target, train_set)
+    if cfg.data.sharegpt_tokens and mcfg.variant == "medusa2":
+        raise ValueError("data.sharegpt_tokens trains Medusa-1 on prefilled states; Medusa-2 "
+                         "trains the target too and reads distilled answers (data.num_prompts)")
+    rows = _prefilled_rows(cfg, target, train_set, heldout, mcfg.num_heads)
+    heads = _build_heads(mcfg, target, train_set, rows)
     peft_model = _add_lora(target, mcfg) if mcfg.variant == "medusa2" else None
     if peft_model is None:
         target.model.requires_grad_(False)
-    objective, make_batch = _objective(cfg, mcfg, target, heads, peft_model, train_set, env)
+    objective, make_batch = _objective(cfg, mcfg, target, heads, peft_model, train_set, rows,
+                                       env)
     optimizer = _optimizer(cfg, heads, peft_model)
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
     start = _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model)
@@ -90,13 +109,28 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     return results
 
 
-def _build_heads(mcfg: MedusaConfig, target: Target, train_set: list[Answer]) -> MedusaHeads:
+def _prefilled_rows(cfg: DictConfig, target: Target, train_set: list[Answer],
+                    heldout: list[Answer], num_heads: int) -> Rows | None:
+    """With data.sharegpt_tokens: the training rows (answers and ShareGPT conversations read
+    by prefill, last-layer states, as EAGLE-1's features and sharing their cache); else None,
+    and Medusa-1 reads the states cached with the distilled answers."""
+    if not cfg.data.sharegpt_tokens:
+        return None
+    last = num_layers(target.model.config)
+    features, _ = training_features(cfg.data, target, train_set, heldout, (last,))
+    hidden, targets = feature_rows(features, num_heads)
+    return Rows(hidden, targets, [s.input_ids for s in features.sequences])
+
+
+def _build_heads(mcfg: MedusaConfig, target: Target, train_set: list[Answer],
+                 rows: Rows | None) -> MedusaHeads:
     """Fresh heads over a draft vocabulary chosen from the data, or trained ones to go on from
     (Medusa-2's two stages: heads first, then heads and adapter together)."""
     if mcfg.init_heads is None:
+        vocab = (choose_draft_vocab(train_set, mcfg.draft_vocab_size) if rows is None
+                 else most_frequent_tokens(rows.sequences, mcfg.draft_vocab_size))
         return MedusaHeads(target.model.get_output_embeddings(), mcfg.num_heads,
-                           mcfg.num_layers, mcfg.share_lm_head,
-                           choose_draft_vocab(train_set, mcfg.draft_vocab_size))
+                           mcfg.num_layers, mcfg.share_lm_head, vocab)
     heads = load_heads(mcfg.init_heads, target)
     wanted = {"num_heads": mcfg.num_heads, "num_layers": mcfg.num_layers,
               "share_lm_head": mcfg.share_lm_head}
@@ -115,11 +149,13 @@ def _add_lora(target: Target, mcfg: MedusaConfig):
     return get_peft_model(target.model, config)
 
 
-def _objective(cfg, mcfg, target, heads, peft_model, train_set, env):
+def _objective(cfg, mcfg, target, heads, peft_model, train_set, rows, env):
     """The loss module and make_batch(step) -> its keyword arguments."""
     device, seed = env.device, cfg.seed
     if peft_model is None:
-        if cfg.data.cache_hidden:
+        if rows is not None:
+            hidden, targets = rows.hidden, rows.targets
+        elif cfg.data.cache_hidden:
             hidden, targets = cached_rows(train_set, mcfg.num_heads)
         else:  # computed once with the frozen target, kept in memory only
             hidden = answer_states(target.model, train_set).to(torch.float16)
