@@ -34,6 +34,12 @@ class DraftEngine:
         self.length = 0
         self.fed: dict[int, int] = {}  # tree node -> its entry's offset after the committed ones
 
+    def cache_bytes(self) -> int:
+        """Bytes the draft's keys and values take now (committed and fed entries)."""
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor))
+
     def crop(self, length: int) -> None:
         """Keep the first `length` committed entries only (drops any tree too)."""
         if length > self.length:

@@ -3,8 +3,11 @@
     python -m experiments.bench drafter=prompt_lookup tree=chain4 num_prompts=40
     python -m experiments.bench 'compare=["eagle:eagle2","draft_model:chain4:num_layers=2"]'
 
-Methods run one after another on each prompt (so machine noise hits all alike):
-- hf_greedy: Hugging Face `generate`, greedy: the baseline every speedup divides by;
+Methods run one after another on each prompt (so machine noise hits all alike), `repeats=`
+times over all prompts (interleaved runs: each speedup gets a median and a range):
+- hf_greedy: Hugging Face `generate`, greedy: the baseline every speedup divides by; at
+  `temperature=` > 0 it is hf_sample, plain sampling of the same target, and every method
+  samples with the same temperature/top_p/top_k (exactness: the correctness command);
 - the configured drafter through the tree verifier, then each `compare` entry
   ("<drafter>:<tree>[:key=value,...]", the keys overriding conf/drafter/<drafter>.yaml);
 - peers (`peers=[...]`): plain_loop, this framework's loop with no drafter (its overhead next
@@ -35,12 +38,12 @@ from experiments.bench_report import format_tables, plot_speedups, summarise
 from experiments.common import CONF_DIR, pick_questions, write_report
 from verify.loop import generate
 from verify.protocol import Drafter
+from verify.sampling import SamplingParams
 from verify.target import Target, hf_generate, load_target_from_config
 
-BASELINE = "hf_greedy"
 COMPARE_FORMAT = "<drafter>:<tree>[:key=value,...]"
 
-Method = Callable[[torch.Tensor, int], dict]
+Method = Callable[[torch.Tensor, int, int], dict]  # (prompt (T,), max_new_tokens, seed) -> record
 
 
 class Contender(NamedTuple):
@@ -51,28 +54,66 @@ class Contender(NamedTuple):
     tree: DictConfig
 
 
-def hf_method(target: Target, **generate_kwargs) -> Method:
-    """A method running Hugging Face `generate` greedily with extra keyword arguments."""
-    def run(ids: torch.Tensor, max_new_tokens: int) -> dict:
+def sampling_params(cfg: DictConfig) -> SamplingParams:
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def baseline_name(params: SamplingParams) -> str:
+    """Hugging Face `generate` of the target alone, greedy or sampling as the run decodes."""
+    return "hf_greedy" if params.greedy else "hf_sample"
+
+
+def hf_method(target: Target, params: SamplingParams, **generate_kwargs) -> Method:
+    """A method running Hugging Face `generate` with extra keyword arguments, sampling with
+    `params` (seeded per call) unless they are greedy."""
+    if not params.greedy:
+        generate_kwargs.update(do_sample=True, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p)
+
+    def run(ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
+        torch.manual_seed(seed)
         return {"new_tokens": len(hf_generate(target, ids, max_new_tokens, **generate_kwargs))}
     return run
 
 
-def treedraft_method(target: Target, drafter: Drafter | None) -> Method:
-    """A method running this framework's loop (drafter None: plain decoding). Its record
-    counts the draft forwards when the drafter runs a DraftEngine."""
+def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingParams
+                     ) -> Method:
+    """A method running this framework's loop (drafter None: plain decoding) with `params`.
+    Its record counts the draft forwards when the drafter runs a DraftEngine."""
     engine = getattr(drafter, "engine", None)
+    weights = own_weights_bytes(drafter, target.model) if drafter is not None else 0
 
-    def run(ids: torch.Tensor, max_new_tokens: int) -> dict:
+    def run(ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
         before = engine.forwards if engine is not None else 0  # a running count: diff it
+        generator = torch.Generator(target.model.device).manual_seed(seed)
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
-                          eos_token_id=target.eos_token_ids)
+                          temperature=params.temperature, top_k=params.top_k,
+                          top_p=params.top_p, eos_token_id=target.eos_token_ids,
+                          generator=generator)
         record = {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps],
                   "prefill_s": result.prefill_s}
+        if drafter is not None:
+            record["draft_weights_mb"] = weights / 2**20
         if engine is not None:
             record["draft_forwards"] = engine.forwards - before
+            # the whole context's entries at the end: the draft cache's peak, give or take
+            # one tree level
+            record["draft_cache_mb"] = engine.cache_bytes() / 2**20
         return record
     return run
+
+
+def own_weights_bytes(drafter: Drafter, target_model: torch.nn.Module) -> int:
+    """Bytes of the drafter's parameters and buffers that are not the target's (a shared
+    embedding or LM head is counted once, with the target): what the drafter adds."""
+    def tensors(module: torch.nn.Module):
+        return [*module.parameters(), *module.buffers()]
+
+    shared = {t.data_ptr() for t in tensors(target_model)}
+    own = {t.data_ptr(): t.numel() * t.element_size()
+           for module in vars(drafter).values() if isinstance(module, torch.nn.Module)
+           for t in tensors(module) if t.data_ptr() not in shared}
+    return sum(own.values())
 
 
 def parse_compare(entry: str) -> Contender:
@@ -128,18 +169,19 @@ def contenders(cfg: DictConfig) -> list[Contender]:
 
 def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) -> dict:
     """Method name -> method, in the order they run on each prompt (baseline first)."""
-    methods = {BASELINE: hf_method(target)}
+    params = sampling_params(cfg)
+    methods = {baseline_name(params): hf_method(target, params)}
     if "plain_loop" in cfg.peers:
-        methods["plain_loop"] = treedraft_method(target, None)
+        methods["plain_loop"] = treedraft_method(target, None, params)
     for contender in drafters:
         drafter = build_drafter(contender.drafter, contender.tree, target)
-        methods[contender.name] = treedraft_method(target, drafter)
+        methods[contender.name] = treedraft_method(target, drafter, params)
     if "hf_prompt_lookup" in cfg.peers:
         methods["hf_prompt_lookup"] = hf_method(
-            target, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_num_tokens)
+            target, params, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_num_tokens)
     if "hf_assisted" in cfg.peers:
         assistant = truncated_copy(target.model, cfg.hf_assistant_num_layers)
-        methods["hf_assisted"] = hf_method(target, assistant_model=assistant)
+        methods["hf_assisted"] = hf_method(target, params, assistant_model=assistant)
     return methods
 
 
@@ -152,16 +194,23 @@ def run_benchmark(cfg: DictConfig) -> dict:
     prompts = [(q, target.encode_prompt(q.prompt)) for q in questions]
     for _, ids in prompts[: cfg.warmup]:  # first calls pay one-off costs; keep them out
         for run in methods.values():
-            run(ids, min(cfg.max_new_tokens, 16))
+            run(ids, min(cfg.max_new_tokens, 16), cfg.seed)
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     records = defaultdict(list)
-    for question, ids in tqdm(prompts, desc="bench"):
-        for name, run in methods.items():
-            start = time.perf_counter()
-            record = run(ids, cfg.max_new_tokens)
-            record.update(seconds=time.perf_counter() - start, category=question.category,
-                          question_id=question.question_id)
-            records[name].append(record)
-    return summarise(records, BASELINE)
+    with tqdm(total=cfg.repeats * len(prompts), desc="bench", unit="prompt") as bar:
+        for repeat in range(cfg.repeats):
+            for index, (question, ids) in enumerate(prompts):
+                # every method samples prompt i of run r from the same seed
+                seed = cfg.seed + repeat * len(prompts) + index
+                for name, run in methods.items():
+                    start = time.perf_counter()
+                    record = run(ids, cfg.max_new_tokens, seed)
+                    record.update(seconds=time.perf_counter() - start, repeat=repeat,
+                                  category=question.category, question_id=question.question_id)
+                    records[name].append(record)
+                bar.update()
+    return summarise(records, baseline_name(sampling_params(cfg)))
 
 
 def report_stem(cfg: DictConfig) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 
@@ -22,8 +23,31 @@ def summarise(records: dict[str, list[dict]], baseline: str) -> dict:
         if steps:
             summary.update(_step_figures(steps))
             summary.update(_time_per_step(recs, summary))
+        summary.update(_draft_memory(recs))
         methods[name] = summary
-    return {"baseline": baseline, "prompts": len(records[baseline]), "methods": methods}
+    runs = sorted({r.get("repeat", 0) for r in records[baseline]})
+    if len(runs) > 1:
+        _add_spread(methods, records, baseline, runs)
+    return {"baseline": baseline, "prompts": len(records[baseline]) // len(runs),
+            "repeats": len(runs), "methods": methods}
+
+
+def _add_spread(methods: dict, records: dict[str, list[dict]], baseline: str,
+                runs: list[int]) -> None:
+    """Each method's overall speedup in every run alone (records tagged `repeat`), and their
+    median, min and max: how far one run's figure can be trusted."""
+    for name, summary in methods.items():
+        if name == baseline:
+            continue
+        per_run = []
+        for run in runs:
+            ours = [r for r in records[name] if r.get("repeat", 0) == run]
+            base = [r for r in records[baseline] if r.get("repeat", 0) == run]
+            per_run.append(_tokens_per_second(ours)["overall"]
+                           / _tokens_per_second(base)["overall"])
+        summary["speedup_runs"] = per_run
+        summary["speedup_median"] = statistics.median(per_run)
+        summary["speedup_range"] = [min(per_run), max(per_run)]
 
 
 def _tokens_per_second(records: list[dict]) -> dict[str, float]:
@@ -57,6 +81,14 @@ def _step_figures(steps: list[dict]) -> dict:
     }
 
 
+def _draft_memory(records: list[dict]) -> dict:
+    """The drafter's own memory where recorded, in MiB: its weights not shared with the target
+    and its KV cache at its largest, apart from the target's so a user can budget them."""
+    sizes = {key: [r[key] for r in records if key in r]
+             for key in ("draft_weights_mb", "draft_cache_mb")}
+    return {key: max(values) for key, values in sizes.items() if values}
+
+
 def _time_per_step(records: list[dict], figures: dict) -> dict:
     """Milliseconds per target forward: drafting, verifying, and the rest of the method's wall
     time (the loop's bookkeeping and the prefill, which is also given alone), so the three add
@@ -77,10 +109,13 @@ def _time_per_step(records: list[dict], figures: dict) -> dict:
 def format_tables(summary: dict) -> str:
     """Two markdown tables: methods overall, and speedup per category."""
     methods = summary["methods"]
-    lines = [f"Baseline: {summary['baseline']}, {summary['prompts']} prompts.", "",
+    runs = summary.get("repeats", 1)
+    spread = (f" Speedup: all {runs} runs pooled; median [min, max] of the runs' own "
+              "speedups beside it." if runs > 1 else "")
+    lines = [f"Baseline: {summary['baseline']}, {summary['prompts']} prompts.{spread}", "",
              "| method | tokens/s | speedup | tau | accept rate by depth | draft ms/step | "
-             "verify ms/step | other ms/step | ms/draft fwd |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "verify ms/step | other ms/step | ms/draft fwd | draft MiB (weights, KV) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [_method_row(name, m) for name, m in methods.items()]
     categories = [c for c in methods[summary["baseline"]]["speedup"] if c != "overall"]
     lines += ["", "| category | " + " | ".join(methods) + " |",
@@ -100,8 +135,14 @@ def _method_row(name: str, m: dict) -> str:
                       for r in m.get("acceptance_per_depth", [])) or "-"
     times = " | ".join(cell(key, ".1f") for key in (
         "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step", "ms_per_draft_forward"))
-    return (f"| {name} | {m['tokens_per_s']['overall']:.1f} | {m['speedup']['overall']:.2f}x | "
-            f"{cell('tau', '.2f')} | {rates} | {times} |")
+    speedup = f"{m['speedup']['overall']:.2f}x"
+    if "speedup_median" in m:
+        low, high = m["speedup_range"]
+        speedup += f" ({m['speedup_median']:.2f}x [{low:.2f}, {high:.2f}])"
+    memory = ("-" if "draft_weights_mb" not in m else
+              f"{m['draft_weights_mb']:.1f}, {cell('draft_cache_mb', '.1f')}")
+    return (f"| {name} | {m['tokens_per_s']['overall']:.1f} | {speedup} | "
+            f"{cell('tau', '.2f')} | {rates} | {times} | {memory} |")
 
 
 def plot_speedups(summary: dict, path: Path) -> Path:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,10 +32,47 @@ def pick_questions(data_root: str | None, num_prompts: int,
 
 
 def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig) -> Path:
-    """Write {"config": ..., "rows": ...} as JSON atomically; returns the path."""
+    """Write {"config": ..., "environment": ..., "rows": ...} as JSON atomically; returns the
+    path."""
     path = out_dir / f"{stem}.json"
-    write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True), "rows": rows})
+    write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True),
+                      "environment": environment(), "rows": rows})
     return path
+
+
+def environment() -> dict:
+    """What a figure depends on besides the config: machine, threads, accelerator, library
+    versions and the code's git commit ("-dirty" with uncommitted changes; None outside git)."""
+    import transformers
+
+    return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "git_commit": git_commit()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    """HEAD of the repository this code runs from, "-dirty" when tracked files changed."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty.strip() else "")
 
 
 @contextmanager

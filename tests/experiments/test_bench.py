@@ -5,11 +5,21 @@ import json
 import re
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
-from experiments.bench import contenders, parse_compare, report_stem, run_benchmark
+from drafters.medusa import MedusaDrafter, MedusaHeads
+from experiments.bench import (
+    contenders,
+    own_weights_bytes,
+    parse_compare,
+    report_stem,
+    run_benchmark,
+)
 from experiments.bench_report import format_tables, plot_speedups, summarise
 from experiments.common import CONF_DIR, write_report
+from verify.target import load_target_from_config
+from verify.tree import TreeTopology
 
 
 def step(accepted, depth=3):
@@ -145,3 +155,57 @@ def test_end_to_end_on_a_tiny_target():
     assert methods["plain_loop"]["tau"] == 1.0
     assert methods["draft_model/tree8"]["tau"] >= 1.0
     assert len(methods["draft_model/tree8"]["acceptance_per_depth"]) == 4
+
+
+def test_repeats_give_each_speedup_a_median_and_range():
+    # run 0: tree twice as fast as base; run 1: as fast; run 2: four times
+    seconds = {0: 0.5, 1: 1.0, 2: 0.25}
+    records = {
+        "base": [{"category": "qa", "new_tokens": 10, "seconds": 1.0, "repeat": r}
+                 for r in seconds],
+        "tree": [{"category": "qa", "new_tokens": 10, "seconds": s, "repeat": r}
+                 for r, s in seconds.items()],
+    }
+    summary = summarise(records, "base")
+    tree = summary["methods"]["tree"]
+    assert summary["repeats"] == 3 and summary["prompts"] == 1
+    assert tree["speedup_runs"] == pytest.approx([2.0, 1.0, 4.0])
+    assert tree["speedup_median"] == pytest.approx(2.0)
+    assert tree["speedup_range"] == pytest.approx([1.0, 4.0])
+    assert tree["speedup"]["overall"] == pytest.approx(30 / 1.75 / 10)  # pooled
+    assert "speedup_runs" not in summary["methods"]["base"]
+    assert "| tree | 17.1 | 1.71x (2.00x [1.00, 4.00]) |" in format_tables(summary)
+    assert "median [min, max]" in format_tables(summary)
+
+
+def test_a_sampled_benchmark_on_a_tiny_target(tmp_path):
+    cfg = bench_config("num_prompts=2", "max_new_tokens=8", "temperature=1.0", "top_p=0.9",
+                       "repeats=2", "peers=[plain_loop,hf_prompt_lookup]",
+                       "compare=[eagle:eagle2,prompt_lookup:tree8]")
+    summary = run_benchmark(cfg)
+    path = write_report(tmp_path, report_stem(cfg), [summary], cfg)
+    report = json.loads(path.read_text())
+    methods = report["rows"][0]["methods"]
+    assert list(methods) == ["hf_sample", "plain_loop", "draft_model/tree8", "eagle/eagle2",
+                             "prompt_lookup/tree8", "hf_prompt_lookup"]
+    assert summary["repeats"] == 2 and summary["prompts"] == 2
+    for name, m in methods.items():
+        assert m["tokens_per_s"]["overall"] > 0
+        if name != "hf_sample":
+            assert len(m["speedup_runs"]) == 2
+    # the draft's own memory: an EAGLE layer and cache; prompt lookup has neither
+    assert methods["eagle/eagle2"]["draft_weights_mb"] > 0.01
+    assert methods["eagle/eagle2"]["draft_cache_mb"] > 0
+    assert methods["prompt_lookup/tree8"]["draft_weights_mb"] == 0
+    assert "draft_weights_mb" not in methods["plain_loop"]
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1
+    assert env["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", env["git_commit"])
+
+
+def test_own_weights_count_what_the_drafter_adds_to_the_target():
+    target = load_target_from_config(bench_config().target)
+    heads = MedusaHeads(target.model.get_output_embeddings(), 2, 1, share_lm_head=True)
+    drafter = MedusaDrafter(heads, TreeTopology.from_choices([[0], [0, 0]]))
+    added = sum(p.numel() * 4 for p in heads.blocks.parameters())
+    assert own_weights_bytes(drafter, target.model) == added
