@@ -1,0 +1,144 @@
+"""A table and a plot from finished training runs: data scaling, ablation sweeps.
+
+    python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct/eagle]' \
+        x=data.sharegpt_tokens
+    python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct]' \
+        x=data.sharegpt_tokens series=drafter.name 'where=[optim.max_steps=800]'
+
+Reads every eval.json under the given folders (each `python train.py` run writes one, with its
+resolved config), takes the swept config key `x` (dotted) and, optionally, a `series` key that
+splits runs into lines (EAGLE-1 against EAGLE-3), keeps the runs matching every `where`
+"key=value", and reports per run: held-out top-1 per depth (EAGLE) or head (Medusa), tau with
+the run's tree and whether decoding stayed identical to the target's. Prints markdown, writes
+JSON and a PNG (tau and first-draft top-1 against x; a log axis when x spans 10x or more).
+The figures are the runs' own: nothing is re-measured here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+import yaml
+from omegaconf import DictConfig
+
+from experiments.common import write_report
+
+
+def find_runs(folders: list[str]) -> list[dict]:
+    """Every eval.json under `folders` (the folder itself may be a run), read whole."""
+    runs = []
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            raise FileNotFoundError(f"runs: no folder {folder}")
+        runs += [json.loads(path.read_text()) | {"eval": str(path)}
+                 for path in sorted(folder.rglob("eval.json"))]
+    return runs
+
+
+def config_value(run: dict, key: str):
+    """The run's resolved config at dotted `key`; KeyError naming the run if absent."""
+    value = run["config"]
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(f"{run['eval']}: its config has no {key!r}")
+        value = value[part]
+    return value
+
+
+def matches(run: dict, where: list[str]) -> bool:
+    """Whether the run's config holds every "key=value" (values read as YAML: 800, null)."""
+    for condition in where:
+        key, sep, text = condition.partition("=")
+        if not sep:
+            raise ValueError(f"where entry {condition!r} is not key=value")
+        if config_value(run, key) != yaml.safe_load(text):
+            return False
+    return True
+
+
+def table_rows(runs: list[dict], x: str, series: str | None) -> list[dict]:
+    """One row per run, ordered by series then x: the swept values and the run's figures."""
+    rows = []
+    for run in runs:
+        accuracy, decoding = run["accuracy"], run["decoding"]
+        rows.append({
+            "series": config_value(run, series) if series else None,
+            "x": config_value(run, x),
+            "top1": accuracy["top1"], "label": accuracy.get("label", "head"),
+            "tau": decoding["tau"], "identical": decoding["identical"],
+            "prompts": decoding["prompts"], "tree": decoding["tree"],
+            "steps": config_value(run, "optim.max_steps"), "eval": run["eval"],
+        })
+    return sorted(rows, key=lambda r: (str(r["series"]), _sortable(r["x"])))
+
+
+def _sortable(value):
+    return (0, value, "") if isinstance(value, (int, float)) else (1, 0, str(value))
+
+
+def format_table(rows: list[dict], x: str, series: str | None) -> str:
+    depths = max(len(r["top1"]) for r in rows)
+    label = rows[0]["label"]
+    head = ([series] if series else []) + [x, "steps"] + [
+        f"top-1 {label} {d + 1}" for d in range(depths)] + ["tau", "identical"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        cells = ([str(r["series"])] if series else []) + [str(r["x"]), str(r["steps"])]
+        cells += [f"{v:.3f}" for v in r["top1"]] + ["-"] * (depths - len(r["top1"]))
+        cells += [f"{r['tau']:.2f}", f"{r['identical']}/{r['prompts']}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    trees = sorted({r["tree"] for r in rows})
+    lines += ["", f"tau: held-out prompts decoded with {'; '.join(trees)}."]
+    return "\n".join(lines)
+
+
+def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
+    """tau and first-draft top-1 against x, one line per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    numeric = all(isinstance(r["x"], (int, float)) for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(r["series"] for r in rows):
+        mine = [r for r in rows if r["series"] == name]
+        xs = [r["x"] if numeric else str(r["x"]) for r in mine]
+        label = str(name) if series else None
+        axes[0].plot(xs, [r["tau"] for r in mine], marker="o", label=label)
+        axes[1].plot(xs, [r["top1"][0] for r in mine], marker="o", label=label)
+    spread = numeric and min(r["x"] for r in rows) > 0 and (
+        max(r["x"] for r in rows) >= 10 * min(r["x"] for r in rows))
+    for ax, ylabel in zip(axes, ["tau (tokens per target forward)",
+                                 f"held-out top-1, {rows[0]['label']} 1"]):
+        ax.set_xlabel(x)
+        ax.set_ylabel(ylabel)
+        if spread:
+            ax.set_xscale("log")
+        if series:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@hydra.main(config_path="../conf", config_name="runs_table", version_base=None)
+def main(cfg: DictConfig) -> None:
+    runs = [r for r in find_runs(list(cfg.runs)) if matches(r, list(cfg.where))]
+    if not runs:
+        raise SystemExit(f"no eval.json under {list(cfg.runs)} matches {list(cfg.where)}")
+    rows = table_rows(runs, cfg.x, cfg.series)
+    print(format_table(rows, cfg.x, cfg.series))
+    path = write_report(Path(cfg.out_dir), cfg.name, rows, cfg)
+    print(f"\nJSON: {path}")
+    if cfg.plot:
+        print(f"plot: {plot_runs(rows, cfg.x, cfg.series, Path(cfg.out_dir) / f'{cfg.name}.png')}")
+
+
+if __name__ == "__main__":
+    main()

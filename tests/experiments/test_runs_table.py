@@ -1,0 +1,56 @@
+"""The runs table on hand-written eval.json files: rows, filters, order, plot."""
+
+import json
+
+import pytest
+
+from experiments.runs_table import find_runs, format_table, matches, plot_runs, table_rows
+
+
+def write_run(folder, drafter, tokens, steps, top1, tau):
+    folder.mkdir(parents=True)
+    (folder / "eval.json").write_text(json.dumps({
+        "config": {"drafter": {"name": drafter}, "data": {"sharegpt_tokens": tokens},
+                   "optim": {"max_steps": steps}},
+        "accuracy": {"label": "depth", "top1": top1},
+        "decoding": {"tau": tau, "identical": 8, "prompts": 8, "tree": "tree of 16 nodes"}}))
+
+
+@pytest.fixture
+def runs(tmp_path):
+    write_run(tmp_path / "eagle" / "b", "eagle", 200000, 800, [0.4, 0.3], 1.9)
+    write_run(tmp_path / "eagle" / "a", "eagle", 50000, 800, [0.3, 0.2], 1.7)
+    write_run(tmp_path / "eagle3" / "a", "eagle3", 200000, 400, [0.28, 0.3], 1.7)
+    write_run(tmp_path / "eagle" / "c", "eagle", 100000, 100, [0.1, 0.1], 1.1)
+    return tmp_path
+
+
+def test_rows_come_from_every_run_ordered_by_series_then_x(runs):
+    found = [r for r in find_runs([str(runs)]) if matches(r, [])]
+    rows = table_rows(found, "data.sharegpt_tokens", "drafter.name")
+    assert [(r["series"], r["x"]) for r in rows] == [
+        ("eagle", 50000), ("eagle", 100000), ("eagle", 200000), ("eagle3", 200000)]
+    table = format_table(rows, "data.sharegpt_tokens", "drafter.name")
+    assert "| eagle | 200000 | 800 | 0.400 | 0.300 | 1.90 | 8/8 |" in table
+    assert "tree of 16 nodes" in table
+
+
+def test_where_keeps_runs_of_one_budget_and_refuses_a_malformed_entry(runs):
+    found = find_runs([str(runs / "eagle")])
+    kept = [r for r in found if matches(r, ["optim.max_steps=800"])]
+    assert sorted(r["config"]["data"]["sharegpt_tokens"] for r in kept) == [50000, 200000]
+    with pytest.raises(ValueError, match="not key=value"):
+        matches(found[0], ["optim.max_steps"])
+    with pytest.raises(KeyError, match="no 'optim.lr'"):
+        matches(found[0], ["optim.lr=1"])
+
+
+def test_a_missing_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no folder"):
+        find_runs([str(tmp_path / "nowhere")])
+
+
+def test_plot(runs, tmp_path):
+    rows = table_rows(find_runs([str(runs)]), "data.sharegpt_tokens", "drafter.name")
+    path = plot_runs(rows, "data.sharegpt_tokens", "drafter.name", tmp_path / "p.png")
+    assert path.stat().st_size > 1000
