@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +58,34 @@ class FeatureSet:
     def __getitem__(self, index: int) -> SequenceFeatures:
         return self.sequences[index]
 
+    def take(self, indices: Sequence[int]) -> list[SequenceFeatures]:
+        return [self.sequences[i] for i in indices]
+
+    def learned_tokens(self) -> Iterator[torch.Tensor]:
+        """The tokens with a loss, sequence by sequence (a draft vocabulary's source)."""
+        return (s.input_ids[s.loss_mask] for s in self.sequences)
+
+
+class LiveFeatures:
+    """Sequences whose features the frozen target computes when a batch asks for them, in one
+    padded forward: nothing on disk, but every epoch pays the prefill again (FeatureSet reads
+    it once). `take` and `learned_tokens` as FeatureSet's."""
+
+    def __init__(self, target: Target, sequences: Sequence[TokenSequence], layers: Sequence[int]):
+        self.model, self.sequences = target.model, list(sequences)
+        self.layers = resolve_layers(layers, num_layers(target.model.config))
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def take(self, indices: Sequence[int]) -> list[SequenceFeatures]:
+        chosen = [self.sequences[i] for i in indices]
+        states = prefill_features(self.model, [ids for ids, _ in chosen], self.layers)
+        return [SequenceFeatures(ids, mask, f) for (ids, mask), f in zip(chosen, states)]
+
+    def learned_tokens(self) -> Iterator[torch.Tensor]:
+        return (ids[mask] for ids, mask in self.sequences)
+
 
 def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
     """Distilled answers as sequences: input_ids = prompt + response (P + R,), loss on the
@@ -69,11 +97,13 @@ def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
 
 
 def training_features(data, target: Target, answers: list[Answer], heldout: list[Answer],
-                      layers: Sequence[int]) -> tuple[FeatureSet, FeatureSet]:
+                      layers: Sequence[int]) -> tuple[FeatureSet | LiveFeatures, FeatureSet]:
     """Features at `layers` of the training sequences (self-distilled `answers`, then
     `data.sharegpt_tokens` tokens of ShareGPT conversations prefilled) and of the held-out
     answers. `data`: the run's data config (sharegpt_tokens, max_sequence_tokens, seed,
-    cache_dir). Raises ValueError when there is nothing to train on."""
+    cache_dir, cache_hidden: false computes the training features live, batch by batch; the
+    held-out ones, a few thousand tokens, are cached either way). Raises ValueError when there
+    is nothing to train on."""
     sequences = answer_sequences(answers)
     if data.sharegpt_tokens:
         sequences += list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
@@ -81,8 +111,9 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
     if not sequences:
         raise ValueError("no training data: set data.sharegpt_tokens or data.num_prompts")
     cache = None if data.cache_dir is None else Path(data.cache_dir) / "features"
-    return (extract_features(target, sequences, layers, cache),
-            extract_features(target, answer_sequences(heldout), layers, cache))
+    train = (extract_features(target, sequences, layers, cache) if data.cache_hidden
+             else LiveFeatures(target, sequences, layers))
+    return train, extract_features(target, answer_sequences(heldout), layers, cache)
 
 
 def extract_features(target: Target, sequences: Sequence[TokenSequence], layers: Sequence[int],

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import train.recipes.eagle as recipe
@@ -15,11 +16,12 @@ from train import run_training
 from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.eagle import EagleLoss, ttt_mask
+from train.features import LiveFeatures, training_features
 from verify.features import eagle3_layers
 from verify.loop import generate
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
-from verify.target import load_target
+from verify.target import load_target, load_target_from_config
 from verify.tree import TreeTopology
 
 TOKENS = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 7, 9])
@@ -146,3 +148,21 @@ def test_a_trained_draft_is_accepted_and_decoding_stays_exact(tmp_path, drafter)
         assert torch.equal(result.tokens, plain)
         taus.append(result.tau)
     assert sum(taus) / len(taus) > 1.8, taus
+
+
+def test_live_features_are_the_cached_ones_and_a_live_run_trains(tmp_path):
+    cfg = _eagle_cfg(tmp_path)
+    target = load_target_from_config(cfg.target)
+    answers, heldout = distilled_data(cfg.data, target, DistEnv(0, 1, torch.device("cpu")))
+    cached, _ = training_features(cfg.data, target, answers, heldout, (1, 2))
+    live_data = OmegaConf.merge(cfg.data, {"cache_hidden": False})
+    live, _ = training_features(live_data, target, answers, heldout, (1, 2))
+    assert isinstance(live, LiveFeatures) and len(live) == len(cached) == 16
+    for ours, theirs in zip(live.take([0, 3, 5]), cached.take([0, 3, 5])):
+        assert torch.equal(ours.input_ids, theirs.input_ids)
+        assert torch.equal(ours.loss_mask, theirs.loss_mask)
+        torch.testing.assert_close(ours.features, theirs.features, atol=1e-2, rtol=1e-2)
+    assert ([t.tolist() for t in live.learned_tokens()]
+            == [t.tolist() for t in cached.learned_tokens()])
+    results = run_training(_eagle_cfg(tmp_path, "data.cache_hidden=false", out="live"))
+    assert results["decoding"]["identical"] == results["decoding"]["prompts"]

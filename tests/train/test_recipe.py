@@ -12,13 +12,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
+import train.features as features_module
 import train.recipes.medusa as recipe
 from drafters import build_drafter
 from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies
 from train import run_training
 from train.distributed import DistEnv
-import train.features as features_module
 from train.features import FeatureSet, SequenceFeatures, answer_sequences, extract_features
 from train.medusa import HeadLoss, cached_rows, feature_rows
 from verify.features import num_layers

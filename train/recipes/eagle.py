@@ -27,7 +27,7 @@ from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.eagle import EagleLoss
 from train.evaluate import decode_check
-from train.features import FeatureSet, training_features
+from train.features import FeatureSet, LiveFeatures, SequenceFeatures, training_features
 from train.logger import build_logger
 from train.loop import batch_indices, chunks, train_steps, warmup_cosine
 from verify.features import num_layers, resolve_layers
@@ -49,7 +49,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     answers, heldout_answers = distilled_data(cfg.data, target, env)
     stored = layers if layers[-1] == total else (*layers, total)  # + the state the loss reads
     train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored)
-    vocab = most_frequent_tokens(_learned_tokens(train_set), ecfg.draft_vocab_size)
+    vocab = most_frequent_tokens(train_set.learned_tokens(), ecfg.draft_vocab_size)
     draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head)
     objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg).to(env.device)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad],
@@ -78,23 +78,18 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     return results
 
 
-def _learned_tokens(features: FeatureSet):
-    """The tokens the draft learns to propose (loss positions): its vocabulary's source."""
-    return (s.input_ids[s.loss_mask] for s in features.sequences)
-
-
-def _batcher(features: FeatureSet, cfg: DictConfig, env: DistEnv):
+def _batcher(features: FeatureSet | LiveFeatures, cfg: DictConfig, env: DistEnv):
     """make_batch(step) -> EagleLoss keyword arguments for this rank's sequences of the step."""
     def make_batch(step: int) -> dict:
         picked = batch_indices(step, len(features), cfg.optim.batch_sequences, cfg.seed, env)
-        return {k: v.to(env.device) for k, v in pad_batch(features, picked.tolist()).items()}
+        batch = pad_batch(features.take(picked.tolist()))
+        return {k: v.to(env.device) for k, v in batch.items()}
     return make_batch
 
 
-def pad_batch(features: FeatureSet, indices: list[int]) -> dict:
+def pad_batch(chosen: list[SequenceFeatures]) -> dict:
     """Right-padded input_ids (B, T), float features (B, T, C) and learn (B, T), the tokens
     whose prediction is trained (False on padding)."""
-    chosen = [features[i] for i in indices]
     width = max(len(s.input_ids) for s in chosen)
     columns = chosen[0].features.shape[-1]
     input_ids = torch.zeros(len(chosen), width, dtype=torch.long)
@@ -123,9 +118,9 @@ def heldout_accuracy(objective: EagleLoss, heldout: FeatureSet, depths: int) -> 
     unrolled on its own outputs as decoding does (training-time test without training)."""
     objective.eval()
     device = next(objective.draft.parameters()).device
-    counts = sum(objective(**{k: v.to(device) for k, v in pad_batch(heldout, batch).items()},
-                           steps=depths)[1]
-                 for batch in chunks(list(range(len(heldout))), 8))
+    batches = (pad_batch(heldout.take(indices)) for indices in chunks(range(len(heldout)), 8))
+    counts = sum(objective(**{k: v.to(device) for k, v in batch.items()}, steps=depths)[1]
+                 for batch in batches)
     rows = counts[:, 0].clamp_min(1)
     return {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
             "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}

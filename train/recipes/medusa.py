@@ -116,6 +116,9 @@ def _prefilled_rows(cfg: DictConfig, target: Target, train_set: list[Answer],
     and Medusa-1 reads the states cached with the distilled answers."""
     if not cfg.data.sharegpt_tokens:
         return None
+    if not cfg.data.cache_hidden:
+        raise ValueError("Medusa-1 on ShareGPT (data.sharegpt_tokens) reads cached states: "
+                         "set data.cache_hidden=true")
     last = num_layers(target.model.config)
     features, _ = training_features(cfg.data, target, train_set, heldout, (last,))
     hidden, targets = feature_rows(features, num_heads)
