@@ -3,7 +3,7 @@
     python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct/eagle]' \
         x=data.sharegpt_tokens
     python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct]' \
-        x=data.sharegpt_tokens series=drafter.name 'where=[optim.max_steps=800]'
+        x=data.sharegpt_tokens series=drafter.name 'where=["optim.max_steps=800"]'
 
 Reads every eval.json under the given folders (each `python train.py` run writes one, with its
 resolved config), takes the swept config key `x` (dotted) and, optionally, a `series` key that
