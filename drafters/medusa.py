@@ -50,6 +50,10 @@ class MedusaConfig:
     init_heads: str | None = None  # heads to start from, e.g. Medusa-1's for Medusa-2's stage 2
     variant: str = "medusa1"  # medusa1: frozen target | medusa2: + a LoRA adapter on it
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
+    # Heads' labels on prefilled text (ShareGPT): "target", the target's own greedy token at each
+    # position (teacher-forced on the text); "text", the text's tokens. Distilled answers are
+    # the target's tokens either way.
+    labels: str = "target"
     head_loss_weight: float = 0.2  # Medusa-2: the heads' loss next to the LM loss
     kl_weight: float = 0.0  # Medusa-2: KL(original target || adapted target) per token
     lora_r: int = 8
@@ -63,6 +67,8 @@ def medusa_config(drafter: Mapping) -> MedusaConfig:
     cfg: MedusaConfig = typed_config(MedusaConfig, drafter, "Medusa")
     if cfg.variant not in ("medusa1", "medusa2"):
         raise ValueError(f"drafter.variant must be medusa1 or medusa2, got {cfg.variant!r}")
+    if cfg.labels not in ("target", "text"):
+        raise ValueError(f"drafter.labels must be target or text, got {cfg.labels!r}")
     return cfg
 
 

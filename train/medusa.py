@@ -43,23 +43,41 @@ def cached_rows(answers: list[Answer], num_heads: int) -> tuple[torch.Tensor, to
     return hidden, targets
 
 
-def feature_rows(features: FeatureSet, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def feature_rows(features: FeatureSet, num_heads: int, lm_head: nn.Module | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefilled sequences (ShareGPT conversations, answers) as Medusa-1 rows: the (N, H)
     states whose next token is learned (an assistant token) and their (N, K) head targets.
     Row t's state predicted token t + 1, so head k asks for token t + k + 2; -1 where that
-    token is past the end or not learned (a user turn)."""
+    token is past the end or not learned (a user turn).
+
+    With the target's `lm_head`, the token asked for is the target's own greedy choice at
+    position t + k + 2 given the text before it (the argmax of its logits at row t + k + 1),
+    not the text's: at decoding time the heads predict the target, and text written by another
+    model (ShareGPT: ChatGPT) differs from what the target would write.
+    """
     if len(features.layers) != 1:
         raise ValueError(f"Medusa heads read one state per token; these features hold layers "
                          f"{features.layers}")
     hidden, targets = [], []
+    offsets = torch.arange(2, num_heads + 2)
     for s in features.sequences:
-        learned = torch.where(s.loss_mask, s.input_ids, -1)
+        tokens = s.input_ids if lm_head is None else _target_tokens(s, lm_head)
+        learned = torch.where(s.loss_mask, tokens, -1)
         padded = torch.cat([learned, learned.new_full((num_heads + 2,), -1)])
-        offsets = torch.arange(2, num_heads + 2)
         rows = s.loss_mask[1:].nonzero().squeeze(1)  # states that predicted a learned token
         hidden.append(s.features[rows])
         targets.append(padded[rows[:, None] + offsets[None]])
     return torch.cat(hidden), torch.cat(targets)
+
+
+@torch.no_grad()
+def _target_tokens(sequence, lm_head: nn.Module) -> torch.Tensor:
+    """(T,) the target's greedy token at each position given the tokens before it (position
+    0, which nothing predicts, keeps its own)."""
+    weight = lm_head.weight
+    predicted = torch.cat([lm_head(rows.to(weight)).argmax(-1).cpu()
+                           for rows in sequence.features.split(1024)])  # token j + 1 at row j
+    return torch.cat([sequence.input_ids[:1], predicted[:-1]])
 
 
 class HeadLoss(nn.Module):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import train.features as features_module
 import train.recipes.medusa as recipe
 from drafters import build_drafter
+from drafters.medusa import medusa_config
 from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies
 from train import run_training
@@ -135,6 +136,12 @@ def test_prefilled_states_give_the_distilled_answers_own_medusa_rows(train_cfg, 
     rows, row_targets = feature_rows(prefilled, 3)
     assert torch.equal(row_targets, targets)
     torch.testing.assert_close(rows.float(), hidden.float(), atol=5e-3, rtol=1e-2)
+    # the answers are the target's greedy tokens: labelled by the target, nearly all agree
+    # (an off-by-one would agree by chance only)
+    _, labelled = feature_rows(prefilled, 3, target.model.get_output_embeddings())
+    known = targets >= 0
+    assert torch.equal(labelled >= 0, known)
+    assert (labelled[known] == targets[known]).float().mean() > 0.95
 
 
 def test_feature_rows_learn_assistant_tokens_only():
@@ -148,6 +155,24 @@ def test_feature_rows_learn_assistant_tokens_only():
     assert targets.tolist() == [[13, -1], [-1, 15], [16, -1], [-1, -1]]
     with pytest.raises(ValueError, match="one state per token"):
         feature_rows(FeatureSet(features.sequences, (1, 2), Path(".")), 2)
+    # labelled by a target whose greedy token after a state of value j is 100 + j
+    _, labelled = feature_rows(features, 2, ArgmaxIs100PlusState())
+    assert labelled.tolist() == [[102, -1], [-1, 104], [105, -1], [-1, -1]]
+    with pytest.raises(ValueError, match="drafter.labels must be target or text"):
+        medusa_config({"labels": "gold"})
+
+
+class ArgmaxIs100PlusState(torch.nn.Module):
+    """A stand-in LM head: logits peaking at 100 + the state's first value."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, states):
+        logits = torch.zeros(len(states), 200)
+        logits[torch.arange(len(states)), 100 + states[:, 0].long()] = 1.0
+        return logits
 
 
 def test_medusa1_trains_on_prefilled_conversations(train_cfg, monkeypatch):
