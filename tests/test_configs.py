@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("target", "drafter", "tree"),
     "train": ("target", "drafter", "data", "optim", "logger", "experiment"),
     "tree_search": ("target", "drafter"),
+    "runs_table": (),
 }
 CASES = [(command, group, option) for command, groups in COMMANDS.items()
          for group in groups for option in GROUPS[group]]
@@ -84,3 +85,8 @@ def test_train_entry_says_when_a_drafter_has_nothing_to_train(capsys):
 def test_an_unknown_group_option_is_refused():
     with pytest.raises(Exception, match="nope"):
         compose_with("bench", "drafter=nope")
+
+
+def test_the_runs_table_config_asks_for_its_runs_and_axis():
+    cfg = compose_with("runs_table", "runs=[a]", "x=data.sharegpt_tokens")
+    assert list(cfg.runs) == ["a"] and cfg.where == [] and cfg.series is None
