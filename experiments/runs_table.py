@@ -10,7 +10,7 @@ resolved config), takes the swept config key `x` (dotted) and, optionally, a `se
 splits runs into lines (EAGLE-1 against EAGLE-3), keeps the runs matching every `where`
 "key=value", and reports per run: held-out top-1 per depth (EAGLE) or head (Medusa), tau with
 the run's tree and whether decoding stayed identical to the target's. Prints markdown, writes
-JSON and a PNG (tau and first-draft top-1 against x; a log axis when x spans 10x or more).
+JSON and a PNG (tau against x; top-1 by depth for every run).
 The figures are the runs' own: nothing is re-measured here.
 """
 
@@ -95,30 +95,34 @@ def format_table(rows: list[dict], x: str, series: str | None) -> str:
 
 
 def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
-    """tau and first-draft top-1 against x, one line per series."""
+    """Left: tau against x, one line per series (a log axis when x spans 10x or more). Right:
+    held-out top-1 by draft depth (or head), one line per run: what the swept key does to
+    acceptance further down the tree."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     numeric = all(isinstance(r["x"], (int, float)) for r in rows)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name in dict.fromkeys(r["series"] for r in rows):
         mine = [r for r in rows if r["series"] == name]
-        xs = [r["x"] if numeric else str(r["x"]) for r in mine]
-        label = str(name) if series else None
-        axes[0].plot(xs, [r["tau"] for r in mine], marker="o", label=label)
-        axes[1].plot(xs, [r["top1"][0] for r in mine], marker="o", label=label)
-    spread = numeric and min(r["x"] for r in rows) > 0 and (
-        max(r["x"] for r in rows) >= 10 * min(r["x"] for r in rows))
-    for ax, ylabel in zip(axes, ["tau (tokens per target forward)",
-                                 f"held-out top-1, {rows[0]['label']} 1"]):
-        ax.set_xlabel(x)
-        ax.set_ylabel(ylabel)
-        if spread:
-            ax.set_xscale("log")
-        if series:
-            ax.legend(fontsize=8)
+        left.plot([r["x"] if numeric else str(r["x"]) for r in mine], [r["tau"] for r in mine],
+                  marker="o", label=str(name) if series else None)
+    for r in rows:
+        prefix = f"{r['series']}, " if series else ""
+        right.plot(range(1, len(r["top1"]) + 1), r["top1"], marker="o",
+                   label=f"{prefix}{x.rsplit('.', 1)[-1]}={r['x']}")
+    if numeric and min(r["x"] for r in rows) > 0 and (
+            max(r["x"] for r in rows) >= 10 * min(r["x"] for r in rows)):
+        left.set_xscale("log")
+    left.set(xlabel=x, ylabel="tau (tokens per target forward)")
+    right.set(xlabel=f"draft {rows[0]['label']}", ylabel="held-out top-1")
+    right.set_xticks(range(1, max(len(r["top1"]) for r in rows) + 1))
+    if series:
+        left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
