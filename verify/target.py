@@ -31,6 +31,7 @@ from transformers import (
     Qwen2Config,
 )
 
+import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
 from verify.files import write_atomically
 from verify.verifier import context_window
 
