@@ -107,12 +107,16 @@ class DynamicTree:
 
     def search(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> CandidateTree:
         """Expansion phase: every candidate of `depth` rounds, calling `expand` once per round
-        after the first, on that round's frontier (ascending indices, all of one depth)."""
+        after the first, on that round's frontier (ascending indices, all of one depth).
+
+        No more than `total_tokens` rounds run: a kept node needs all its ancestors kept, so no
+        node deeper than `total_tokens` can be kept, and rounds past it would only cost draft
+        forwards (a 2-node budget at depth 3 drafted 3 levels to keep 2)."""
         if root_logprobs.dim() != 1:
             raise ValueError(f"root_logprobs must be (V,), got {tuple(root_logprobs.shape)}")
         candidates = CandidateTree(root)
         level = self._add_children(candidates, [0], root_logprobs[None])
-        for _ in range(1, self.depth):
+        for _ in range(1, min(self.depth, self.total_tokens)):
             frontier = self._frontier(candidates, level)
             if not frontier:
                 break

@@ -156,3 +156,22 @@ def test_expand_and_root_shapes_are_checked():
 
 def test_the_shipped_config_builds(conf):
     assert DynamicTree.from_config(conf("tree", "eagle2")) == DynamicTree(5, 8, 24)
+
+
+def test_rounds_stop_at_the_budget_and_keep_the_same_tree():
+    # 2 nodes can be kept at most 2 deep: a third round would be drafted for nothing
+    calls = []
+
+    def expand(candidates, nodes):
+        calls.append(len(nodes))
+        return torch.log_softmax(torch.arange(8.0).flip(0)[None].expand(len(nodes), 8), -1)
+
+    root = torch.log_softmax(torch.arange(8.0).flip(0), -1)
+    shallow = DynamicTree(depth=5, top_k=2, total_tokens=2).grow(0, root, expand)
+    assert len(calls) == 1  # rounds 1 (the root's children) and 2
+    calls.clear()
+    # every round grown (a budget that never binds), then the best 2 kept as before
+    full = DynamicTree(depth=5, top_k=2, total_tokens=100).search(0, root, expand)
+    deep = full.subtree(DynamicTree(depth=5, top_k=2, total_tokens=2).rerank(full))
+    assert len(calls) == 4
+    assert torch.equal(shallow.tokens, deep.tokens) and torch.equal(shallow.parents, deep.parents)
