@@ -14,7 +14,7 @@ from torch import nn
 from drafters.medusa import MedusaHeads
 from drafters.vocab import most_frequent_tokens
 from train.distill import Answer
-from train.features import FeatureSet
+from train.features import FeatureSet, SequenceFeatures
 from train.loop import hit_counts
 
 
@@ -71,7 +71,7 @@ def feature_rows(features: FeatureSet, num_heads: int, lm_head: nn.Module | None
 
 
 @torch.no_grad()
-def _target_tokens(sequence, lm_head: nn.Module) -> torch.Tensor:
+def _target_tokens(sequence: SequenceFeatures, lm_head: nn.Module) -> torch.Tensor:
     """(T,) the target's greedy token at each position given the tokens before it (position
     0, which nothing predicts, keeps its own)."""
     weight = lm_head.weight
