@@ -187,6 +187,8 @@ def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) ->
 
 def run_benchmark(cfg: DictConfig) -> dict:
     """Time every method on every prompt; returns the summary (see bench_report.summarise)."""
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     drafters = contenders(cfg)  # a bad compare entry fails before the target loads
     target = load_target_from_config(cfg.target)
     methods = build_methods(cfg, target, drafters)
@@ -195,8 +197,6 @@ def run_benchmark(cfg: DictConfig) -> dict:
     for _, ids in prompts[: cfg.warmup]:  # first calls pay one-off costs; keep them out
         for run in methods.values():
             run(ids, min(cfg.max_new_tokens, 16), cfg.seed)
-    if cfg.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     records = defaultdict(list)
     with tqdm(total=cfg.repeats * len(prompts), desc="bench", unit="prompt") as bar:
         for repeat in range(cfg.repeats):
