@@ -209,3 +209,8 @@ def test_own_weights_count_what_the_drafter_adds_to_the_target():
     drafter = MedusaDrafter(heads, TreeTopology.from_choices([[0], [0, 0]]))
     added = sum(p.numel() * 4 for p in heads.blocks.parameters())
     assert own_weights_bytes(drafter, target.model) == added
+
+
+def test_zero_repeats_are_refused_before_the_target_loads():
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        run_benchmark(bench_config("repeats=0", "target.path=/nowhere"))
