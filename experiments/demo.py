@@ -51,10 +51,11 @@ def train_draft() -> dict:
 def size_tree(checkpoint: str) -> list[str]:
     """The EAGLE-2 budget for this machine; returns the tree overrides that select it."""
     print("\n## 2. EAGLE-2 tree budget for the trained draft, from measured t(n) and tau\n")
-    # shallow trees: on this CPU a draft round (~5 ms) and every verified node cost more than
-    # deep trees win back (compared by hand: depth 2-3 with top-k 4 beat depths 4-5, top-k 8)
+    # small trees: on a 2-core CPU one or two draft tokens verify at about the cost of one
+    # (t(2) ~ t(1)), three or more cost ~1.4x (measured: README, "What a verification step
+    # costs here"); a draft round is ~5 ms
     cfg = _compose("tree_search", ["mode=dynamic", f"drafter={DRAFTER}",
-                                   f"drafter.checkpoint={checkpoint}", "budgets=[4,8,12]",
+                                   f"drafter.checkpoint={checkpoint}", "budgets=[1,2,4,8]",
                                    "depth=3", "top_k=4", "num_prompts=4", "max_new_tokens=48",
                                    "repeats=3", f"name={TREE_NAME}"])
     tree, rows, note = search_dynamic(cfg)
