@@ -42,11 +42,11 @@ def save_module(module: torch.nn.Module, folder: str | Path, weights_file: str, 
     write_atomically(Path(folder), write, overwrite=True)
 
 
-def read_config(folder: str | Path) -> dict:
-    """The config.json a trained drafter was saved with."""
-    path = Path(folder) / CONFIG_FILE
+def read_config(folder: str | Path, file: str = CONFIG_FILE) -> dict:
+    """The config.json (or `file`) a trained drafter was saved with."""
+    path = Path(folder) / file
     if not path.is_file():
-        raise FileNotFoundError(f"no trained drafter in {folder} ({CONFIG_FILE} missing)")
+        raise FileNotFoundError(f"no trained drafter in {folder} ({file} missing)")
     return json.loads(path.read_text())
 
 
@@ -74,7 +74,8 @@ def check_depth(topology: TreeTopology, max_depth: int | None, drafter: str) -> 
     from a drafter that fills static topologies only."""
     if not isinstance(topology, TreeTopology):
         raise TreeError(f"{drafter} fills static trees (conf/tree with `choices`), not "
-                        f"{type(topology).__name__}: EAGLE drafters grow dynamic trees")
+                        f"{type(topology).__name__}: EAGLE and draft-model drafters grow "
+                        "dynamic trees")
     if max_depth is not None and topology.depth > max_depth:
         raise TreeError(f"tree depth {topology.depth} exceeds what {drafter} can fill "
                         f"(at most {max_depth})")

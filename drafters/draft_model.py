@@ -1,30 +1,43 @@
 """Draft-model drafting: a separate small causal LM with the target's tokenizer proposes the tree.
 
 Leviathan et al. 2023 / Chen et al. 2023 draft a chain with a small model; SpecInfer expands a
-tree from its top-k. Here the shared topology decides the shape: the child of rank r under a node
-is the draft model's r-th best proposal after the path to that node (greedy: its top-k tokens;
-sampling: draws without replacement from its warped distribution, recorded for exact
-acceptance). The draft can be any compatible model, or the target itself cut to its first
-layers (`truncated_copy`, a self-draft that needs no training).
+tree from its top-k. With a static topology the child of rank r under a node is the draft
+model's r-th best proposal after the path to that node (greedy: its top-k tokens; sampling:
+draws without replacement from its warped distribution, recorded for exact acceptance); with
+EAGLE-2's dynamic tree its confidence decides where the tree grows (drafters.dynamic_tree).
+
+The draft can be any compatible model; the target itself cut to its first layers
+(`truncated_copy`, a self-draft that needs no training); or a draft distilled from the target
+(`python train.py drafter=draft_model`, train.draft_model), a Hugging Face folder whose LM head
+may cover a reduced draft vocabulary (draft_vocab.safetensors beside it).
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from drafters.base import check_depth, fill_by_levels, node_path, shallow_config, typed_config
+from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine
+from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.accept import Acceptance
+from verify.files import write_atomically
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
-from verify.target import Target, load_target
+from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 from verify.verifier import cached_forward, context_window
+
+VOCAB_FILE = "draft_vocab.safetensors"  # a distilled draft's vocab_ids (V',), EAGLE-3's d2t
+INFO_FILE = "treedraft.json"  # a distilled draft's settings and the target it was distilled from
 
 
 class DraftModelDrafter:
@@ -33,17 +46,26 @@ class DraftModelDrafter:
 
     Proposing appends the tree's levels to the cache; `update` keeps the entries of the path
     the target accepted, so the next proposal only feeds what the draft has not seen (the
-    bonus token, and accepted leaves that were never fed).
+    bonus token, and accepted leaves that were never fed). The tree is a static topology
+    (filled level by level) or EAGLE-2's dynamic tree (drafters.dynamic_tree).
+
+    vocab_ids (V',): the draft's reduced vocabulary, when its LM head has only those rows
+    (a distilled draft, train.draft_model); None when it projects onto the whole vocabulary.
     """
 
     feature_layers = ()  # reads no target hidden states
     max_depth = None  # a language model can continue any path
 
-    def __init__(self, model: PreTrainedModel, topology: TreeTopology, name: str = "draft_model"):
-        check_depth(topology, self.max_depth, name)
+    def __init__(self, model: PreTrainedModel, tree: TreeTopology | DynamicTree,
+                 name: str = "draft_model", vocab_ids: torch.Tensor | None = None):
+        if not isinstance(tree, DynamicTree):
+            check_depth(tree, self.max_depth, name)
         self.model = model.eval()
-        self.topology = topology
+        self.tree = tree
         self.name = name
+        self.target_vocab_size = model.config.vocab_size
+        self.vocab_ids = (None if vocab_ids is None
+                          else check_vocab_ids(vocab_ids, self.target_vocab_size))
         self.engine = DraftEngine(model.config)
         self.begin(torch.empty(0, dtype=torch.long))
 
@@ -55,12 +77,17 @@ class DraftModelDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:
-        """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where the draft
-        distribution has too few tokens with mass."""
+        """A tree rooted at ctx.tokens[-1]; fewer nodes where the draft distribution has too
+        few tokens with mass."""
         self.engine.rollback()  # a tree never followed by update() must not linger
-        root_logits = self._catch_up(ctx.tokens)
-        self.last_tree = self._expand(int(ctx.tokens[-1]), root_logits, ctx.params,
-                                      ctx.generator)
+        root_logits = self._catch_up(ctx.tokens)  # (V',)
+        root = int(ctx.tokens[-1])
+        if isinstance(self.tree, DynamicTree):
+            self.last_tree = self._grow_dynamic(root, root_logits, ctx.params)
+        else:
+            self.last_tree = fill_by_levels(self.tree, root, self._full_logits(root_logits),
+                                            self._forward_level, self._depth_limit(),
+                                            ctx.params, ctx.generator)
         return self.last_tree
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
@@ -73,7 +100,7 @@ class DraftModelDrafter:
         self.cached = torch.cat([self.cached, accepted])
 
     def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Cache the (T,) committed tokens; returns the draft logits (V,) after the last one."""
+        """Cache the (T,) committed tokens; returns the draft logits (V',) after the last one."""
         tokens = tokens.cpu()
         # Keep the common prefix (the cache may be ahead after a new sequence), but always
         # feed at least the root: its logits are the first level's distribution.
@@ -86,34 +113,64 @@ class DraftModelDrafter:
         self.cached = tokens.clone()
         return logits[-1]
 
-    def _expand(self, root: int, root_logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> TokenTree:
-        """Fill the topology level by level: one draft forward per level that has children."""
-        return fill_by_levels(self.topology, root, root_logits, self._forward_level,
-                              self._depth_limit(), params, generator)
-
     def _depth_limit(self) -> int:
-        """The topology's depth, less near the end of the draft model's position range (a node
-        at depth d sits at position T - 1 + d; GPT-2's position table would overflow)."""
+        """The tree's depth, less near the end of the draft model's position range (a node at
+        depth d sits at position T - 1 + d; GPT-2's position table would overflow)."""
         max_positions = context_window(self.model)
         if max_positions is None:
-            return self.topology.depth
-        return min(self.topology.depth, max_positions - len(self.cached))
+            return self.tree.depth
+        return min(self.tree.depth, max_positions - len(self.cached))
 
     def _forward_level(self, builder: TreeBuilder, nodes: list[int]) -> torch.Tensor:
-        """Feed tree `nodes` (the newest level with children) through the cache; returns their
-        logits (n, V)."""
+        """Feed static-tree `nodes` (the newest level with children) through the cache;
+        returns their logits (n, V) over the target's vocabulary."""
         paths = [node_path(builder.parents, node) for node in nodes]
+        tokens = [builder.tokens[node] for node in nodes]
+        return self._full_logits(self._feed(paths, tokens))
+
+    def _grow_dynamic(self, root: int, root_logits: torch.Tensor,
+                      params: SamplingParams) -> TokenTree:
+        """EAGLE-2's tree over draft-vocabulary indices, mapped back to target ids. The fed
+        candidates are renamed to their ids in the kept tree, so `update` commits as for a
+        static tree; a shorter depth near the end of the position range."""
+        to_target = self._target_ids()
+
+        def expand(candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
+            tokens = [int(to_target[candidates.tokens[n]]) for n in nodes]
+            logits = self._feed([candidates.path(n) for n in nodes], tokens)
+            return draft_log_probs(logits, params)
+
+        policy = self.tree
+        if self._depth_limit() < policy.depth:
+            policy = replace(policy, depth=max(1, self._depth_limit()))
+        candidates = policy.search(root, draft_log_probs(root_logits[None], params)[0], expand)
+        kept = policy.rerank(candidates)
+        self.engine.renumber({candidate: node for node, candidate in enumerate(kept)})
+        tree = candidates.subtree(kept)
+        tree.tokens[1:] = to_target[tree.tokens[1:]]
+        return tree
+
+    def _feed(self, paths: list[list[int]], tokens: list[int]) -> torch.Tensor:
+        """One tree level through the cache: the nodes ending `paths` (root first) with their
+        `tokens` -> their draft logits (n, V')."""
         positions, mask = self.engine.level(paths, self.model.dtype)
-        tokens = torch.tensor([builder.tokens[node] for node in nodes])
-        return self._forward(tokens, positions, mask)
+        return self._forward(torch.tensor(tokens), positions, mask)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                  attention_mask: torch.Tensor | None, keep_last: bool = False) -> torch.Tensor:
-        """(n,) tokens at (n,) positions appended to the cache -> float logits (n or 1, V)."""
+        """(n,) tokens at (n,) positions appended to the cache -> float logits (n or 1, V')."""
         logits, _ = cached_forward(self.model, self.engine.cache, tokens, positions,
                                    attention_mask, logits_to_keep=1 if keep_last else 0)
         return logits
+
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V') draft logits -> (..., V) over the target's vocabulary, -inf outside."""
+        return to_target_vocab(logits, self.vocab_ids, self.target_vocab_size)
+
+    def _target_ids(self) -> torch.Tensor:
+        """(V',) the target id of each draft-vocabulary index (d2t)."""
+        return (torch.arange(self.target_vocab_size) if self.vocab_ids is None
+                else self.vocab_ids)
 
 
 def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
@@ -181,21 +238,97 @@ class DraftModelConfig:
 
     name: str = "draft_model"
     path: str | None = None  # a folder or hub id; None: the target cut to num_layers layers
-    num_layers: int = 6  # of SmolLM2-135M's 30 layers
+    num_layers: int = 6  # the self-draft's layers; training: the distilled draft's
+    # Training only (python train.py drafter=draft_model, train.draft_model):
+    init: str = "truncate"  # truncate: a trainable copy of the target's first layers | fresh
+    architecture: dict[str, int] = field(default_factory=dict)  # fresh: config overrides
+    draft_vocab_size: int | None = 8192  # the head's rows; null: the whole vocabulary
+    divergence: str = "forward_kl"  # forward_kl | reverse_kl | tv
 
 
-def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> DraftModelDrafter:
+def draft_model_config(cfg: Mapping) -> DraftModelConfig:
+    """conf/drafter/draft_model.yaml checked against DraftModelConfig."""
+    return typed_config(DraftModelConfig, cfg, "draft model")
+
+
+def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree,
+                target: Target) -> DraftModelDrafter:
     """conf/drafter/draft_model.yaml: `path: null` + `num_layers: N` drafts with the target cut
-    to N layers; `path: <folder or hub id>` loads that model and checks it is compatible."""
-    config: DraftModelConfig = typed_config(DraftModelConfig, cfg, "draft model")
+    to N layers; `path: <folder or hub id>` loads that model (a distilled draft's folder with
+    its reduced vocabulary) and checks it is compatible."""
+    config = draft_model_config(cfg)
     if config.path is None:
-        model = truncated_copy(target.model, config.num_layers)
-    else:
-        dtype = str(target.model.dtype).removeprefix("torch.")
-        draft = load_target(config.path, dtype=dtype)
-        check_compatible(target.model, target.tokenizer, draft.model, draft.tokenizer)
-        model = draft.model.to(target.model.device)
-    return DraftModelDrafter(model, topology, name=config.name)
+        return DraftModelDrafter(truncated_copy(target.model, config.num_layers), tree,
+                                 name=config.name)
+    model, vocab_ids = load_draft_model(config.path, target)
+    return DraftModelDrafter(model, tree, name=config.name, vocab_ids=vocab_ids)
+
+
+def load_draft_model(path: str | Path, target: Target
+                     ) -> tuple[PreTrainedModel, torch.Tensor | None]:
+    """The draft model in `path` (a folder or hub id) in the target's dtype, attention
+    implementation and device, refused unless its token ids mean what the target's do; and
+    its draft vocabulary (V',) when the folder has one (its LM head is then cut to those rows).
+    """
+    path = str(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=target.model.dtype,
+        attn_implementation=target.model.config._attn_implementation)
+    # A folder saved for a tokenizer-less (tiny) target has none; a hub id always has one.
+    has_tokenizer = not Path(path).is_dir() or (Path(path) / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    check_compatible(target.model, target.tokenizer, model, tokenizer)
+    vocab_ids = read_vocab(path)
+    if vocab_ids is not None:
+        model.set_output_embeddings(copy_linear(model.get_output_embeddings(), vocab_ids))
+    return model.to(target.model.device).eval(), vocab_ids
+
+
+def read_vocab(folder: str | Path) -> torch.Tensor | None:
+    """A distilled draft's vocab_ids (V',), or None when the folder has none (a hub model,
+    or a draft over the whole vocabulary)."""
+    path = Path(folder) / VOCAB_FILE
+    return load_file(str(path))["vocab_ids"] if path.is_file() else None
+
+
+def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, folder: str | Path,
+                     target: Target, info: dict,
+                     extra: Callable[[Path], None] | None = None) -> None:
+    """Write a distilled draft as a Hugging Face model folder (with the target's tokenizer)
+    to `folder`, atomically, replacing what was there. `info` (its settings, beside the
+    target's name) goes to treedraft.json; `extra(tmp)` may add files (training state).
+
+    A reduced head (V' rows) is saved inside a full (V, H) head: the rows of vocab_ids are the
+    draft's, the others the target's own when the widths agree (zeros otherwise), so
+    AutoModelForCausalLM loads the folder as it is; drafter.path= reads draft_vocab.safetensors
+    and keeps the V' rows only. Hugging Face's assisted generation should be given a draft
+    trained over the whole vocabulary (draft_vocab_size: null), whose rows are all trained.
+    """
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    head_key = next(k for k, v in model.named_parameters()
+                    if v is model.get_output_embeddings().weight)
+    if vocab_ids is not None:
+        target_head = target.model.get_output_embeddings().weight.detach().cpu()
+        full = (target_head.clone().to(state[head_key].dtype)
+                if target_head.shape[1] == state[head_key].shape[1]
+                else state[head_key].new_zeros(target_head.shape[0], state[head_key].shape[1]))
+        full[vocab_ids.cpu()] = state[head_key]
+        state[head_key] = full
+    hidden = target.model.get_output_embeddings().weight.shape[1]
+    metadata = {"target": {"name": target.name, "hidden_size": hidden,
+                           "vocab_size": model.config.vocab_size}, **info}
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, state_dict=state)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(tmp)
+        if vocab_ids is not None:
+            save_file({"vocab_ids": vocab_ids.cpu().contiguous()}, str(tmp / VOCAB_FILE))
+        (tmp / INFO_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        if extra is not None:
+            extra(tmp)
+
+    write_atomically(Path(folder), write, overwrite=True)
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree
 
 
@@ -176,3 +177,11 @@ def _top(values: torch.Tensor, k: int) -> list[int]:
     above = ((values >= threshold) & (values > float("-inf"))).nonzero().flatten()
     order = values[above].sort(descending=True, stable=True).indices
     return above[order][:k].tolist()
+
+
+def draft_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(n, V) draft logits -> log-probabilities of the distribution drafts come from (warped
+    when sampling), -inf where a token cannot be proposed: what `expand` returns."""
+    if params.greedy:
+        return logits.log_softmax(-1)
+    return warp(logits, params).log()

@@ -40,13 +40,13 @@ from drafters.base import (
     shallow_config,
     typed_config,
 )
-from drafters.dynamic_tree import CandidateTree, DynamicTree
+from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
 from verify.protocol import DraftContext
-from verify.sampling import SamplingParams, warp
+from verify.sampling import SamplingParams
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 from verify.verifier import context_window
@@ -248,9 +248,9 @@ class EagleDrafter:
                                       [int(to_target[candidates.tokens[n]]) for n in nodes],
                                       torch.stack([hidden[p] for p in parents]))
             hidden.update(zip(nodes, out))
-            return _log_probs(self.draft.logits(out).float().cpu(), params)
+            return draft_log_probs(self.draft.logits(out).float().cpu(), params)
 
-        tree = self.tree.grow(root, _log_probs(root_logits[None], params)[0], expand)
+        tree = self.tree.grow(root, draft_log_probs(root_logits[None], params)[0], expand)
         tree.tokens[1:] = to_target[tree.tokens[1:]]
         return tree
 
@@ -306,14 +306,6 @@ def check_target(saved: Mapping, target: Target, folder: Path) -> None:
         raise ValueError(f"the EAGLE draft in {folder} was trained on {saved['name']!r} (hidden "
                          f"size {saved['hidden_size']}, vocabulary {saved['vocab_size']}), not "
                          f"on {target.name!r} (hidden size {hidden}, vocabulary {vocab})")
-
-
-def _log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(n, V) draft logits -> log-probabilities of the distribution drafts come from (warped
-    when sampling), -inf where a token cannot be proposed."""
-    if params.greedy:
-        return logits.log_softmax(-1)
-    return warp(logits, params).log()
 
 
 def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) -> EagleDrafter:

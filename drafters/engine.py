@@ -84,6 +84,11 @@ class DraftEngine:
         positions = torch.tensor([self.length - 1 + len(path) - 1 for path in paths])
         return positions, mask[None, None]
 
+    def renumber(self, new_ids: dict[int, int]) -> None:
+        """Rename fed nodes (old id -> new id), forgetting those left out: a drafter that fed
+        candidates and kept some of them as the tree (EAGLE-2's rerank) commits by tree ids."""
+        self.fed = {new_ids[node]: entry for node, entry in self.fed.items() if node in new_ids}
+
     def commit(self, path: list[int]) -> int:
         """Keep the fed entries of the accepted `path` (root first; the root is committed
         already) and drop the rest of the tree; returns how many entries became committed.

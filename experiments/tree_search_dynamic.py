@@ -83,7 +83,8 @@ def budget_drafters(drafter_cfg: Mapping, budgets: Sequence[int], depth: int, to
             drafters[budget] = build_drafter(drafter_cfg, tree, target)
         except TreeError as e:
             raise TreeError(f"mode=dynamic measures EAGLE-2 dynamic trees, which drafter="
-                            f"{drafter_cfg['name']} cannot grow (use eagle or eagle3): {e}") from e
+                            f"{drafter_cfg['name']} cannot grow (use eagle, eagle3 or draft_model): "
+                            f"{e}") from e
     return drafters
 
 
@@ -177,8 +178,8 @@ def write_dynamic_tree_config(tree: DynamicTree, path: str | Path, name: str,
 def measurement_note(cfg: DictConfig, machine: str, rows: list[dict]) -> str:
     """What the chosen budget was measured on and what it predicts, for the YAML's header."""
     plain, best = rows[0], next(r for r in rows if r["chosen"])
-    checkpoint = cfg.drafter.get("checkpoint")
-    weights = f"checkpoint {checkpoint}" if checkpoint else "fresh, untrained weights"
+    checkpoint = cfg.drafter.get("checkpoint") or cfg.drafter.get("path")
+    weights = f"weights {checkpoint}" if checkpoint else "fresh, untrained weights"
     return (f"Measured by experiments.tree_search mode=dynamic on {cfg.target.name} ({machine}): "
             f"budgets {[r['total_tokens'] for r in rows[1:]]} decoded greedily by drafter "
             f"{cfg.drafter.name} ({weights}) on "

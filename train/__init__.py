@@ -38,9 +38,13 @@ def format_results(results: dict) -> str:
     accuracy, decoding = results["accuracy"], results["decoding"]
     label = accuracy.get("label", "head")
     lines = [f"| {label} | predicts | top-1 | top-5 |", "|---|---|---|---|"]
-    first = 1 if label == "depth" else 0  # heads count from 0, tree depths from 1
-    lines += [f"| {k + first} | token +{k + 2} | {top1:.3f} | {top5:.3f} |"
-              for k, (top1, top5) in enumerate(zip(accuracy["top1"], accuracy["top5"]))]
+    # Heads count from 0 and head k predicts token +k+2 after the state it reads; tree depths
+    # count from 1, a depth-d node being token +d after the tree's root.
+    rows = zip(accuracy["top1"], accuracy["top5"])
+    lines += [f"| {k + 1} | root +{k + 1} | {top1:.3f} | {top5:.3f} |" if label == "depth"
+              else f"| {k} | token +{k + 2} | {top1:.3f} | {top5:.3f} |"
+              for k, (top1, top5) in enumerate(rows)]
+    use = results.get("use", f"drafter.checkpoint={results['checkpoint']}")
     predicted = (f" (predicted from the table {decoding['predicted_tau']:.2f})"
                  if "predicted_tau" in decoding else "")
     lines += [
@@ -48,7 +52,7 @@ def format_results(results: dict) -> str:
         f"held-out decoding, {decoding['tree']}: tau {decoding['tau']:.2f}{predicted}; greedy "
         f"output identical to the target's on {decoding['identical']}/{decoding['prompts']} "
         "prompts",
-        f"checkpoint: {results['checkpoint']}  (use: drafter.checkpoint={results['checkpoint']})",
+        f"checkpoint: {results['checkpoint']}  (use: {use})",
         f"evaluation: {results['eval']}  ({_tree_hint(results)})",
         f"logs: {results['logged_to']}",
     ]
@@ -60,9 +64,9 @@ def _tree_hint(results: dict) -> str:
     if "rank_accuracy" in results["accuracy"]:
         return f"a tree sized on this machine: python -m experiments.tree_search " \
                f"accuracies={results['eval']}"
+    use = results.get("use", f"drafter.checkpoint={results['checkpoint']}")
     return (f"an EAGLE-2 budget sized on this machine: python -m experiments.tree_search "
-            f"mode=dynamic drafter={results.get('drafter', '<name>')} "
-            f"drafter.checkpoint={results['checkpoint']}")
+            f"mode=dynamic drafter={results.get('drafter', '<name>')} {use}")
 
 
 def sweep_group() -> str | None:

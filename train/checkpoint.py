@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from drafters.base import read_config
+from drafters.base import CONFIG_FILE, read_config
 from drafters.medusa import ADAPTER_DIR
 from verify.files import readable_folder
 
@@ -41,9 +41,11 @@ def find_checkpoint(folder: Path) -> Path | None:
     return found if found is not None and (found / STATE_FILE).is_file() else None
 
 
-def check_resumable(found: Path, target_name: str, hyperparameters: dict) -> None:
-    """Refuse to resume a checkpoint made for another target or another drafter shape."""
-    saved = read_config(found)
+def check_resumable(found: Path, target_name: str, hyperparameters: dict,
+                    config_file: str = CONFIG_FILE) -> None:
+    """Refuse to resume a checkpoint made for another target or another drafter shape, as
+    its `config_file` records them."""
+    saved = read_config(found, config_file)
     if saved["target"]["name"] != target_name:
         raise ValueError(f"the checkpoint in {found} belongs to {saved['target']['name']!r}, "
                          f"not {target_name!r}: use another out_dir, or resume=false to "
@@ -61,13 +63,19 @@ def load_checkpoint(found: Path, module: torch.nn.Module, weights_file: str,
     tensors = [*module.parameters(), *module.buffers()]
     device = str(tensors[0].device) if tensors else "cpu"
     module.load_state_dict(load_file(str(found / weights_file), device=device))
-    state = torch.load(found / STATE_FILE, weights_only=True)  # tensors and plain data only
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
     if peft_model is not None:
         from peft import set_peft_model_state_dict
 
         adapter = load_file(str(found / ADAPTER_DIR / "adapter_model.safetensors"))
         set_peft_model_state_dict(peft_model, adapter)
+    return restore_training_state(found, optimizer, scheduler)
+
+
+def restore_training_state(found: Path, optimizer: torch.optim.Optimizer, scheduler) -> int:
+    """Optimizer, schedule and RNG as a checkpoint saved them; returns its step. (The
+    weights are the caller's: load_checkpoint, or a recipe whose weights file is another's.)"""
+    state = torch.load(found / STATE_FILE, weights_only=True)  # tensors and plain data only
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
     return int(state["step"])

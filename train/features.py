@@ -23,6 +23,8 @@ from tqdm import tqdm
 
 from train.conversations import sharegpt_sequences
 from train.distill import Answer
+from train.distributed import DistEnv
+from train.loop import batch_indices, chunks
 from verify.features import num_layers, resolve_layers, select_features
 from verify.files import save_tensors_atomically, shard_path
 from verify.target import Target, cache_root
@@ -228,3 +230,46 @@ def _read_shard(path: Path) -> list[SequenceFeatures]:
     lengths = tensors["lengths"].tolist()
     parts = (tensors[key].split(lengths) for key in ("input_ids", "loss_mask", "features"))
     return [SequenceFeatures(*fields) for fields in zip(*parts)]
+
+
+def sequence_batcher(features: FeatureSet | LiveFeatures, cfg, env: DistEnv):
+    """make_batch(step) -> the padded batch (pad_batch) of this rank's share of the step's
+    cfg.optim.batch_sequences sequences, on env.device."""
+    def make_batch(step: int) -> dict:
+        picked = batch_indices(step, len(features), cfg.optim.batch_sequences, cfg.seed, env)
+        batch = pad_batch(features.take(picked.tolist()))
+        return {k: v.to(env.device) for k, v in batch.items()}
+    return make_batch
+
+
+def pad_batch(chosen: list[SequenceFeatures]) -> dict:
+    """Right-padded input_ids (B, T), float features (B, T, C) and learn (B, T), the tokens
+    whose prediction is trained (False on padding)."""
+    width = max(len(s.input_ids) for s in chosen)
+    columns = chosen[0].features.shape[-1]
+    input_ids = torch.zeros(len(chosen), width, dtype=torch.long)
+    states = torch.zeros(len(chosen), width, columns)
+    learn = torch.zeros(len(chosen), width, dtype=torch.bool)
+    for row, s in enumerate(chosen):
+        input_ids[row, :len(s.input_ids)] = s.input_ids
+        states[row, :len(s.input_ids)] = s.features.float()
+        learn[row, :len(s.input_ids)] = s.loss_mask
+    return {"input_ids": input_ids, "features": states, "learn": learn}
+
+
+@torch.no_grad()
+def heldout_counts(objective: torch.nn.Module, heldout: FeatureSet, batch: int = 8,
+                   **kwargs) -> torch.Tensor:
+    """An objective's counts (K, 3) summed over the held-out sequences, in eval mode: what
+    the recipes turn into held-out top-1 / top-5 accuracy."""
+    objective.eval()
+    device = next(objective.parameters()).device
+    batches = (pad_batch(heldout.take(indices)) for indices in chunks(range(len(heldout)), batch))
+    return sum(objective(**{k: v.to(device) for k, v in b.items()}, **kwargs)[1]
+               for b in batches)
+
+
+def prompt_length(sequence: SequenceFeatures) -> int:
+    """A held-out answer's prompt: the tokens before its first learned one."""
+    learned = sequence.loss_mask.nonzero()
+    return int(learned[0]) if len(learned) else len(sequence.input_ids)

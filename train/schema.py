@@ -90,6 +90,7 @@ class EvalConfig:
     tree_budget: int = 16  # nodes of the tree the tau check decodes with
     depth: int = 5  # EAGLE: accuracy by draft depth 1..depth, and its EAGLE-2 tree's depth
     tree_top_k: int = 8  # EAGLE: the EAGLE-2 tree's top_k
+    chain: int = 4  # draft model: the chain its tau check decodes
 
 
 @dataclass

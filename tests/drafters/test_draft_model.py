@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrain
 
 from drafters import build_drafter
 from drafters.base import propose_children
+from drafters.dynamic_tree import DynamicTree
 from drafters.draft_model import DraftModelDrafter, check_compatible, truncated_copy
 from verify.accept import Acceptance
 from verify.loop import generate
@@ -78,6 +79,27 @@ def test_committing_the_accepted_path_equals_re_running_it(self_draft, topology,
     theirs = fresh.propose(context(following))
     assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.parents, theirs.parents)
     assert committed == len(CONTEXT) + min(len(path) - 1, 3)  # the leaf at depth 4 was not fed
+    for a, b in zip(drafter.engine.cache.layers, fresh.engine.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2, 3])
+def test_committing_a_dynamic_trees_path_equals_re_running_it(self_draft, accepted):
+    # EAGLE-2 feeds candidates the rerank may drop: the kept ones are renamed to tree ids,
+    # so the accepted path's entries are kept exactly as for a static tree.
+    tree_policy = DynamicTree(depth=4, top_k=3, total_tokens=6)
+    drafter = DraftModelDrafter(self_draft, tree_policy)
+    tree = drafter.propose(context(CONTEXT))
+    path = [0]
+    while len(path) <= accepted and tree.children(path[-1]):
+        path.append(tree.children(path[-1])[-1])  # the last child: not always the first fed
+    drafter.update(tree, Acceptance(path, bonus=5))
+    following = torch.cat([CONTEXT, tree.tokens[path[1:]], torch.tensor([5])])
+    ours = drafter.propose(context(following))
+    fresh = DraftModelDrafter(self_draft, tree_policy)
+    theirs = fresh.propose(context(following))
+    assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.parents, theirs.parents)
     for a, b in zip(drafter.engine.cache.layers, fresh.engine.cache.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)

@@ -30,7 +30,7 @@ class Row:
 
 
 DRAFTERS = [
-    Row("draft_model", {"num_layers": 1}),
+    Row("draft_model", {"num_layers": 1}, dynamic=True),
     Row("eagle", accepts=False, dynamic=True),  # fresh weights: tests/train covers acceptance
     Row("eagle3", accepts=False, dynamic=True),
     Row("medusa", {"num_heads": 5}),  # fresh heads; tree16 is 5 deep

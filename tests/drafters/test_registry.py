@@ -34,10 +34,10 @@ def test_a_tree_deeper_than_prompt_lookup_can_fill_is_refused(tiny, conf):
 def test_the_draft_model_fills_any_depth(tiny):
     chain = {"choices": [[0] * d for d in range(1, 21)]}
     cfg = {"name": "draft_model", "path": None, "num_layers": 1}
-    assert build_drafter(cfg, chain, tiny("llama")).topology.depth == 20
+    assert build_drafter(cfg, chain, tiny("llama")).tree.depth == 20
 
 
-@pytest.mark.parametrize("name", ["draft_model", "medusa", "prompt_lookup"])
+@pytest.mark.parametrize("name", ["medusa", "prompt_lookup"])
 def test_static_tree_drafters_refuse_a_dynamic_tree(name, tiny, conf):
     cfg = OmegaConf.merge(conf("drafter", name), TINY_OVERRIDES.get(name, {}))
     with pytest.raises(TreeError, match="fills static trees"):

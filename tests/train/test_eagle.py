@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+import train.features as features_module
 import train.recipes.eagle as recipe
 from drafters import build_drafter
 from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter
@@ -107,7 +108,7 @@ def _state(out_dir):
 
 def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, interrupt):
     run_training(_eagle_cfg(tmp_path, out="whole"))
-    resume = interrupt(recipe, 3)  # after the checkpoint of step 2
+    resume = interrupt(features_module, 3)  # after the checkpoint of step 2
     with pytest.raises(KeyboardInterrupt):
         run_training(_eagle_cfg(tmp_path, out="cut"))
     assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2

@@ -13,6 +13,7 @@ from types import ModuleType
 
 # conf/drafter name -> the module whose run() trains it
 RECIPES = {
+    "draft_model": "train.recipes.draft_model",
     "medusa": "train.recipes.medusa",
     "eagle": "train.recipes.eagle",
     "eagle3": "train.recipes.eagle",

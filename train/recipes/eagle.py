@@ -27,9 +27,15 @@ from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.eagle import EagleLoss
 from train.evaluate import decode_check
-from train.features import FeatureSet, LiveFeatures, SequenceFeatures, training_features
+from train.features import (
+    FeatureSet,
+    heldout_counts,
+    prompt_length,
+    sequence_batcher,
+    training_features,
+)
 from train.logger import build_logger
-from train.loop import batch_indices, chunks, train_steps, warmup_cosine
+from train.loop import train_steps, warmup_cosine
 from verify.features import num_layers, resolve_layers
 from verify.files import write_json
 from verify.target import Target, load_target_from_config
@@ -57,7 +63,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
     start = _resume(cfg, out_dir, target, draft, optimizer, scheduler)
-    make_batch = _batcher(train_set, cfg, env)
+    make_batch = sequence_batcher(train_set, cfg, env)
     model = DistributedDataParallel(objective) if env.world_size > 1 else objective
     logger = build_logger(cfg.logger, cfg, out_dir, env.rank, group)
 
@@ -78,30 +84,6 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     return results
 
 
-def _batcher(features: FeatureSet | LiveFeatures, cfg: DictConfig, env: DistEnv):
-    """make_batch(step) -> EagleLoss keyword arguments for this rank's sequences of the step."""
-    def make_batch(step: int) -> dict:
-        picked = batch_indices(step, len(features), cfg.optim.batch_sequences, cfg.seed, env)
-        batch = pad_batch(features.take(picked.tolist()))
-        return {k: v.to(env.device) for k, v in batch.items()}
-    return make_batch
-
-
-def pad_batch(chosen: list[SequenceFeatures]) -> dict:
-    """Right-padded input_ids (B, T), float features (B, T, C) and learn (B, T), the tokens
-    whose prediction is trained (False on padding)."""
-    width = max(len(s.input_ids) for s in chosen)
-    columns = chosen[0].features.shape[-1]
-    input_ids = torch.zeros(len(chosen), width, dtype=torch.long)
-    states = torch.zeros(len(chosen), width, columns)
-    learn = torch.zeros(len(chosen), width, dtype=torch.bool)
-    for row, s in enumerate(chosen):
-        input_ids[row, :len(s.input_ids)] = s.input_ids
-        states[row, :len(s.input_ids)] = s.features.float()
-        learn[row, :len(s.input_ids)] = s.loss_mask
-    return {"input_ids": input_ids, "features": states, "learn": learn}
-
-
 def _resume(cfg, out_dir, target, draft, optimizer, scheduler) -> int:
     found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
     if found is None:
@@ -116,11 +98,7 @@ def _resume(cfg, out_dir, target, draft, optimizer, scheduler) -> int:
 def heldout_accuracy(objective: EagleLoss, heldout: FeatureSet, depths: int) -> dict:
     """Top-1 / top-5 agreement of the draft with the target's next token at depths 1..depths,
     unrolled on its own outputs as decoding does (training-time test without training)."""
-    objective.eval()
-    device = next(objective.draft.parameters()).device
-    batches = (pad_batch(heldout.take(indices)) for indices in chunks(range(len(heldout)), 8))
-    counts = sum(objective(**{k: v.to(device) for k, v in batch.items()}, steps=depths)[1]
-                 for batch in batches)
+    counts = heldout_counts(objective, heldout, steps=depths)
     rows = counts[:, 0].clamp_min(1)
     return {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
             "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
@@ -136,7 +114,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: Fea
     drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
                    "checkpoint": str(out_dir / CHECKPOINT_DIR)}
     drafter = build_drafter(drafter_cfg, tree, target)
-    prompts = [s.input_ids[:_prompt_length(s)] for s in heldout.sequences[:cfg.eval.num_prompts]]
+    prompts = [s.input_ids[:prompt_length(s)] for s in heldout.sequences[:cfg.eval.num_prompts]]
     label = (f"EAGLE-2 tree of {tree['total_tokens']} nodes (depth {tree['depth']}, top-k "
              f"{tree['top_k']})")
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, label)
@@ -145,12 +123,6 @@ def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: Fea
     write_json(out_dir / "eval.json",
                {"config": OmegaConf.to_container(cfg, resolve=True), **results})
     return results
-
-
-def _prompt_length(sequence) -> int:
-    """A held-out answer's prompt: the tokens before its first learned one."""
-    learned = sequence.loss_mask.nonzero()
-    return int(learned[0]) if len(learned) else len(sequence.input_ids)
 
 
 def _flat(results: dict) -> dict[str, float]:
