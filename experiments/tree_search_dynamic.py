@@ -83,8 +83,8 @@ def budget_drafters(drafter_cfg: Mapping, budgets: Sequence[int], depth: int, to
             drafters[budget] = build_drafter(drafter_cfg, tree, target)
         except TreeError as e:
             raise TreeError(f"mode=dynamic measures EAGLE-2 dynamic trees, which drafter="
-                            f"{drafter_cfg['name']} cannot grow (use eagle, eagle3 or draft_model): "
-                            f"{e}") from e
+                            f"{drafter_cfg['name']} cannot grow (use eagle, eagle3 or "
+                            f"draft_model): {e}") from e
     return drafters
 
 

@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import train.features as features_module
-import train.recipes.eagle as recipe
 from drafters import build_drafter
 from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter
 from train import run_training
