@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from drafters import build_drafter
-from drafters.draft_model import truncated_copy
+from drafters.draft_model import load_draft_model, truncated_copy
 from experiments.bench_report import format_tables, plot_speedups, summarise
 from experiments.common import CONF_DIR, pick_questions, write_report
 from verify.loop import generate
@@ -180,9 +180,23 @@ def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) ->
         methods["hf_prompt_lookup"] = hf_method(
             target, params, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_num_tokens)
     if "hf_assisted" in cfg.peers:
-        assistant = truncated_copy(target.model, cfg.hf_assistant_num_layers)
-        methods["hf_assisted"] = hf_method(target, params, assistant_model=assistant)
+        methods["hf_assisted"] = hf_method(target, params,
+                                           assistant_model=hf_assistant(cfg, target))
     return methods
+
+
+def hf_assistant(cfg: DictConfig, target: Target):
+    """The draft Hugging Face's assisted generation runs: a saved model (hf_assistant_path,
+    e.g. a distilled draft over the whole vocabulary), else the target's first
+    hf_assistant_num_layers layers."""
+    if cfg.hf_assistant_path is None:
+        return truncated_copy(target.model, cfg.hf_assistant_num_layers)
+    model, vocab_ids = load_draft_model(cfg.hf_assistant_path, target)
+    if vocab_ids is not None:
+        raise ValueError(f"{cfg.hf_assistant_path} drafts over a reduced vocabulary, which "
+                         "Hugging Face's assisted generation cannot use: distil one with "
+                         "drafter.draft_vocab_size=null, or drop hf_assisted from peers")
+    return model
 
 
 def run_benchmark(cfg: DictConfig) -> dict:

@@ -8,9 +8,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from drafters.draft_model import DraftModelConfig, save_draft_model
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from experiments.bench import (
     contenders,
+    hf_assistant,
     own_weights_bytes,
     parse_compare,
     report_stem,
@@ -18,6 +20,7 @@ from experiments.bench import (
 )
 from experiments.bench_report import format_tables, plot_speedups, summarise
 from experiments.common import CONF_DIR, write_report
+from train.draft_model import initial_draft
 from verify.target import load_target_from_config
 from verify.tree import TreeTopology
 
@@ -214,3 +217,19 @@ def test_own_weights_count_what_the_drafter_adds_to_the_target():
 def test_zero_repeats_are_refused_before_the_target_loads():
     with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
         run_benchmark(bench_config("repeats=0", "target.path=/nowhere"))
+
+
+def test_hf_assisted_runs_a_saved_full_vocabulary_draft_and_refuses_a_reduced_one(tmp_path):
+    target = load_target_from_config(bench_config().target)
+    student = initial_draft(target.model, DraftModelConfig(num_layers=1), None)
+    save_draft_model(student, None, tmp_path / "full", target, {})
+    cfg = bench_config(f"hf_assistant_path={tmp_path / 'full'}")
+    assistant = hf_assistant(cfg, target)
+    assert assistant.config.num_hidden_layers == 1
+    assert torch.equal(assistant.get_output_embeddings().weight,
+                       student.get_output_embeddings().weight)
+    vocab = torch.arange(0, 256, 2)
+    reduced = initial_draft(target.model, DraftModelConfig(num_layers=1), vocab)
+    save_draft_model(reduced, vocab, tmp_path / "reduced", target, {})
+    with pytest.raises(ValueError, match="reduced vocabulary.*draft_vocab_size=null"):
+        hf_assistant(bench_config(f"hf_assistant_path={tmp_path / 'reduced'}"), target)
