@@ -47,7 +47,8 @@ class FeatureSet:
     """Features of a list of sequences, indexable in the order they were given.
 
     layers: absolute hidden-state indices (see verify.features), in the order their states are
-    concatenated along a feature row; folder: the shard cache they were read from.
+    concatenated along a feature row; folder: the shard cache they were read from (the first
+    source's, for a set joined from several).
     """
 
     sequences: list[SequenceFeatures]
@@ -106,15 +107,20 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
     cache_dir, cache_hidden: false computes the training features live, batch by batch; the
     held-out ones, a few thousand tokens, are cached either way). Raises ValueError when there
     is nothing to train on."""
-    sequences = answer_sequences(answers)
+    sources = [answer_sequences(answers)]
     if data.sharegpt_tokens:
-        sequences += list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
-                                             data.sharegpt_tokens, seed=data.seed))
-    if not sequences:
+        sources.append(list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
+                                               data.sharegpt_tokens, seed=data.seed)))
+    sources = [source for source in sources if source]
+    if not sources:
         raise ValueError("no training data: set data.sharegpt_tokens or data.num_prompts")
     cache = None if data.cache_dir is None else Path(data.cache_dir) / "features"
-    train = (extract_features(target, sequences, layers, cache) if data.cache_hidden
-             else LiveFeatures(target, sequences, layers))
+    if not data.cache_hidden:
+        train = LiveFeatures(target, [s for source in sources for s in source], layers)
+    else:  # one cache per source, so that a mix reuses what each source alone extracted
+        parts = [extract_features(target, source, layers, cache) for source in sources]
+        train = FeatureSet([s for part in parts for s in part.sequences], parts[0].layers,
+                           parts[0].folder)
     return train, extract_features(target, answer_sequences(heldout), layers, cache)
 
 

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import train.features as features
 import verify.files as files
 from train.distill import Answer
-from train.features import answer_sequences, extract_features, feature_folder
+from train.features import answer_sequences, extract_features, feature_folder, training_features
 from verify.target import load_target
 
 LENGTHS = [5, 9, 3, 12, 7]
@@ -138,3 +139,21 @@ def test_states_beyond_float16_are_refused(tmp_path):
         target.model.get_input_embeddings().weight.mul_(1e6)  # token embeddings past 65,504
     with pytest.raises(OverflowError, match="overflow float16"):
         extract_features(target, make_sequences(), [0], cache_dir=tmp_path)
+
+
+def test_a_mix_of_sources_reuses_each_sources_cache(target, tmp_path, monkeypatch):
+    answers = [Answer(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7]), None),
+               Answer(torch.tensor([8, 9]), torch.tensor([10, 11]), None)]
+    conversations = make_sequences()
+    monkeypatch.setattr(features, "sharegpt_sequences", lambda *a, **k: iter(conversations))
+    data = OmegaConf.create({"sharegpt_tokens": 0, "max_sequence_tokens": 512, "seed": 0,
+                             "cache_dir": str(tmp_path), "cache_hidden": True})
+    training_features(data, target, answers, answers[:1], [-1])  # answers alone
+    data.sharegpt_tokens = 100
+    training_features(data, target, [], answers[:1], [-1])  # conversations alone
+    calls = count_forwards(monkeypatch)
+    mixed, _ = training_features(data, target, answers, answers[:1], [-1])
+    assert calls == []  # both halves came from the caches
+    assert [len(s.input_ids) for s in mixed] == [7, 4, *LENGTHS]
+    assert torch.equal(mixed[2].input_ids, conversations[0][0])
+    assert torch.equal(mixed[0].loss_mask, torch.tensor([False] * 3 + [True] * 4))
