@@ -238,7 +238,7 @@ class DraftModelConfig:
 
     name: str = "draft_model"
     path: str | None = None  # a folder or hub id; None: the target cut to num_layers layers
-    num_layers: int = 6  # the self-draft's layers; training: the distilled draft's
+    num_layers: int = 2  # the self-draft's layers; training: the distilled draft's
     # Training only (python train.py drafter=draft_model, train.draft_model):
     init: str = "truncate"  # truncate: a trainable copy of the target's first layers | fresh
     architecture: dict[str, int] = field(default_factory=dict)  # fresh: config overrides
