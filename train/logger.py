@@ -69,3 +69,12 @@ def build_logger(cfg: DictConfig, run_cfg: DictConfig, out_dir: Path, rank: int 
         raise ValueError(f"unknown logger {cfg.name!r}; use wandb or none")
     run_dir = Path(cfg.dir) if cfg.dir else out_dir
     return WandbLogger(cfg, OmegaConf.to_container(run_cfg, resolve=True), run_dir, group)
+
+
+def finish_run(logger: Logger, results: dict, summary: dict[str, float]) -> dict:
+    """Log a run's end-of-training evaluation (`summary`, flat metrics) as its summary, close
+    the logger, and add where the logs went to `results`, which it returns."""
+    logger.summary(summary)
+    logger.finish()
+    results["logged_to"] = logger.location
+    return results

@@ -50,6 +50,15 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def adamw(module: torch.nn.Module, optim: OptimConfig
+          ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `module`'s trainable parameters at optim.lr, and its warmup_cosine schedule."""
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
+                                  lr=optim.lr, betas=tuple(optim.betas),
+                                  weight_decay=optim.weight_decay)
+    return optimizer, warmup_cosine(optimizer, optim.warmup_steps, optim.max_steps)
+
+
 def autocast(optim: OptimConfig, device: torch.device):
     """bf16 matmuls where asked for (the loss itself is taken in float32)."""
     if not optim.autocast_bf16:

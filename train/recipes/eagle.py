@@ -34,8 +34,8 @@ from train.features import (
     sequence_batcher,
     training_features,
 )
-from train.logger import build_logger
-from train.loop import train_steps, warmup_cosine
+from train.logger import build_logger, finish_run
+from train.loop import adamw, train_steps
 from verify.features import num_layers, resolve_layers
 from verify.files import write_json
 from verify.target import Target, load_target_from_config
@@ -58,10 +58,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     vocab = most_frequent_tokens(train_set.learned_tokens(), ecfg.draft_vocab_size)
     draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head)
     objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg).to(env.device)
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad],
-                                  lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
-    scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
+    optimizer, scheduler = adamw(draft, cfg.optim)
     start = _resume(cfg, out_dir, target, draft, optimizer, scheduler)
     make_batch = sequence_batcher(train_set, cfg, env)
     model = DistributedDataParallel(objective) if env.world_size > 1 else objective
@@ -78,10 +75,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     if not env.is_main:
         return {}
     results = evaluate(cfg, target, objective, heldout, out_dir)
-    logger.summary(_flat(results))
-    logger.finish()
-    results["logged_to"] = logger.location
-    return results
+    return finish_run(logger, results, _flat(results))
 
 
 def _resume(cfg, out_dir, target, draft, optimizer, scheduler) -> int:

@@ -36,7 +36,7 @@ from train.distill import Answer, distilled_data
 from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
 from train.features import training_features
-from train.logger import build_logger
+from train.logger import build_logger, finish_run
 from train.loop import batch_indices, train_steps, warmup_cosine
 from train.medusa import (
     HeadLoss,
@@ -103,10 +103,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         target = Target(peft_model.merge_and_unload(), target.tokenizer, target.name,
                         adapter=str(out_dir / CHECKPOINT_DIR / ADAPTER_DIR))
     results = evaluate(cfg, target, heads, heldout, out_dir)
-    logger.summary(_flat(results))
-    logger.finish()
-    results["logged_to"] = logger.location
-    return results
+    return finish_run(logger, results, _flat(results))
 
 
 def _prefilled_rows(cfg: DictConfig, target: Target, train_set: list[Answer],
