@@ -231,3 +231,18 @@ def test_sampling_with_a_reduced_vocabulary_draft_is_exact(tmp_path, tree):
     assert exact["passed"] and exact["value"] >= 0.001, exact
     assert exact["detail"]["draft_tokens_per_sample"] > 0.5
     assert control["passed"] and control["value"] < 0.001, control
+
+
+def test_targets_computed_live_train_the_draft_the_cached_ones_do(tmp_path):
+    run_training(_cfg(tmp_path, out="cached"))
+    run_training(_cfg(tmp_path, "data.cache_hidden=false", out="live"))
+    cached, live = (load_file(str(tmp_path / name / "checkpoint/model.safetensors"))
+                    for name in ("cached", "live"))
+    assert cached.keys() == live.keys()
+    for key in cached:  # float16 features either way; only padding widths differ
+        torch.testing.assert_close(live[key], cached[key], atol=1e-4, rtol=1e-3)
+    vocab = read_vocab(tmp_path / "cached/checkpoint")
+    fresh = initial_draft(load_target(tiny="llama").model, DraftModelConfig(num_layers=1), vocab)
+    # the runs did train: the head moved away from the target's rows
+    assert not torch.allclose(fresh.state_dict()["lm_head.weight"],
+                              cached["lm_head.weight"][vocab])
