@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -241,7 +241,7 @@ class DraftModelConfig:
     num_layers: int = 2  # the self-draft's layers; training: the distilled draft's
     # Training only (python train.py drafter=draft_model, train.draft_model):
     init: str = "truncate"  # truncate: a trainable copy of the target's first layers | fresh
-    architecture: dict[str, int] = field(default_factory=dict)  # fresh: config overrides
+    architecture: dict[str, int] | None = None  # fresh: overrides of the target's config
     draft_vocab_size: int | None = 8192  # the head's rows; null: the whole vocabulary
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | tv
 

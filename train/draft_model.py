@@ -86,13 +86,14 @@ def fresh_config(target_config, config: DraftModelConfig):
     """The target's config with num_layers layers and `architecture`'s overrides; head_dim
     follows a new width unless given (Llama configs state it explicitly)."""
     fresh = shallow_config(target_config, config.num_layers)
-    unknown = [key for key in config.architecture if not hasattr(fresh, key)]
+    architecture = config.architecture or {}
+    unknown = [key for key in architecture if not hasattr(fresh, key)]
     if unknown:
         raise ValueError(f"drafter.architecture keys {unknown} are not in the target's "
                          f"{type(fresh).__name__}")
-    for key, value in config.architecture.items():
+    for key, value in architecture.items():
         setattr(fresh, key, value)
-    if getattr(fresh, "head_dim", None) is not None and "head_dim" not in config.architecture:
+    if getattr(fresh, "head_dim", None) is not None and "head_dim" not in architecture:
         fresh.head_dim = fresh.hidden_size // fresh.num_attention_heads
     return fresh
 

@@ -17,6 +17,7 @@ from drafters import build_drafter
 from drafters.draft_model import (
     DraftModelConfig,
     DraftModelDrafter,
+    draft_model_config,
     read_vocab,
     save_draft_model,
     truncated_copy,
@@ -246,3 +247,12 @@ def test_targets_computed_live_train_the_draft_the_cached_ones_do(tmp_path):
     # the runs did train: the head moved away from the target's rows
     assert not torch.allclose(fresh.state_dict()["lm_head.weight"],
                               cached["lm_head.weight"][vocab])
+
+
+def test_a_fresh_architecture_is_given_on_the_command_line(tmp_path):
+    cfg = _cfg(tmp_path, "drafter.init=fresh",
+               "drafter.architecture={hidden_size: 32, num_attention_heads: 2}")
+    config = draft_model_config(cfg.drafter)
+    assert config.architecture == {"hidden_size": 32, "num_attention_heads": 2}
+    student = initial_draft(load_target(tiny="llama").model, config, None)
+    assert student.config.hidden_size == 32 and student.config.num_hidden_layers == 1

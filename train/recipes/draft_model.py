@@ -1,10 +1,11 @@
 """The draft-model recipe: distil a small causal LM from the target; setup, train, save, evaluate.
 
-    python train.py drafter=draft_model                           # 4 copied layers, 8k vocab
-    python train.py drafter=draft_model drafter.num_layers=2 drafter.divergence=tv
+    python train.py drafter=draft_model                           # 2 copied layers, 8k vocab
+    python train.py drafter=draft_model drafter.num_layers=4 drafter.divergence=tv
     python train.py drafter=draft_model drafter.draft_vocab_size=null   # for HF assisted generation
-    python train.py drafter=draft_model drafter.init=fresh \\
-        'drafter.architecture={hidden_size: 256, intermediate_size: 768, num_attention_heads: 4}'
+    python train.py drafter=draft_model drafter.init=fresh drafter.num_layers=4 \\
+        'drafter.architecture={hidden_size: 256, intermediate_size: 768,
+                               num_attention_heads: 4, num_key_value_heads: 2}'
 
 The frozen target reads the training sequences once (prefill; self-distilled answers and/or
 ShareGPT conversations, as for EAGLE) and its last states are cached; the student then learns
@@ -100,7 +101,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
 def hyperparameters(config: DraftModelConfig) -> dict:
     """What shapes the student, as saved in treedraft.json: a resumed run must match it."""
     return {"init": config.init, "num_layers": config.num_layers,
-            "architecture": dict(config.architecture),
+            "architecture": dict(config.architecture or {}),
             "draft_vocab_size": config.draft_vocab_size, "divergence": config.divergence}
 
 
