@@ -20,6 +20,7 @@ Prints markdown, writes JSON and a bar chart.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections import defaultdict
@@ -227,19 +228,27 @@ def run_benchmark(cfg: DictConfig) -> dict:
     return summarise(records, baseline_name(sampling_params(cfg)))
 
 
+MAX_STEM = 120  # file systems refuse names over 255 bytes; the JSON and PNG add suffixes
+
+
 def report_stem(cfg: DictConfig) -> str:
-    """The result files' name: the target and every drafter's method name, file-safe."""
+    """The result files' name: the target and every drafter's method name, file-safe; a long
+    one is cut and ends in a hash of the whole, so two comparisons never share a file."""
     names = [re.sub(r"[^\w.+-]+", "-", c.name).strip("-") for c in contenders(cfg)]
-    return f"{cfg.target.name}-" + "+".join(names)
+    stem = f"{cfg.target.name}-" + "+".join(names)
+    if len(stem) <= MAX_STEM:
+        return stem
+    digest = hashlib.sha256(stem.encode()).hexdigest()[:10]
+    return f"{stem[:MAX_STEM - len(digest) - 1]}-{digest}"
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
-    summary = run_benchmark(cfg)
     stem = report_stem(cfg)
+    summary = run_benchmark(cfg)
+    print(format_tables(summary))  # before any file: a failed write loses no measurement
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)
-    print(format_tables(summary))
     print(f"\nJSON: {path}")
     if cfg.plot:
         print(f"plot: {plot_speedups(summary, Path(cfg.out_dir) / f'{stem}.png')}")

@@ -126,6 +126,15 @@ def test_method_names_stay_distinct_and_the_main_drafter_comes_first():
                                 "draft_model-chain4-2+draft_model-tree8-2+draft_model-chain4-b")
 
 
+def test_a_long_comparison_gets_a_short_distinct_file_name(tmp_path):
+    entries = [f"'draft_model:chain4:label=a rather long label number {i}'" for i in range(8)]
+    stems = {report_stem(bench_config(f"compare=[{','.join(entries[:n])}]"))
+             for n in (7, 8)}
+    assert len(stems) == 2 and all(len(stem) <= 120 for stem in stems)
+    for stem in stems:  # the file system takes it, with the suffixes the reports add
+        (tmp_path / f"{stem}.json.tmp").write_text("{}")
+
+
 def test_drafters_compared_on_a_tiny_target(tmp_path):
     cfg = bench_config("num_prompts=2", "max_new_tokens=8", "peers=[plain_loop]",
                        "compare=['draft_model:chain4:num_layers=1',eagle:eagle2]")
