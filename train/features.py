@@ -264,15 +264,19 @@ def pad_batch(chosen: list[SequenceFeatures]) -> dict:
 
 
 @torch.no_grad()
-def heldout_counts(objective: torch.nn.Module, heldout: FeatureSet, batch: int = 8,
-                   **kwargs) -> torch.Tensor:
-    """An objective's counts (K, 3) summed over the held-out sequences, in eval mode: what
-    the recipes turn into held-out top-1 / top-5 accuracy."""
+def heldout_accuracy(objective: torch.nn.Module, heldout: FeatureSet, batch: int = 8,
+                     **kwargs) -> dict:
+    """Top-1 / top-5 agreement with the target's next token by draft depth (one entry per row
+    of the objective's counts (K, 3)), over the held-out sequences in eval mode; `kwargs` go
+    to the objective (EAGLE: steps=, how deep to unroll)."""
     objective.eval()
     device = next(objective.parameters()).device
     batches = (pad_batch(heldout.take(indices)) for indices in chunks(range(len(heldout)), batch))
-    return sum(objective(**{k: v.to(device) for k, v in b.items()}, **kwargs)[1]
-               for b in batches)
+    counts = sum(objective(**{k: v.to(device) for k, v in b.items()}, **kwargs)[1]
+                 for b in batches)
+    rows = counts[:, 0].clamp_min(1)
+    return {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
+            "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
 
 
 def prompt_length(sequence: SequenceFeatures) -> int:

@@ -45,7 +45,7 @@ from train.draft_model import DistillLoss, initial_draft
 from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
-    heldout_counts,
+    heldout_accuracy,
     prompt_length,
     sequence_batcher,
     training_features,
@@ -136,10 +136,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: DistillLoss, heldout: F
              out_dir: Path) -> dict:
     """Held-out top-1 / top-5 agreement with the target's next token, and tau with the saved
     draft on a chain of cfg.eval.chain, decoded through build_drafter and the loop; eval.json."""
-    counts = heldout_counts(objective, heldout)
-    rows = counts[:, 0].clamp_min(1)
-    accuracy = {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
-                "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
+    accuracy = heldout_accuracy(objective, heldout)
     chain = {"choices": [list(c) for c in TreeTopology.chain(cfg.eval.chain).choices]}
     drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
                    "path": str(out_dir / CHECKPOINT_DIR)}

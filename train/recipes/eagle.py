@@ -29,7 +29,7 @@ from train.eagle import EagleLoss
 from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
-    heldout_counts,
+    heldout_accuracy,
     prompt_length,
     sequence_batcher,
     training_features,
@@ -88,21 +88,11 @@ def _resume(cfg, out_dir, target, draft, optimizer, scheduler) -> int:
     return step
 
 
-@torch.no_grad()
-def heldout_accuracy(objective: EagleLoss, heldout: FeatureSet, depths: int) -> dict:
-    """Top-1 / top-5 agreement of the draft with the target's next token at depths 1..depths,
-    unrolled on its own outputs as decoding does (training-time test without training)."""
-    counts = heldout_counts(objective, heldout, steps=depths)
-    rows = counts[:, 0].clamp_min(1)
-    return {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
-            "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
-
-
 def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: FeatureSet,
              out_dir: Path) -> dict:
     """Held-out accuracy by depth, and tau with the saved draft on an EAGLE-2 tree, decoded
     through build_drafter and the loop; eval.json."""
-    accuracy = heldout_accuracy(objective, heldout, cfg.eval.depth)
+    accuracy = heldout_accuracy(objective, heldout, steps=cfg.eval.depth)
     tree = {"depth": cfg.eval.depth, "top_k": cfg.eval.tree_top_k,
             "total_tokens": cfg.eval.tree_budget}
     drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
