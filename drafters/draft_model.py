@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from drafters.base import check_depth, fill_by_levels, node_path, shallow_config, typed_config
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine
-from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
+from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.files import write_atomically
 from verify.protocol import DraftContext
@@ -133,7 +133,7 @@ class DraftModelDrafter:
         """EAGLE-2's tree over draft-vocabulary indices, mapped back to target ids. The fed
         candidates are renamed to their ids in the kept tree, so `update` commits as for a
         static tree; a shorter depth near the end of the position range."""
-        to_target = self._target_ids()
+        to_target = target_ids(self.vocab_ids, self.target_vocab_size)
 
         def expand(candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
             tokens = [int(to_target[candidates.tokens[n]]) for n in nodes]
@@ -166,11 +166,6 @@ class DraftModelDrafter:
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V') draft logits -> (..., V) over the target's vocabulary, -inf outside."""
         return to_target_vocab(logits, self.vocab_ids, self.target_vocab_size)
-
-    def _target_ids(self) -> torch.Tensor:
-        """(V',) the target id of each draft-vocabulary index (d2t)."""
-        return (torch.arange(self.target_vocab_size) if self.vocab_ids is None
-                else self.vocab_ids)
 
 
 def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
@@ -305,8 +300,7 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
     trained over the whole vocabulary (draft_vocab_size: null), whose rows are all trained.
     """
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    head_key = next(k for k, v in model.named_parameters()
-                    if v is model.get_output_embeddings().weight)
+    head_key = head_weight_key(model)
     if vocab_ids is not None:
         target_head = target.model.get_output_embeddings().weight.detach().cpu()
         full = (target_head.clone().to(state[head_key].dtype)
@@ -329,6 +323,12 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
             extra(tmp)
 
     write_atomically(Path(folder), write, overwrite=True)
+
+
+def head_weight_key(model: PreTrainedModel) -> str:
+    """The state-dict key of the model's LM head weight (lm_head.weight for most models)."""
+    head = model.get_output_embeddings().weight
+    return next(key for key, weight in model.named_parameters() if weight is head)
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

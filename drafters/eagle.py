@@ -42,7 +42,7 @@ from drafters.base import (
 )
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine
-from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
+from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
 from verify.protocol import DraftContext
@@ -240,7 +240,7 @@ class EagleDrafter:
         """EAGLE-2's tree, grown over draft-vocabulary indices (ranking 8k scores instead of
         49k costs ~0.3 ms less per node here); mapped back to target ids at the end."""
         hidden = {0: root_hidden}
-        to_target = self._target_ids()
+        to_target = target_ids(self.draft.vocab_ids, self.draft.target_vocab_size)
 
         def expand(candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
             parents = [candidates.parents[n] for n in nodes]
@@ -253,11 +253,6 @@ class EagleDrafter:
         tree = self.tree.grow(root, draft_log_probs(root_logits[None], params)[0], expand)
         tree.tokens[1:] = to_target[tree.tokens[1:]]
         return tree
-
-    def _target_ids(self) -> torch.Tensor:
-        """(V',) the target id of each draft-vocabulary index (d2t)."""
-        vocab = self.draft.vocab_ids
-        return torch.arange(self.draft.target_vocab_size) if vocab is None else vocab.cpu()
 
     def _forward_level(self, paths: list[list[int]], tokens: list[int],
                        parent_hidden: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,12 @@ def draft_index(vocab_ids: torch.Tensor | None, target_vocab_size: int) -> torch
     return index
 
 
+def target_ids(vocab_ids: torch.Tensor | None, target_vocab_size: int) -> torch.Tensor:
+    """(V',) the target id of each draft-vocabulary index (d2t), on the CPU; without a draft
+    vocabulary every index is its own id."""
+    return torch.arange(target_vocab_size) if vocab_ids is None else vocab_ids.cpu()
+
+
 def to_target_vocab(logits: torch.Tensor, vocab_ids: torch.Tensor | None,
                     target_vocab_size: int) -> torch.Tensor:
     """(..., V') draft-vocabulary logits -> (..., V) over the target's vocabulary, -inf for

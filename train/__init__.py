@@ -44,7 +44,6 @@ def format_results(results: dict) -> str:
     lines += [f"| {k + 1} | root +{k + 1} | {top1:.3f} | {top5:.3f} |" if label == "depth"
               else f"| {k} | token +{k + 2} | {top1:.3f} | {top5:.3f} |"
               for k, (top1, top5) in enumerate(rows)]
-    use = results.get("use", f"drafter.checkpoint={results['checkpoint']}")
     predicted = (f" (predicted from the table {decoding['predicted_tau']:.2f})"
                  if "predicted_tau" in decoding else "")
     lines += [
@@ -52,11 +51,17 @@ def format_results(results: dict) -> str:
         f"held-out decoding, {decoding['tree']}: tau {decoding['tau']:.2f}{predicted}; greedy "
         f"output identical to the target's on {decoding['identical']}/{decoding['prompts']} "
         "prompts",
-        f"checkpoint: {results['checkpoint']}  (use: {use})",
+        f"checkpoint: {results['checkpoint']}  (use: {_how_to_use(results)})",
         f"evaluation: {results['eval']}  ({_tree_hint(results)})",
         f"logs: {results['logged_to']}",
     ]
     return "\n".join(lines)
+
+
+def _how_to_use(results: dict) -> str:
+    """The override that decodes with the run's checkpoint: the recipe's `use`, else
+    drafter.checkpoint=<checkpoint> (Medusa, EAGLE)."""
+    return results.get("use", f"drafter.checkpoint={results['checkpoint']}")
 
 
 def _tree_hint(results: dict) -> str:
@@ -64,9 +69,8 @@ def _tree_hint(results: dict) -> str:
     if "rank_accuracy" in results["accuracy"]:
         return f"a tree sized on this machine: python -m experiments.tree_search " \
                f"accuracies={results['eval']}"
-    use = results.get("use", f"drafter.checkpoint={results['checkpoint']}")
     return (f"an EAGLE-2 budget sized on this machine: python -m experiments.tree_search "
-            f"mode=dynamic drafter={results.get('drafter', '<name>')} {use}")
+            f"mode=dynamic drafter={results.get('drafter', '<name>')} {_how_to_use(results)}")
 
 
 def sweep_group() -> str | None:

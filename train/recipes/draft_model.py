@@ -29,6 +29,7 @@ from drafters.draft_model import (
     INFO_FILE,
     DraftModelConfig,
     draft_model_config,
+    head_weight_key,
     read_vocab,
     save_draft_model,
 )
@@ -125,8 +126,7 @@ def load_weights(folder: Path, draft: torch.nn.Module, vocab: torch.Tensor | Non
     """The student's weights from a saved folder, its full-size head cut back to `vocab`."""
     device = str(next(draft.parameters()).device)
     state = load_file(str(folder / "model.safetensors"), device=device)
-    head_key = next(k for k, v in draft.named_parameters()
-                    if v is draft.get_output_embeddings().weight)
+    head_key = head_weight_key(draft)
     if vocab is not None:
         state[head_key] = state[head_key][vocab.to(device)]
     draft.load_state_dict(state)
