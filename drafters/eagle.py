@@ -52,6 +52,7 @@ from verify.tree import TokenTree, TreeBuilder, TreeTopology
 from verify.verifier import context_window
 
 VARIANTS = ("eagle1", "eagle3")
+INPUTS = ("both", "tokens", "features")  # what the draft reads; the last two are ablations
 WEIGHTS_FILE = "draft.safetensors"
 
 
@@ -64,6 +65,7 @@ class EagleConfig:
     feature_layers: list[int] | None = None  # null: (-1,) for eagle1, eagle3_layers() for eagle3
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary (slow on CPU)
     train_lm_head: bool = False  # eagle3: the reduced head learns (starts from the target's rows)
+    inputs: str = "both"  # the EAGLE paper's input ablation: both | tokens | features (one zeroed)
     checkpoint: str | None = None  # a trained draft (python train.py drafter=eagle ...)
     # Training only (train.eagle):
     ttt_steps: int = 1  # unrolled draft steps per position (EAGLE-3's training-time test)
@@ -78,6 +80,8 @@ def eagle_config(cfg: Mapping) -> EagleConfig:
     config: EagleConfig = typed_config(EagleConfig, cfg, "EAGLE")
     if config.variant not in VARIANTS:
         raise ValueError(f"drafter.variant must be one of {VARIANTS}, got {config.variant!r}")
+    if config.inputs not in INPUTS:
+        raise ValueError(f"drafter.inputs must be one of {INPUTS}, got {config.inputs!r}")
     return config
 
 
@@ -92,11 +96,17 @@ class EagleDraft(nn.Module):
     feature_layers: absolute hidden-state indices it reads (F of them); vocab_ids (V',) its
     draft vocabulary (None: all V). fuse (F*H -> H, EAGLE-3 only), input_proj ([emb, g] 2H ->
     H), body (one decoder layer + final norm of the target's architecture), lm_head (H -> V').
+    inputs: "both" (EAGLE), or the paper's ablations "tokens" (features zeroed: a one-layer
+    draft LM over tokens) and "features" (the shifted token's embedding zeroed).
     """
 
     def __init__(self, target: PreTrainedModel, feature_layers: tuple[int, ...],
-                 vocab_ids: torch.Tensor | None = None, train_lm_head: bool = False):
+                 vocab_ids: torch.Tensor | None = None, train_lm_head: bool = False,
+                 inputs: str = "both"):
         super().__init__()
+        if inputs not in INPUTS:
+            raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
+        self.inputs = inputs
         config, lm_head = target.config, target.get_output_embeddings()
         self.target_vocab_size, hidden = lm_head.weight.shape
         self.feature_layers = resolve_layers(feature_layers, num_layers(config))
@@ -126,6 +136,10 @@ class EagleDraft(nn.Module):
         cached + n) padding, or an additive (B, 1, n, cached + n) tree mask. Returns the
         predicted next features (B, n, H); with `cache`, their keys/values are appended."""
         embedded = self._embed[0](tokens).to(inputs.dtype)
+        if self.inputs == "tokens":
+            inputs = torch.zeros_like(inputs)
+        elif self.inputs == "features":
+            embedded = torch.zeros_like(embedded)
         x = self.input_proj(torch.cat([embedded, inputs], dim=-1))
         out = self.body(inputs_embeds=x, position_ids=positions, attention_mask=attention_mask,
                         cache=cache, use_cache=cache is not None)
@@ -140,7 +154,7 @@ class EagleDraft(nn.Module):
         """What rebuilds this draft on a target, as saved in a checkpoint's config."""
         return {"feature_layers": list(self.feature_layers),
                 "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size,
-                "train_lm_head": bool(self.lm_head.weight.requires_grad)}
+                "train_lm_head": bool(self.lm_head.weight.requires_grad), "inputs": self.inputs}
 
 
 def _body_config(config):
@@ -288,7 +302,7 @@ def load_draft(folder: str | Path, target: Target) -> EagleDraft:
     device = str(target.model.get_output_embeddings().weight.device)
     state = load_file(str(folder / WEIGHTS_FILE), device=device)
     draft = EagleDraft(target.model, tuple(config["feature_layers"]), state.get("vocab_ids"),
-                       config["train_lm_head"])
+                       config["train_lm_head"], config.get("inputs", "both"))  # older: both
     draft.load_state_dict(state)
     return draft
 
@@ -312,5 +326,6 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) 
     else:
         layers = config.feature_layers or default_layers(config.variant,
                                                          num_layers(target.model.config))
-        draft = EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head)
+        draft = EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head,
+                           inputs=config.inputs)
     return EagleDrafter(draft, tree, name=config.name)

@@ -35,8 +35,15 @@ from tqdm import tqdm
 
 from drafters import build_drafter
 from drafters.draft_model import load_draft_model, truncated_copy
-from experiments.bench_report import format_tables, plot_speedups, summarise
+from experiments.bench_report import (
+    TABLE_COLUMNS,
+    format_tables,
+    method_table,
+    plot_speedups,
+    summarise,
+)
 from experiments.common import CONF_DIR, pick_questions, write_report
+from train.logger import build_logger
 from verify.loop import generate
 from verify.protocol import Drafter
 from verify.sampling import SamplingParams
@@ -128,13 +135,23 @@ def parse_compare(entry: str) -> Contender:
     drafter_cfg, tree_cfg = _conf_file("drafter", parts[0]), _conf_file("tree", parts[1])
     overrides = _overrides(parts[2] if len(parts) == 3 else "", entry)
     label = overrides.pop("label", None)
-    settable = set(drafter_cfg) - {"name"}  # the name picks the drafter: the entry's first part
-    unknown = sorted(set(overrides) - settable)
-    if unknown:
-        raise ValueError(f"compare entry {entry!r}: {parts[0]} cannot set {unknown}; its keys: "
-                         f"{sorted(settable)} (and label)")
+    tree_overrides = overrides.pop("tree", OmegaConf.create({}))
+    _check_keys(entry, parts[0], overrides, set(drafter_cfg) - {"name"}, "")
+    _check_keys(entry, parts[1], tree_overrides, set(tree_cfg) - {"name", "choices"}, "tree.")
     name = f"{drafter_cfg.name}/{tree_cfg.name}" + (f" ({label})" if label else "")
-    return Contender(name, OmegaConf.merge(drafter_cfg, overrides), tree_cfg)
+    return Contender(name, OmegaConf.merge(drafter_cfg, overrides),
+                     OmegaConf.merge(tree_cfg, tree_overrides))
+
+
+def _check_keys(entry: str, owner: str, overrides: DictConfig, settable: set[str],
+                prefix: str) -> None:
+    """Refuse an override of a key `owner`'s config does not have (the name picks the file,
+    and a static tree's choices are a list the entry's syntax cannot spell)."""
+    unknown = sorted(f"{prefix}{key}" for key in set(overrides) - settable)
+    if unknown:
+        keys = sorted(f"{prefix}{key}" for key in settable)
+        raise ValueError(f"compare entry {entry!r}: {owner} cannot set {unknown}; its keys: "
+                         f"{keys}" + ("" if prefix else " (and label, tree.<key>)"))
 
 
 def _conf_file(group: str, name: str) -> DictConfig:
@@ -149,7 +166,7 @@ def _conf_file(group: str, name: str) -> DictConfig:
 def _overrides(text: str, entry: str) -> DictConfig:
     """"key=value,..." as a config, values typed as YAML reads them (1, null, /a/path)."""
     items = [item for item in text.split(",") if item]
-    bad = [item for item in items if not re.fullmatch(r"\w+=.*", item)]
+    bad = [item for item in items if not re.fullmatch(r"(tree\.)?\w+=.*", item)]
     if bad:
         raise ValueError(f"compare entry {entry!r}: {bad} not key=value ({COMPARE_FORMAT})")
     return OmegaConf.from_dotlist(items)
@@ -208,24 +225,39 @@ def run_benchmark(cfg: DictConfig) -> dict:
     target = load_target_from_config(cfg.target)
     methods = build_methods(cfg, target, drafters)
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
-    prompts = [(q, target.encode_prompt(q.prompt)) for q in questions]
-    for _, ids in prompts[: cfg.warmup]:  # first calls pay one-off costs; keep them out
+    prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
+               for q in questions]
+    records = time_methods(methods, prompts, cfg)
+    return summarise(records, baseline_name(sampling_params(cfg)))
+
+
+class Prompt(NamedTuple):
+    category: str      # what the figures are grouped by
+    question_id: str
+    ids: torch.Tensor  # (T,) token ids
+
+
+def time_methods(methods: dict[str, Method], prompts: list[Prompt], cfg: DictConfig,
+                 desc: str = "bench") -> dict[str, list[dict]]:
+    """Run every method on every prompt, `cfg.repeats` times over all prompts, after
+    `cfg.warmup` untimed prompts; returns each method's records, timed."""
+    for prompt in prompts[: cfg.warmup]:  # first calls pay one-off costs; keep them out
         for run in methods.values():
-            run(ids, min(cfg.max_new_tokens, 16), cfg.seed)
+            run(prompt.ids, min(cfg.max_new_tokens, 16), cfg.seed)
     records = defaultdict(list)
-    with tqdm(total=cfg.repeats * len(prompts), desc="bench", unit="prompt") as bar:
+    with tqdm(total=cfg.repeats * len(prompts), desc=desc, unit="prompt") as bar:
         for repeat in range(cfg.repeats):
-            for index, (question, ids) in enumerate(prompts):
+            for index, prompt in enumerate(prompts):
                 # every method samples prompt i of run r from the same seed
                 seed = cfg.seed + repeat * len(prompts) + index
                 for name, run in methods.items():
                     start = time.perf_counter()
-                    record = run(ids, cfg.max_new_tokens, seed)
+                    record = run(prompt.ids, cfg.max_new_tokens, seed)
                     record.update(seconds=time.perf_counter() - start, repeat=repeat,
-                                  category=question.category, question_id=question.question_id)
+                                  category=prompt.category, question_id=prompt.question_id)
                     records[name].append(record)
                 bar.update()
-    return summarise(records, baseline_name(sampling_params(cfg)))
+    return records
 
 
 MAX_STEM = 120  # file systems refuse names over 255 bytes; the JSON and PNG add suffixes
@@ -250,8 +282,24 @@ def main(cfg: DictConfig) -> None:
     print(format_tables(summary))  # before any file: a failed write loses no measurement
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)
     print(f"\nJSON: {path}")
-    if cfg.plot:
-        print(f"plot: {plot_speedups(summary, Path(cfg.out_dir) / f'{stem}.png')}")
+    plot = plot_speedups(summary, Path(cfg.out_dir) / f"{stem}.png") if cfg.plot else None
+    if plot:
+        print(f"plot: {plot}")
+    print(log_results(cfg, summary, plot))
+
+
+def log_results(cfg: DictConfig, summary: dict, plot: Path | None) -> str:
+    """Log the methods table, each method's overall figures and the plot to the configured
+    logger (W&B offline by default; logger=none skips it); returns where they went."""
+    logger = build_logger(cfg.logger, cfg, Path(cfg.out_dir))
+    rows = method_table(summary)
+    logger.table("methods", TABLE_COLUMNS, rows)
+    logger.summary({f"{row[0]}/{column}": value for row in rows
+                    for column, value in zip(TABLE_COLUMNS[1:], row[1:]) if value is not None})
+    if plot is not None:
+        logger.image("speedup_per_category", plot)
+    logger.finish()
+    return f"logged: {logger.location}"
 
 
 if __name__ == "__main__":

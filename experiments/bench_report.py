@@ -126,6 +126,22 @@ def format_tables(summary: dict) -> str:
     return "\n".join(lines)
 
 
+TABLE_COLUMNS = ["method", "tokens_per_s", "speedup", "tau", "accept_depth1", "draft_ms_per_step",
+                 "verify_ms_per_step", "other_ms_per_step", "draft_weights_mb"]
+
+
+def method_table(summary: dict) -> list[list]:
+    """One row per method, TABLE_COLUMNS' figures (None where one does not apply): the
+    results as a W&B table, where a sweep's runs line up."""
+    rows = []
+    for name, m in summary["methods"].items():
+        rates = m.get("acceptance_per_depth") or [None]
+        rows.append([name, m["tokens_per_s"]["overall"], m["speedup"]["overall"], m.get("tau"),
+                     rates[0], m.get("draft_ms_per_step"), m.get("verify_ms_per_step"),
+                     m.get("other_ms_per_step"), m.get("draft_weights_mb")])
+    return rows
+
+
 def _method_row(name: str, m: dict) -> str:
     """One row of the methods table; '-' where a figure does not apply to the method."""
     def cell(key: str, spec: str) -> str:

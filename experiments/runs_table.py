@@ -8,7 +8,8 @@
 Reads every eval.json under the given folders (each `python train.py` run writes one, with its
 resolved config), takes the swept config key `x` (dotted) and, optionally, a `series` key that
 splits runs into lines (EAGLE-1 against EAGLE-3), keeps the runs matching every `where`
-"key=value", and reports per run: held-out top-1 per depth (EAGLE) or head (Medusa), tau with
+"key=value" (`absent` fills keys older runs' configs lack: 'absent=["drafter.inputs=both"]'),
+and reports per run: held-out top-1 per depth (EAGLE) or head (Medusa), tau with
 the run's tree and whether decoding stayed identical to the target's. Prints markdown, writes
 JSON and a PNG (tau against x; top-1 by depth for every run).
 The figures are the runs' own: nothing is re-measured here.
@@ -49,13 +50,30 @@ def config_value(run: dict, key: str):
 
 def matches(run: dict, where: list[str]) -> bool:
     """Whether the run's config holds every "key=value" (values read as YAML: 800, null)."""
-    for condition in where:
-        key, sep, text = condition.partition("=")
-        if not sep:
-            raise ValueError(f"where entry {condition!r} is not key=value")
-        if config_value(run, key) != yaml.safe_load(text):
+    for key, value in map(key_value, where):
+        if config_value(run, key) != value:
             return False
     return True
+
+
+def key_value(entry: str) -> tuple[str, object]:
+    """"key=value" -> (key, value read as YAML)."""
+    key, sep, text = entry.partition("=")
+    if not sep:
+        raise ValueError(f"entry {entry!r} is not key=value")
+    return key, yaml.safe_load(text)
+
+
+def fill_absent(run: dict, absent: list[str]) -> dict:
+    """The run with each "key=value" of `absent` set where its config lacks the key: runs
+    saved before a setting existed ran with its default."""
+    for key, value in map(key_value, absent):
+        node = run["config"]
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node.setdefault(last, value)
+    return run
 
 
 def table_rows(runs: list[dict], x: str, series: str | None) -> list[dict]:
@@ -133,7 +151,8 @@ def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="runs_table", version_base=None)
 def main(cfg: DictConfig) -> None:
-    runs = [r for r in find_runs(list(cfg.runs)) if matches(r, list(cfg.where))]
+    runs = [r for r in find_runs(list(cfg.runs))
+            if matches(fill_absent(r, list(cfg.absent)), list(cfg.where))]
     if not runs:
         raise SystemExit(f"no eval.json under {list(cfg.runs)} matches {list(cfg.where)}")
     rows = table_rows(runs, cfg.x, cfg.series)

@@ -190,6 +190,37 @@ def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
             measurement_note(cfg, machine, rows))
 
 
+def plot_budgets(rows: list[dict], path: Path) -> Path:
+    """Tau (expected or measured), predicted speedup and t(n) / t(1) against the node budget:
+    where more nodes stop paying on this machine."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = [r["n"] - 1 for r in rows]
+    taus = [r.get("tau", r.get("expected_tokens")) for r in rows]
+    t1 = next(r["t_s"] for r in rows if r["n"] == 1)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(budgets, taus, marker="o", label="tau")
+    left.plot(budgets, [r["t_s"] / t1 for r in rows], marker="s", label="t(n) / t(1)")
+    left.set(xlabel="draft nodes verified (n - 1)", ylabel="tokens per step / relative cost")
+    left.legend()
+    right.plot(budgets, [r["predicted_speedup"] for r in rows], marker="o")
+    chosen = [(b, r["predicted_speedup"]) for b, r in zip(budgets, rows) if r["chosen"]]
+    if chosen:
+        right.scatter(*zip(*chosen), color="red", zorder=3, label="chosen")
+        right.legend()
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set(xlabel="draft nodes verified (n - 1)", ylabel="predicted speedup")
+    for ax in (left, right):
+        ax.set_xscale("symlog", linthresh=1)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 @hydra.main(config_path="../conf", config_name="tree_search", version_base=None)
 def main(cfg: DictConfig) -> None:
     if cfg.mode not in ("static", "dynamic"):  # before `name`, which the mode picks, resolves
@@ -207,9 +238,12 @@ def main(cfg: DictConfig) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_dynamic_tree_config(tree, out, cfg.name, note)
         table, about = format_budget_table(rows), note
-    path = write_report(Path(cfg.out_dir), f"{cfg.target.name}-{cfg.name}", rows, cfg)
+    stem = f"{cfg.target.name}-{cfg.name}"
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(table)
     print(f"\ntree: {out} ({about})\nJSON: {path}")
+    if cfg.plot:
+        print(f"plot: {plot_budgets(rows, Path(cfg.out_dir) / f'{stem}.png')}")
 
 
 if __name__ == "__main__":

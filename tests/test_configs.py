@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters import tree_policy
+from experiments.bench import contenders, parse_compare, report_stem
 from experiments.common import CONF_DIR
 from verify.target import load_target_from_config
 from verify.tree import TreeTopology
@@ -18,11 +20,17 @@ GROUPS = {group: sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
 # The groups each command's defaults list names.
 COMMANDS = {
     "correctness": ("target", "drafter", "tree"),
-    "bench": ("target", "drafter", "tree"),
+    "bench": ("target", "drafter", "tree", "logger"),
+    "context_sweep": ("target", "drafter", "tree"),
     "train": ("target", "drafter", "data", "optim", "logger", "experiment"),
     "tree_search": ("target", "drafter"),
     "runs_table": (),
+    "simulate": (),
+    "reproduce": (),
 }
+# Benchmark presets live in conf/experiment/bench/ (experiment=bench/<name>); the top-level
+# experiment options are train.py's.
+BENCH_PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "bench").glob("*.yaml"))
 CASES = [(command, group, option) for command, groups in COMMANDS.items()
          for group in groups for option in GROUPS[group]]
 
@@ -90,3 +98,42 @@ def test_an_unknown_group_option_is_refused():
 def test_the_runs_table_config_asks_for_its_runs_and_axis():
     cfg = compose_with("runs_table", "runs=[a]", "x=data.sharegpt_tokens")
     assert list(cfg.runs) == ["a"] and cfg.where == [] and cfg.series is None
+
+
+@pytest.mark.parametrize("preset", GROUPS["experiment"])
+def test_each_train_preset_says_how_to_run_it_and_its_sweep_composes(preset):
+    text = (Path(CONF_DIR) / "experiment" / f"{preset}.yaml").read_text()
+    assert f"experiment={preset}" in text.splitlines()[1]  # the command, under the package line
+    cfg = compose_with("train", f"experiment={preset}", "out_dir=/tmp/unused")
+    if "-m experiment=" in text.splitlines()[1]:
+        # a sweep preset: each swept key exists in the composed config, with its values
+        with initialize_config_dir(CONF_DIR, version_base=None):
+            hydra_cfg = compose("train", [f"experiment={preset}"], return_hydra_config=True)
+        params = hydra_cfg.hydra.sweeper.params
+        assert params
+        for key, values in params.items():
+            assert OmegaConf.select(cfg, key, default="missing") != "missing", key
+            assert len(str(values).split(",")) >= 2
+
+
+@pytest.mark.parametrize("preset", BENCH_PRESETS)
+def test_each_bench_preset_composes_and_names_the_checkpoints_it_needs(preset):
+    with pytest.raises(Exception, match="checkpoints"):  # mandatory: a clear missing-value error
+        OmegaConf.to_container(compose_with("bench", f"experiment=bench/{preset}"), resolve=True)
+    needed = compose_with("bench", f"experiment=bench/{preset}").checkpoints
+    given = [f"checkpoints.{name}=/runs/{name}" for name in needed]
+    cfg = compose_with("bench", f"experiment=bench/{preset}", *given)
+    entries = [parse_compare(e) for e in cfg.compare]  # every entry is well formed
+    paths = {str(v) for c in entries for v in c.drafter.values()} | {
+        str(v) for v in cfg.drafter.values()}
+    assert {f"/runs/{name}" for name in needed} <= paths  # each checkpoint reaches a drafter
+
+
+def test_the_reproduce_preset_is_the_run_the_write_ups_read():
+    cfg = compose_with("bench", "experiment=bench/reproduce", "checkpoints.draft=d",
+                       "checkpoints.eagle=e", "checkpoints.medusa=m")
+    names = [c.name for c in contenders(cfg)]
+    assert names == ["draft_model/chain1", "draft_model/chain2", "draft_model/chain3",
+                     "draft_model/chain4", "draft_model/chain6", "eagle/tree8",
+                     "eagle/eagle2 (budget 8)", "medusa/chain4", "medusa/medusa_sparse4"]
+    assert report_stem(cfg).startswith("smollm2-135m-instruct-draft_model-chain1+")

@@ -1,4 +1,5 @@
-"""Where training metrics go: Weights & Biases (offline by default: no network here) or nowhere.
+"""Where training metrics and benchmark results go: Weights & Biases (offline by default: no
+network here) or nowhere.
 
 A recipe only sees the `Logger` protocol: the resolved config once, metrics by step, a summary
 at the end. Only rank 0 of a distributed run logs.
@@ -19,6 +20,10 @@ class Logger(Protocol):
 
     def summary(self, metrics: dict[str, float]) -> None: ...
 
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None: ...
+
+    def image(self, name: str, path: Path) -> None: ...
+
     def finish(self) -> None: ...
 
 
@@ -31,6 +36,12 @@ class NullLogger:
         pass
 
     def summary(self, metrics: dict[str, float]) -> None:
+        pass
+
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        pass
+
+    def image(self, name: str, path: Path) -> None:
         pass
 
     def finish(self) -> None:
@@ -55,6 +66,16 @@ class WandbLogger:
 
     def summary(self, metrics: dict[str, float]) -> None:
         self._run.summary.update(metrics)
+
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        import wandb
+
+        self._run.log({name: wandb.Table(columns=columns, data=rows)})
+
+    def image(self, name: str, path: Path) -> None:
+        import wandb
+
+        self._run.log({name: wandb.Image(str(path))})
 
     def finish(self) -> None:
         self._run.finish()

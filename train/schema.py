@@ -29,6 +29,7 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     seed: int = 0
     adapter: str | None = None  # a peft LoRA folder merged into the model (Medusa-2 targets)
+    device: str | None = None   # where it loads; training then moves it to train.py's device=
 
 
 @dataclass

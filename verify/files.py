@@ -35,11 +35,21 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def write_json(path: Path, payload: dict) -> None:
     """Write `payload` as indented JSON through a temporary file: never half a file."""
+    write_text(path, json.dumps(payload, indent=2))  # a payload json cannot encode fails here
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `text` through a temporary file renamed into place; an interrupted write leaves
+    the old file and no temporary one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def shard_path(folder: Path, index: int) -> Path:

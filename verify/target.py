@@ -119,6 +119,7 @@ def load_target(
     attn_implementation: str = "sdpa",
     seed: int = 0,
     adapter: str | None = None,
+    device: str | None = None,
 ) -> Target:
     """Load a target model in eval mode.
 
@@ -134,6 +135,7 @@ def load_target(
         seed: init seed for tiny models; equal seeds give identical weights.
         adapter: a peft LoRA adapter folder (a Medusa-2 checkpoint's `adapter/`), merged into
             the weights: the result decodes as fast as the plain model.
+        device: where the weights go ("cuda", "cuda:1"); None leaves them on the CPU.
     """
     torch_dtype = _torch_dtype(dtype)
     if tiny is not None:
@@ -151,6 +153,8 @@ def load_target(
         target = Target(model, AutoTokenizer.from_pretrained(path, gguf_file=gguf_file), name)
     if adapter is not None:
         target = merge_adapter(target, adapter)
+    if device is not None:
+        target.model.to(device)
     target.model.eval()
     return target
 

@@ -123,12 +123,35 @@ def test_a_trained_checkpoint_decodes_through_build_drafter(tiny, tmp_path, conf
     assert torch.equal(generate(target.model, PROMPT, 20, drafter=drafter).tokens, plain)
 
 
+@pytest.mark.parametrize("inputs", ["tokens", "features"])
+def test_an_input_ablation_ignores_the_dropped_input_and_round_trips(inputs, tiny, tmp_path):
+    target = tiny("llama")
+    draft = EagleDraft(target.model, (-1,), inputs=inputs)
+    positions = torch.arange(5)[None]
+    feats, other_feats = torch.randn(2, 1, 5, 64)
+    tokens, other_tokens = PROMPT[None, :5], PROMPT[None, 5:10]
+    with torch.no_grad():
+        base = draft(feats, tokens, positions)
+        kept_changed = (draft(other_feats, tokens, positions) if inputs == "features"
+                        else draft(feats, other_tokens, positions))
+        dropped_changed = (draft(feats, other_tokens, positions) if inputs == "features"
+                           else draft(other_feats, tokens, positions))
+    assert torch.equal(dropped_changed, base) and not torch.allclose(kept_changed, base)
+    save_draft(draft, tmp_path / "draft", target.name)
+    assert load_draft(tmp_path / "draft", target).inputs == inputs
+    plain = generate(target.model, PROMPT, 16).tokens
+    drafter = EagleDrafter(draft, TreeTopology.chain(3))
+    assert torch.equal(generate(target.model, PROMPT, 16, drafter=drafter).tokens, plain)
+
+
 def test_config_keys_are_typed(conf):
     assert eagle_config(conf("drafter", "eagle3")).ttt_steps == 3
     with pytest.raises(ValueError, match=r"unknown EAGLE setting\(s\) \['ttt_step'\]"):
         eagle_config({"name": "eagle", "ttt_step": 2})
     with pytest.raises(ValueError, match="variant must be one of"):
         eagle_config({"name": "eagle", "variant": "eagle2"})
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        eagle_config({"name": "eagle", "inputs": "token"})
 
 
 @pytest.mark.parametrize("tree", ["chain4", "eagle2"])

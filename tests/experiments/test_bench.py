@@ -13,12 +13,13 @@ from drafters.medusa import MedusaDrafter, MedusaHeads
 from experiments.bench import (
     contenders,
     hf_assistant,
+    log_results,
     own_weights_bytes,
     parse_compare,
     report_stem,
     run_benchmark,
 )
-from experiments.bench_report import format_tables, plot_speedups, summarise
+from experiments.bench_report import TABLE_COLUMNS, format_tables, plot_speedups, summarise
 from experiments.common import CONF_DIR, write_report
 from train.draft_model import initial_draft
 from verify.target import load_target_from_config
@@ -100,16 +101,22 @@ def test_a_compare_entry_loads_its_configs_with_overrides():
     assert contender.name == "eagle3/eagle2"
     assert contender.drafter.checkpoint == "/runs/a:b"
     assert contender.drafter.draft_vocab_size is None and contender.tree.total_tokens == 24
+    # tree.<key> sizes a dynamic tree
+    contender = parse_compare("eagle:eagle2:tree.total_tokens=8,tree.top_k=4,label=budget 8")
+    assert contender.tree.total_tokens == 8 and contender.tree.top_k == 4
+    assert contender.tree.depth == 5 and contender.name == "eagle/eagle2 (budget 8)"
 
 
 @pytest.mark.parametrize("entry, message", [
     ("eagle", "is not <drafter>:<tree>"),
     (":chain4", "is not <drafter>:<tree>"),
     ("eagel:chain4", "unknown drafter 'eagel'; known: ['draft_model', 'eagle'"),
-    ("eagle:tree9", "unknown tree 'tree9'; known: ['chain4'"),
+    ("eagle:tree9", "unknown tree 'tree9'; known: ['chain1'"),
     ("eagle:chain4:num_layers=1", "eagle cannot set ['num_layers']"),
     ("eagle:chain4:name=medusa", "eagle cannot set ['name']"),
     ("eagle:chain4:checkpoint", "['checkpoint'] not key=value"),
+    ("eagle:eagle2:tree.total_token=8", "eagle2 cannot set ['tree.total_token']"),
+    ("eagle:chain4:tree.choices=[]", "chain4 cannot set ['tree.choices']"),
 ])
 def test_a_bad_compare_entry_is_refused_clearly(entry, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -242,3 +249,36 @@ def test_hf_assisted_runs_a_saved_full_vocabulary_draft_and_refuses_a_reduced_on
     save_draft_model(reduced, vocab, tmp_path / "reduced", target, {})
     with pytest.raises(ValueError, match="reduced vocabulary.*draft_vocab_size=null"):
         hf_assistant(bench_config(f"hf_assistant_path={tmp_path / 'reduced'}"), target)
+
+
+class RecordingLogger:
+    location = "recorded"
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):  # table, summary, image, finish: record the call
+        return lambda *args: self.calls.append((name, args))
+
+
+def test_results_are_logged_as_a_table_figures_and_the_plot(tmp_path, monkeypatch):
+    summary = summarise(RECORDS, "base")
+    plot = plot_speedups(summary, tmp_path / "p.png")
+    logger = RecordingLogger()
+    monkeypatch.setattr("experiments.bench.build_logger", lambda *args: logger)
+    assert log_results(bench_config(f"out_dir={tmp_path}"), summary, plot) == "logged: recorded"
+    calls = dict(logger.calls)
+    name, columns, rows = calls["table"]
+    assert name == "methods" and columns == TABLE_COLUMNS
+    assert rows[1][:5] == ["tree", 8.0, pytest.approx(1.2), pytest.approx(14 / 5), 0.8]
+    assert rows[0][3] is None  # the baseline has no tau
+    figures = calls["summary"][0]
+    assert figures["tree/speedup"] == pytest.approx(1.2) and "base/tau" not in figures
+    assert calls["image"] == ("speedup_per_category", plot) and "finish" in calls
+
+
+def test_an_offline_wandb_run_holds_the_benchmark(tmp_path):
+    summary = summarise(RECORDS, "base")
+    cfg = bench_config(f"out_dir={tmp_path}", "logger.mode=offline")
+    assert "W&B run" in log_results(cfg, summary, None)
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))

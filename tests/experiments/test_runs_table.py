@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from experiments.runs_table import find_runs, format_table, matches, plot_runs, table_rows
+from experiments.runs_table import (
+    fill_absent,
+    find_runs,
+    format_table,
+    matches,
+    plot_runs,
+    table_rows,
+)
 
 
 def write_run(folder, drafter, tokens, steps, top1, tau):
@@ -43,6 +50,17 @@ def test_where_keeps_runs_of_one_budget_and_refuses_a_malformed_entry(runs):
         matches(found[0], ["optim.max_steps"])
     with pytest.raises(KeyError, match="no 'optim.lr'"):
         matches(found[0], ["optim.lr=1"])
+
+
+def test_a_setting_older_runs_lack_reads_as_its_default(runs):
+    found = find_runs([str(runs / "eagle")])
+    found[0]["config"]["drafter"]["inputs"] = "tokens"  # one run made after the setting existed
+    filled = [fill_absent(r, ["drafter.inputs=both", "optim.max_steps=1"]) for r in found]
+    assert sorted(r["config"]["drafter"]["inputs"] for r in filled) == ["both", "both", "tokens"]
+    assert {r["config"]["optim"]["max_steps"] for r in filled} == {800, 100}  # present: kept
+    rows = table_rows([r for r in filled if matches(r, ["optim.max_steps=800"])],
+                      "drafter.inputs", None)
+    assert [(r["x"], r["tau"]) for r in rows] == [("both", 1.9), ("tokens", 1.7)]
 
 
 def test_a_missing_folder_is_named(tmp_path):

@@ -79,6 +79,7 @@ def test_end_to_end_on_a_tiny_target(tmp_path, capsys):
     assert TreeTopology.from_choices(written.choices) == build_tree(TABLE, budget)
     printed = capsys.readouterr().out
     assert "| n | nodes | t(n) ms |" in printed and "**chosen**" in printed
+    assert (tmp_path / "tiny-llama-auto.png").stat().st_size > 1000  # tau and speedup by budget
 
 
 @pytest.mark.parametrize("content, message", [

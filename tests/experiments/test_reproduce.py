@@ -1,0 +1,70 @@
+"""Reproduction write-ups: generated from saved JSON, verdicts computed from the figures."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from experiments.reproduce.__main__ import write_ups
+from experiments.reproduce.papers import PAPERS, REPRODUCE_BENCH
+from experiments.reproduce.report import HELD, NOT_HELD, NOT_RUN, render
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORTS = ROOT / "experiments" / "reports"
+
+
+def test_the_committed_write_ups_are_what_the_saved_json_gives():
+    """Every write-up in experiments/reproduce/ regenerates from experiments/reports/ as is:
+    no table in them was typed or edited by hand."""
+    for key, paper in PAPERS.items():
+        committed = ROOT / "experiments" / "reproduce" / f"{key}.md"
+        assert committed.read_text() == render(paper, REPORTS), (
+            f"{committed} is stale: run python -m experiments.reproduce paper={key}")
+
+
+def fake_bench(folder: Path, sparse_tau: float) -> None:
+    def drafted(tau, speedup):
+        return {"tau": tau, "speedup": {"overall": speedup}, "acceptance_per_depth": [0.3],
+                "draft_ms_per_step": 2.0, "verify_ms_per_step": 40.0}
+    methods = {"hf_greedy": {"speedup": {"overall": 1.0}},
+               "medusa/chain4": drafted(1.3, 0.9),
+               "medusa/medusa_sparse4": drafted(sparse_tau, 0.95)}
+    path = folder / REPRODUCE_BENCH.replace("*", "x")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": [{"methods": methods}]}))
+
+
+@pytest.mark.parametrize("sparse_tau, verdict", [(1.5, HELD), (1.2, NOT_HELD)])
+def test_a_verdict_follows_the_figures(tmp_path, sparse_tau, verdict):
+    fake_bench(tmp_path, sparse_tau)
+    text = render(PAPERS["medusa"], tmp_path)
+    section = text.split("## A sparse tree beats a chain of the same size")[1].split("## ")[0]
+    assert f"**Verdict: {verdict}.**" in section
+    assert f"| sparse tree, 4 nodes ([0],[1],[2],[0,0]) | {sparse_tau:.2f} |" in section
+    # a claim whose JSON is not in this folder says so, with its command, and no figures
+    speed = text.split("## Medusa-1 heads speed up decoding")[1].split("## ")[0]
+    assert f"**Verdict: {NOT_RUN}.**" in speed and "eagle-float32/*.json" in speed
+    assert f"| A sparse tree beats a chain of the same size | {verdict} |" in text
+
+
+def test_write_ups_writes_one_file_per_paper_and_refuses_unknown_ones(tmp_path):
+    paths = write_ups("all", REPORTS, tmp_path)
+    assert sorted(p.stem for p in paths) == sorted(PAPERS)
+    assert write_ups("eagle2", REPORTS, tmp_path / "one")[0].read_text().startswith(
+        "# Reproducing Li et al. 2024, EAGLE-2")
+    with pytest.raises(ValueError, match="unknown paper 'eagle4'.*spec_bench"):
+        write_ups("eagle4", REPORTS, tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        write_ups("all", tmp_path / "nowhere", tmp_path)
+
+
+def test_the_command_line_writes_the_write_up(tmp_path):
+    import subprocess
+    import sys
+    shutil.copytree(REPORTS, tmp_path / "reports")
+    out = subprocess.run([sys.executable, "-m", "experiments.reproduce", "paper=eagle3",
+                          f"reports_dir={tmp_path / 'reports'}", f"out_dir={tmp_path / 'out'}",
+                          f"hydra.run.dir={tmp_path / 'hydra'}"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "training-time test" in out.lower() and (tmp_path / "out" / "eagle3.md").is_file()
