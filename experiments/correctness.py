@@ -30,7 +30,7 @@ from tqdm import tqdm
 from drafters import build_drafter
 from experiments.chain import chain_rows
 from experiments.common import pick_questions, single_thread, write_report
-from experiments.stats import chi_square_test, sequence_distribution
+from experiments.stats import chi_square_test, sequence_distribution, total_variation
 from verify.accept import SpeculativeSamplingRule, make_rule
 from verify.loop import generate
 from verify.sampling import SamplingParams
@@ -60,12 +60,30 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int) -> dict:
         first = first_divergence(result.tokens.tolist(), reference.tolist())
         identical += first is None
         if first is not None:
-            divergences.append({"question_id": question.question_id, "position": first})
+            divergences.append({"question_id": question.question_id, "position": first,
+                                **divergence_margin(target.model, ids, reference, result.tokens,
+                                                    first)})
     n = len(questions)
     return {"rule": "greedy", "check": f"token match vs plain greedy, {n} prompts",
             "value": identical / n, "passed": identical == n, "exact_claimed": True,
             "detail": {"identical": identical, "prompts": n, "divergences": divergences,
                        "tau": sum(taus) / n}}
+
+
+@torch.no_grad()
+def divergence_margin(model, prompt: torch.Tensor, reference: torch.Tensor,
+                      tokens: torch.Tensor, position: int) -> dict:
+    """Where greedy output left the reference: the reference's top-2 logit margin there (one
+    plain forward over prompt + reference[:position]) and the rank, in those logits, of the
+    token written instead. A margin near 0 with rank 1 is a numerical near-tie (bfloat16
+    rounding a tree forward differently from a one-token one); a wide margin is an error."""
+    if position >= min(len(reference), len(tokens)):  # one output stopped early: no token pair
+        return {"margin": None, "written_rank": None}
+    context = torch.cat([prompt, reference[:position]])[None].to(model.device)
+    logits = model(context).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    rank = int((logits > logits[int(tokens[position])]).sum())
+    return {"margin": float(top[0] - top[1]), "written_rank": rank}
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
@@ -102,11 +120,14 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
     generator = torch.Generator().manual_seed(dist.seed)
     counts: Counter = Counter()
     drafted = 0  # draft tokens put to the test: a row whose drafter proposed none tests nothing
+    produced = forwards = 0  # tokens per target forward after the prefill: the speed it buys
     for _ in tqdm(range(dist.samples), desc=f"sampling ({rule.name})", leave=False):
         out = generate(model, prompt, dist.length, drafter=drafter, rule=rule,
                        generator=generator, **asdict(params))
         counts[tuple(out.tokens.tolist())] += 1
         drafted += sum(step.tree_size - 1 for step in out.steps)
+        produced += sum(step.accepted + 1 for step in out.steps)
+        forwards += len(out.steps)
     stat, p_value, dof = chi_square_test(counts, expected)
     consistent = p_value >= dist.alpha
     control = "control" in rule.name
@@ -116,7 +137,9 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
             # an exact rule must look exact; the control must be caught; typical is reported
             "passed": consistent if rule.exact else (not consistent if control else None),
             "detail": {"statistic": stat, "dof": dof, "consistent_with_target": consistent,
-                       "draft_tokens_per_sample": drafted / dist.samples}}
+                       "draft_tokens_per_sample": drafted / dist.samples,
+                       "total_variation": total_variation(counts, expected),
+                       "tokens_per_step": produced / max(forwards, 1)}}
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
@@ -143,6 +166,13 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"| {r['drafter']} | {r['tree']} | {r['rule']} | {r['check']} | "
                      f"{r['value']:.4g} | {'yes' if r['exact_claimed'] else 'no'} | "
                      f"{verdict[r['passed']]} |")
+    divergences = [d for r in rows for d in r["detail"].get("divergences", [])]
+    if divergences:
+        lines += ["", "Greedy divergences (margin: the reference's top-1 minus top-2 logit "
+                  "there; rank: the written token's rank in the reference's logits):"]
+        lines += [f"- question {d['question_id']}, new token {d['position']}: " + (
+            "one output ended early" if d["margin"] is None else
+            f"margin {d['margin']:.3g}, rank {d['written_rank']}") for d in divergences]
     return "\n".join(lines)
 
 

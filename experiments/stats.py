@@ -48,6 +48,16 @@ def chi_square_test(counts: dict[tuple[int, ...], int], expected: dict[tuple[int
     return stat, float(chi2.sf(stat, dof)), dof
 
 
+def total_variation(counts: dict[tuple[int, ...], int],
+                    expected: dict[tuple[int, ...], float]) -> float:
+    """Total variation distance between the empirical distribution of `counts` and the exact
+    probabilities `expected`: how far a sampler drifts (sampling noise alone leaves ~0.5 *
+    sum sqrt(p (1 - p) / n) * sqrt(2 / pi), a floor that shrinks with the samples)."""
+    total = sum(counts.values())
+    cells = set(expected) | set(counts)
+    return 0.5 * sum(abs(counts.get(c, 0) / total - expected.get(c, 0.0)) for c in cells)
+
+
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
     n = len(values)
     mean = sum(values) / n

@@ -22,6 +22,7 @@ COMMANDS = {
     "correctness": ("target", "drafter", "tree"),
     "bench": ("target", "drafter", "tree", "logger"),
     "context_sweep": ("target", "drafter", "tree"),
+    "profile": ("target",),
     "train": ("target", "drafter", "data", "optim", "logger", "experiment"),
     "tree_search": ("target", "drafter"),
     "runs_table": (),

@@ -7,8 +7,20 @@ from hydra import compose, initialize_config_dir
 
 from experiments.chain import chain_rows
 from experiments.common import CONF_DIR
-from experiments.correctness import distribution_rows, evaluate, first_divergence, format_table
-from experiments.stats import chi_square_test, leviathan_expected_tokens, sequence_distribution
+from experiments.correctness import (
+    distribution_rows,
+    divergence_margin,
+    evaluate,
+    first_divergence,
+    format_table,
+)
+from experiments.stats import (
+    chi_square_test,
+    leviathan_expected_tokens,
+    sequence_distribution,
+    total_variation,
+)
+from verify.loop import generate
 from verify.sampling import SamplingParams
 from verify.target import build_tiny_model
 
@@ -25,6 +37,14 @@ def test_exact_distribution_sums_to_one():
     model = build_tiny_model("llama", vocab_size=8)
     probs = sequence_distribution(model, torch.arange(4), 2, SamplingParams(1.0))
     assert len(probs) == 64 and abs(sum(probs.values()) - 1) < 1e-5
+
+
+def test_total_variation_by_hand():
+    expected = {(0,): 0.5, (1,): 0.3, (2,): 0.2}
+    assert total_variation({(0,): 5, (1,): 3, (2,): 2}, expected) == pytest.approx(0.0)
+    # 0.5 * (|.6 - .5| + |.25 - .3| + |.15 - .2|) = 0.1; a sequence never expected: 1
+    assert total_variation({(0,): 60, (1,): 25, (2,): 15}, expected) == pytest.approx(0.1)
+    assert total_variation({(3,): 1}, expected) == pytest.approx(1.0)
 
 
 def test_chi_square_accepts_matching_counts_and_rejects_skewed_ones():
@@ -47,6 +67,10 @@ def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
     assert rows["sampling"]["value"] >= 0.001
     control = rows["wrong-residual (control)"]
     assert control["passed"] and control["value"] < 0.001, control
+    # drift as a distance: the exact rule's is sampling noise, the control's is larger
+    exact, wrong = rows["sampling"]["detail"], control["detail"]
+    assert exact["total_variation"] < wrong["total_variation"]
+    assert exact["tokens_per_step"] >= 1 and rows["typical"]["detail"]["tokens_per_step"] >= 1
 
 
 def test_greedy_rows_on_spec_bench_prompts():
@@ -68,6 +92,25 @@ def test_chain_tokens_per_step_match_leviathan():
 def test_leviathan_formula_by_hand():
     assert leviathan_expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + .5 + .25
     assert leviathan_expected_tokens(1.0, 4) == 5
+
+
+def test_a_divergence_reports_the_reference_margin_and_the_written_rank():
+    model = build_tiny_model("llama")
+    prompt = torch.arange(6)
+    reference = generate(model, prompt, 5).tokens
+    with torch.no_grad():
+        logits = model(torch.cat([prompt, reference[:2]])[None]).logits[0, -1]
+    second = int(torch.topk(logits, 2).indices[1])
+    written = torch.cat([reference[:2], torch.tensor([second])])
+    found = divergence_margin(model, prompt, reference, written, 2)
+    top = torch.topk(logits, 2).values
+    assert found["written_rank"] == 1
+    assert found["margin"] == pytest.approx(float(top[0] - top[1]), rel=1e-5)
+    assert divergence_margin(model, prompt, reference, written[:2], 2)["margin"] is None
+    row = {"drafter": "d", "tree": "t", "rule": "greedy", "check": "c", "value": 0.5,
+           "exact_claimed": True, "passed": False,
+           "detail": {"divergences": [{"question_id": 7, "position": 2, **found}]}}
+    assert f"question 7, new token 2: margin {found['margin']:.3g}, rank 1" in format_table([row])
 
 
 def test_first_divergence():

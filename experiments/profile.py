@@ -1,0 +1,238 @@
+"""Where one decoding step's time goes, by the number of tokens verified.
+
+    python -m experiments.profile 'sizes=[1,2,4,8,16]' context_len=256 repeats=10
+    python -m experiments.profile 'attn_implementations=[sdpa_gqa,sdpa,eager]'
+
+For each n, a chain of n tokens is verified after `context_len` cached tokens (sizes take
+turns, medians over `repeats`), and the step is cut into its parts:
+- inputs: the tree's attention mask and position ids (TreeVerifier.tree_mask, position_ids);
+- the model forward, split by forward hooks into the token embedding, attention (every
+  layer's attention module), MLP (every layer's MLP), the LM head, and the rest (norms,
+  residual adds, rotary tables: the forward's time outside those modules);
+- to host: the logits' float CPU copy; accept: the greedy and the sampling rule on them;
+- commit: keeping the accepted entries of the KV cache.
+Then `loop` is the rest of a real plain decoding step (verify.loop.generate, no drafter): its
+wall time per step minus the parts above at n = 1, i.e. the Python around them.
+With several attention implementations, each gets its own rows. Prints a table, writes JSON
+and a PNG (stacked parts by n).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import PreTrainedModel
+
+from experiments.common import single_thread, write_report
+from verify.accept import make_rule
+from verify.loop import generate
+from verify.sampling import SamplingParams
+from verify.target import load_target_from_config
+from verify.tree import TokenTree, TreeTopology
+from verify.verifier import TreeVerifier, keep_entries
+
+MODEL_PARTS = ("embedding", "attention", "mlp", "lm_head")
+PARTS = ("inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy", "accept_sampling",
+         "commit")
+
+
+class ModuleTimer:
+    """Seconds spent inside the model's embedding, attention, MLP and LM head modules, summed
+    per kind over one forward (forward pre/post hooks; CUDA is synchronised at each)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._handles = []
+        self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        for kind, module in _modules(model):
+            self._handles += [module.register_forward_pre_hook(self._start),
+                              module.register_forward_hook(self._stop(kind))]
+
+    def _start(self, module, args) -> None:
+        self._sync()
+        module._profile_start = time.perf_counter()
+
+    def _stop(self, kind: str):
+        def hook(module, args, output) -> None:
+            self._sync()
+            self.seconds[kind] += time.perf_counter() - module._profile_start
+        return hook
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _modules(model: PreTrainedModel) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(kind, module) for the parts timed apart: found by their role, not by class names."""
+    yield "embedding", model.get_input_embeddings()
+    yield "lm_head", model.get_output_embeddings()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("self_attn", "attn"):  # Llama / Qwen2 / GPT-2 layer attention
+            yield "attention", module
+        elif leaf == "mlp":
+            yield "mlp", module
+
+
+def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) -> dict[str, float]:
+    """Seconds of each part of one step verifying `tree`; the cache is left as it was."""
+    model, cached = verifier.model, verifier.length
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    mask = TreeVerifier.tree_mask(tree, cached, model.dtype) if len(tree) > 1 else None
+    positions = tree.position_ids(cached)
+    times["inputs"] = time.perf_counter() - start
+    timer.reset()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model(input_ids=tree.tokens[None].to(model.device),
+                    position_ids=positions[None].to(model.device),
+                    attention_mask=None if mask is None else mask.to(model.device),
+                    cache=verifier.cache, use_cache=True)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    forward = time.perf_counter() - start
+    times.update({part: timer.seconds.get(part, 0.0) for part in MODEL_PARTS})
+    times["model_rest"] = forward - sum(times[part] for part in MODEL_PARTS)
+    start = time.perf_counter()
+    logits = out.logits[0].float().cpu()
+    times["to_host"] = time.perf_counter() - start
+    for rule_name, params in (("greedy", SamplingParams()), ("sampling", SamplingParams(1.0))):
+        rule = make_rule(rule_name, params)
+        start = time.perf_counter()
+        rule(tree, logits, params, torch.Generator().manual_seed(0))
+        times[f"accept_{rule_name}"] = time.perf_counter() - start
+    start = time.perf_counter()
+    keep_entries(verifier.cache, cached, list(range(len(tree))))  # the whole chain accepted
+    times["commit"] = time.perf_counter() - start
+    keep_entries(verifier.cache, cached, [])  # back to the context alone
+    return times
+
+
+def profile_sizes(model: PreTrainedModel, sizes: list[int], context_len: int, repeats: int,
+                  seed: int) -> dict[int, dict[str, float]]:
+    """{n: {part: median seconds}} over `repeats` rounds in which the sizes take turns."""
+    vocab = model.config.vocab_size
+    verifier = TreeVerifier(model)
+    generator = torch.Generator().manual_seed(seed)
+    verifier.prefill(torch.randint(vocab, (context_len,), generator=generator))
+    trees = {n: TokenTree.from_choices(0, TreeTopology.chain(n - 1),
+                                       [i % vocab for i in range(1, n)]) for n in sizes}
+    timer = ModuleTimer(model)
+    samples: dict[int, list[dict]] = {n: [] for n in sizes}
+    try:
+        for round_ in range(repeats + 1):
+            for n, tree in trees.items():
+                times = profile_step(verifier, tree, timer)
+                if round_:  # the first round pays one-off costs
+                    samples[n].append(times)
+    finally:
+        timer.remove()
+    return {n: {part: statistics.median(s[part] for s in runs) for part in PARTS}
+            for n, runs in samples.items()}
+
+
+def loop_overhead(model: PreTrainedModel, context_len: int, steps: int, parts: dict[str, float],
+                  seed: int) -> float:
+    """Seconds per plain decoding step of verify.loop.generate beyond the parts measured at
+    n = 1 (greedy acceptance): the loop's own Python and bookkeeping."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(model.config.vocab_size, (context_len,), generator=generator)
+    generate(model, prompt, 4)  # warm-up
+    start = time.perf_counter()
+    result = generate(model, prompt, steps + 1)
+    wall = (time.perf_counter() - start - result.prefill_s) / len(result.steps)
+    measured = sum(v for k, v in parts.items() if k != "accept_sampling")
+    return max(wall - measured, 0.0)
+
+
+def profile(cfg: DictConfig) -> list[dict]:
+    """One row per (attention implementation, n): the parts in ms and their total."""
+    sizes = sorted(set(cfg.sizes))
+    if not sizes or sizes[0] < 1 or 1 not in sizes:
+        raise ValueError(f"sizes must be positive and include 1, got {list(cfg.sizes)}")
+    rows = []
+    for implementation in cfg.attn_implementations or [cfg.target.attn_implementation]:
+        target_cfg = OmegaConf.merge(cfg.target, {"attn_implementation": implementation})
+        target = load_target_from_config(target_cfg)
+        with single_thread() if cfg.target.tiny else nullcontext():
+            parts = profile_sizes(target.model, sizes, cfg.context_len, cfg.repeats, cfg.seed)
+            loop = loop_overhead(target.model, cfg.context_len, cfg.loop_steps, parts[1],
+                                 cfg.seed)
+        for n in sizes:
+            ms = {part: 1000 * seconds for part, seconds in parts[n].items()}
+            step = sum(v for k, v in ms.items() if k != "accept_sampling") + 1000 * loop
+            rows.append({"attn_implementation": implementation, "n": n, **ms,
+                         "loop": 1000 * loop, "step_greedy": step,
+                         "forward": sum(ms[p] for p in (*MODEL_PARTS, "model_rest"))})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = ["inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy",
+               "accept_sampling", "commit", "loop", "forward", "step_greedy"]
+    lines = ["| attention | n | " + " | ".join(columns) + " | forward / t1 forward |",
+             "|---" * (len(columns) + 3) + "|"]
+    first = {}
+    for r in rows:
+        first.setdefault(r["attn_implementation"], r["forward"])
+        cells = " | ".join(f"{r[c]:.2f}" for c in columns)
+        ratio = r["forward"] / first[r["attn_implementation"]]
+        lines.append(f"| {r['attn_implementation']} | {r['n']} | {cells} | {ratio:.2f} |")
+    return "\n".join(lines) + "\n\nAll in ms, medians; the step total counts greedy acceptance."
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Stacked parts of a greedy step by n, one panel per attention implementation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    implementations = list(dict.fromkeys(r["attn_implementation"] for r in rows))
+    fig, axes = plt.subplots(1, len(implementations), figsize=(6 * len(implementations), 4),
+                             squeeze=False, sharey=True)
+    stacked = ["inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy", "commit",
+               "loop"]
+    for ax, implementation in zip(axes[0], implementations):
+        mine = [r for r in rows if r["attn_implementation"] == implementation]
+        xs = range(len(mine))  # evenly spaced bars, labelled with n
+        bottom = [0.0] * len(mine)
+        for part in stacked:
+            values = [r[part] for r in mine]
+            ax.bar(xs, values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xticks(list(xs), [str(r["n"]) for r in mine])
+        ax.set(xlabel="tokens verified (n)", ylabel="ms per step", title=implementation)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@hydra.main(config_path="../conf", config_name="profile", version_base=None)
+def main(cfg: DictConfig) -> None:
+    rows = profile(cfg)
+    print(format_table(rows))
+    stem = f"{cfg.target.name}-profile-{cfg.target.dtype}"
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
+    print(f"\nJSON: {path}")
+    if cfg.plot:
+        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The step profile: every part of a verification step timed, by n, on a tiny target."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.common import CONF_DIR
+from experiments.profile import MODEL_PARTS, PARTS, format_table, plot, profile
+
+
+def profile_config(*overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("profile", ["target=tiny_llama", "sizes=[4,1,2]", "context_len=16",
+                                   "repeats=2", "loop_steps=8", *overrides])
+
+
+def test_every_part_is_timed_and_the_forward_is_split_by_module(tmp_path):
+    rows = profile(profile_config("attn_implementations=[sdpa,eager]"))
+    assert [(r["attn_implementation"], r["n"]) for r in rows] == [
+        ("sdpa", 1), ("sdpa", 2), ("sdpa", 4), ("eager", 1), ("eager", 2), ("eager", 4)]
+    for r in rows:
+        assert all(r[part] >= 0 for part in PARTS) and r["loop"] >= 0
+        # the hooks saw every module kind, and the split adds up to the forward
+        assert all(r[part] > 0 for part in MODEL_PARTS)
+        assert r["forward"] == pytest.approx(sum(r[p] for p in (*MODEL_PARTS, "model_rest")))
+        assert r["step_greedy"] > r["forward"]
+    assert "| eager | 4 |" in format_table(rows)
+    assert plot(rows, tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_sizes_must_include_the_plain_step():
+    with pytest.raises(ValueError, match="include 1"):
+        profile(profile_config("sizes=[2,4]"))
