@@ -285,13 +285,14 @@ def main(cfg: DictConfig) -> None:
     plot = plot_speedups(summary, Path(cfg.out_dir) / f"{stem}.png") if cfg.plot else None
     if plot:
         print(f"plot: {plot}")
-    print(log_results(cfg, summary, plot))
+    print(log_results(cfg, summary, plot, stem))
 
 
-def log_results(cfg: DictConfig, summary: dict, plot: Path | None) -> str:
+def log_results(cfg: DictConfig, summary: dict, plot: Path | None, stem: str) -> str:
     """Log the methods table, each method's overall figures and the plot to the configured
-    logger (W&B offline by default; logger=none skips it); returns where they went."""
-    logger = build_logger(cfg.logger, cfg, Path(cfg.out_dir))
+    logger (W&B offline by default, a run named `stem` under <out_dir>/<stem>/; logger=none
+    skips it); returns where they went."""
+    logger = build_logger(cfg.logger, cfg, Path(cfg.out_dir) / stem)
     rows = method_table(summary)
     logger.table("methods", TABLE_COLUMNS, rows)
     logger.summary({f"{row[0]}/{column}": value for row in rows

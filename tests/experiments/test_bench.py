@@ -266,7 +266,8 @@ def test_results_are_logged_as_a_table_figures_and_the_plot(tmp_path, monkeypatc
     plot = plot_speedups(summary, tmp_path / "p.png")
     logger = RecordingLogger()
     monkeypatch.setattr("experiments.bench.build_logger", lambda *args: logger)
-    assert log_results(bench_config(f"out_dir={tmp_path}"), summary, plot) == "logged: recorded"
+    cfg = bench_config(f"out_dir={tmp_path}")
+    assert log_results(cfg, summary, plot, "s") == "logged: recorded"
     calls = dict(logger.calls)
     name, columns, rows = calls["table"]
     assert name == "methods" and columns == TABLE_COLUMNS
@@ -280,5 +281,5 @@ def test_results_are_logged_as_a_table_figures_and_the_plot(tmp_path, monkeypatc
 def test_an_offline_wandb_run_holds_the_benchmark(tmp_path):
     summary = summarise(RECORDS, "base")
     cfg = bench_config(f"out_dir={tmp_path}", "logger.mode=offline")
-    assert "W&B run" in log_results(cfg, summary, None)
-    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert "W&B run" in log_results(cfg, summary, None, "tiny-run")
+    assert list((tmp_path / "tiny-run" / "wandb").glob("offline-run-*/run-*.wandb"))
