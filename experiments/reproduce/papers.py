@@ -44,8 +44,8 @@ python -m experiments.bench experiment=bench/reproduce checkpoints.draft=<draft>
 #   on an 8-node eagle2 tree, medusa on chain4 and medusa_sparse4 (conf/experiment/bench/)"""
 FLOAT32_BENCH = "eagle-float32/*.json"
 FLOAT32_COMMAND = """\
-python -m experiments.bench drafter=eagle drafter.checkpoint=<eagle 1M> tree=eagle2_auto \
-    num_prompts=13 max_new_tokens=128 peers=[plain_loop,hf_prompt_lookup] \
+python -m experiments.bench drafter=eagle drafter.checkpoint=<eagle 1M> tree=eagle2_auto \\
+    num_prompts=13 max_new_tokens=128 peers=[plain_loop,hf_prompt_lookup] \\
     'compare=["eagle:eagle2_auto:checkpoint=<eagle 200k>,label=200k",
               "eagle3:eagle2_auto:checkpoint=<eagle3 200k>",
               "medusa:medusa_auto:checkpoint=<medusa>,label=self-distilled",
@@ -53,6 +53,9 @@ python -m experiments.bench drafter=eagle drafter.checkpoint=<eagle 1M> tree=eag
               "prompt_lookup:tree8"]'
 # then: mkdir -p experiments/reports/eagle-float32 and move the JSON there"""
 CHAINS = [1, 2, 3, 4, 6]
+# Held-out tau from a training run's evaluation (8 prompts x 64 tokens, ~300 steps) has a
+# standard error of ~0.04 (tokens per step spread ~0.7); a gap below this is no difference.
+TAU_NOISE = 0.05
 
 
 def _reproduce_bench(reports: Path) -> dict[str, dict]:
@@ -190,7 +193,7 @@ def _medusa_speed(reports: Path) -> Finding:
     return Finding(Table(["method", "tau", "speedup"], rows),
                    PARTLY if best > 1 else NOT_HELD,
                    f"Medusa-1 heads run at {best:.2f}x of plain decoding here, against 2.2x "
-                   "and more on Vicuna-7B on an A100.")
+                   "and more on Vicuna-7B in the paper.")
 
 
 def _sparse_vs_chain(reports: Path) -> Finding:
@@ -221,7 +224,8 @@ def _medusa_runs(reports: Path) -> list[dict]:
 
 def _run_cells(run: dict, depths: int) -> list[object]:
     top1 = [f"{t:.3f}" for t in run["top1"]] + ["-"] * (depths - len(run["top1"]))
-    return [*top1, run["tau"], f"{run['identical']}/{run['prompts']}"]
+    return [*top1, run["tau"], f"{run['identical']}/{run['prompts']}",
+            Path(run["eval"]).parent.name]  # the run's folder: two runs may share a setting
 
 
 def _head_count(reports: Path) -> Finding:
@@ -233,8 +237,8 @@ def _head_count(reports: Path) -> Finding:
     rows = [[r["x"], *_run_cells(r, depths)] for r in runs]
     fewest, most = runs[0], max(runs, key=lambda r: r["x"])
     return Finding(Table(["heads", *(f"top-1 head {h}" for h in range(depths)),
-                          "tau, 16-node tree", "greedy identical"], rows),
-                   HELD if most["tau"] > fewest["tau"] + 0.02 else NOT_HELD,
+                          "tau, 16-node tree", "greedy identical", "run"], rows),
+                   HELD if most["tau"] > fewest["tau"] + TAU_NOISE else NOT_HELD,
                    f"tau {fewest['tau']:.2f} with {fewest['x']} heads, {most['tau']:.2f} with "
                    f"{most['x']} (each run's own 16-node tree, 8 held-out prompts).")
 
@@ -251,8 +255,8 @@ def _medusa2(reports: Path) -> Finding:
     rows.append(["Medusa-2", *_run_cells(two[0], depths)])
     best_one = max(r["tau"] for r in one)
     return Finding(Table(["variant", *(f"top-1 head {h}" for h in range(depths)),
-                          "tau, 16-node tree", "greedy identical"], rows),
-                   HELD if two[0]["tau"] > best_one + 0.02 else NOT_HELD,
+                          "tau, 16-node tree", "greedy identical", "run"], rows),
+                   HELD if two[0]["tau"] > best_one + TAU_NOISE else NOT_HELD,
                    f"tau {two[0]['tau']:.2f} for Medusa-2 against {best_one:.2f} for the "
                    f"best Medusa-1 run with {two[0]['x']} heads.")
 
@@ -313,17 +317,19 @@ MEDUSA = Paper(
               "Each extra head drafts one more token ahead; the paper uses 4-5 heads.",
               MEDUSA_RUNS_COMMAND, _head_count,
               "Medusa-1 heads are trained independently (only gradient clipping couples "
-              "them), so the first heads of every run agree; what a head past the second "
-              "adds is small because its tokens count only when all heads before it are "
-              "right."),
+              "them), so the first heads of every run agree. The 16-node tree each run's "
+              "accuracies pick is two levels deep: a third head's token counts only when the "
+              "first two are right (~6% of steps here), so heads past the second never enter "
+              "it and tau does not move."),
         Claim("Medusa-2 beats Medusa-1",
               "Training the heads together with the target (Medusa-2, a LoRA adapter here) "
               "adds 0.3x-0.7x over Medusa-1.",
               MEDUSA_RUNS_COMMAND, _medusa2,
-              "Medusa-2 here is 100 joint steps from the Medusa-1 heads on 87k tokens; the "
-              "paper fine-tunes the whole 7B model on its training set with a recipe that "
-              "keeps the target's quality. What the adapter buys at this scale is within "
-              "the noise of 8 held-out prompts."),
+              "Medusa-2 here is 100 joint steps (a LoRA adapter, rank 8) from the Medusa-1 "
+              "heads on 87k self-distilled tokens; the paper fine-tunes the whole 7B model on "
+              "its training set with a recipe that keeps the target's quality. The adapter "
+              "moves head 1 up and head 3 down, and tau by less than the noise of 8 held-out "
+              "prompts (a gap under 0.05 counts as none)."),
         Claim("Typical acceptance buys speed with a bounded drift",
               "Accepting any draft token the target finds plausible enough (a threshold on its "
               "probability, lowered by the entropy) accepts more than rejection sampling and "
@@ -371,7 +377,7 @@ def _data_source(reports: Path) -> Finding:
                       sorted((r for r in rows if not r["x"]), key=lambda r: -r["series"]))
     return Finding(Table(["data", "top-1 depth 1", "top-1 depth 5", "tau, 16 nodes"],
                          table_rows),
-                   HELD if abs(gap) <= 0.05 else NOT_HELD,
+                   HELD if abs(gap) <= TAU_NOISE else NOT_HELD,
                    f"Self-distilled answers give tau {own[0]['tau']:.2f}; ShareGPT {sizes}: "
                    f"fixed data comes within {abs(gap):.2f} at its largest size.")
 
@@ -387,7 +393,7 @@ def _input_ablation(reports: Path) -> Finding:
         raise MissingReport(f"the saved ablation lacks {sorted(missing)}; run the commands above")
     rows = [[x, runs[x]["top1"][0], runs[x]["top1"][-1], runs[x]["tau"]]
             for x in ("both", "tokens", "features")]
-    held = all(runs["both"]["tau"] > runs[x]["tau"] for x in ("tokens", "features"))
+    held = all(runs["both"]["tau"] > runs[x]["tau"] + TAU_NOISE for x in ("tokens", "features"))
     return Finding(Table(["inputs", "top-1 depth 1", "top-1 depth 5", "tau, 16 nodes"], rows),
                    HELD if held else NOT_HELD,
                    f"tau {runs['both']['tau']:.2f} with both inputs, "
@@ -422,7 +428,8 @@ EAGLE = Paper(
               "optim.max_steps=800\n"
               "python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct/"
               "eagle]' x=data.num_prompts series=data.sharegpt_tokens "
-              "'where=[\"optim.max_steps=800\"]' name=eagle1-data-source "
+              "'where=[\"optim.max_steps=800\",\"drafter.inputs=both\"]' "
+              "'absent=[\"drafter.inputs=both\"]' name=eagle1-data-source "
               "out_dir=experiments/reports/reproduce",
               _data_source,
               "At equal size the target's own answers teach the draft more (1,024 answers, "
@@ -439,8 +446,10 @@ EAGLE = Paper(
               "out_dir=experiments/reports/reproduce",
               _input_ablation,
               "Without the shifted token the draft must guess which token was sampled before "
-              "predicting the next feature; without features it is a one-layer language "
-              "model over tokens."),
+              "predicting the next feature, and its errors compound with depth; without "
+              "features it is a one-layer language model over tokens, equally good at every "
+              "depth (it never reads the features it would unroll on) and worse than EAGLE "
+              "at each."),
     ),
 )
 
@@ -492,7 +501,7 @@ def _training_time_test(reports: Path) -> Finding:
     more = [r for r in rows if r["x"] > 1]
     deep_gain = statistics.mean(statistics.mean(r["top1"][1:]) for r in more) / statistics.mean(
         one["top1"][1:])
-    held = all(r["tau"] > one["tau"] for r in more)
+    held = all(r["tau"] > one["tau"] + TAU_NOISE for r in more)
     depths = [f"top-1 depth {d + 1}" for d in range(len(one["top1"]))]
     return Finding(Table(["ttt steps", *depths, "tau, 16 nodes"], table),
                    HELD if held else NOT_HELD,
@@ -511,7 +520,7 @@ def _fused_features(reports: Path) -> Finding:
             for label, run in (("fused: layers 2, L/2, L-3", fused), ("last layer", last))]
     depths = [f"top-1 depth {d + 1}" for d in range(len(fused["top1"]))]
     return Finding(Table(["features", *depths, "tau, 16 nodes"], rows),
-                   HELD if fused["tau"] > last["tau"] else NOT_HELD,
+                   HELD if fused["tau"] > last["tau"] + TAU_NOISE else NOT_HELD,
                    f"tau {fused['tau']:.2f} fused against {last['tau']:.2f} from the last "
                    "layer (50k ShareGPT tokens, 3 unrolled steps, 150 steps each).")
 
@@ -551,7 +560,12 @@ EAGLE3 = Paper(
               "eagle3]' x=drafter.feature_layers 'where=[\"optim.max_steps=150\","
               "\"drafter.ttt_steps=3\"]' name=eagle3-features "
               "out_dir=experiments/reports/reproduce",
-              _fused_features),
+              _fused_features,
+              "At this scale the difference is within the noise of 8 held-out prompts. The "
+              "fused input adds a projection (3H -> H) learned from scratch in 150 steps, "
+              "while the last layer is already the state the LM head reads; the paper's "
+              "gain from fused features comes with its data scaling, which this run does "
+              "not reach."),
     ),
 )
 
