@@ -44,6 +44,7 @@ from experiments.bench_report import (
 )
 from experiments.common import CONF_DIR, pick_questions, write_report
 from train.logger import build_logger
+from verify.accept import RULES as ACCEPTANCE_RULES
 from verify.loop import generate
 from verify.protocol import Drafter
 from verify.sampling import SamplingParams
@@ -55,11 +56,13 @@ Method = Callable[[torch.Tensor, int, int], dict]  # (prompt (T,), max_new_token
 
 
 class Contender(NamedTuple):
-    """A drafter to time through the tree verifier, under its method name."""
+    """A drafter to time through the tree verifier, under its method name; `rule` names the
+    acceptance rule (None: greedy at temperature 0, exact sampling above)."""
 
     name: str
     drafter: DictConfig
     tree: DictConfig
+    rule: str | None = None
 
 
 def sampling_params(cfg: DictConfig) -> SamplingParams:
@@ -84,10 +87,11 @@ def hf_method(target: Target, params: SamplingParams, **generate_kwargs) -> Meth
     return run
 
 
-def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingParams
-                     ) -> Method:
-    """A method running this framework's loop (drafter None: plain decoding) with `params`.
-    Its record counts the draft forwards when the drafter runs a DraftEngine."""
+def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingParams,
+                     rule: str | None = None) -> Method:
+    """A method running this framework's loop (drafter None: plain decoding) with `params`
+    and acceptance `rule` (None: the default for params). Its record counts the draft
+    forwards when the drafter runs a DraftEngine."""
     engine = getattr(drafter, "engine", None)
     weights = own_weights_bytes(drafter, target.model) if drafter is not None else 0
 
@@ -97,7 +101,7 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           temperature=params.temperature, top_k=params.top_k,
                           top_p=params.top_p, eos_token_id=target.eos_token_ids,
-                          generator=generator)
+                          generator=generator, rule=rule)
         record = {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps],
                   "prefill_s": result.prefill_s}
         if drafter is not None:
@@ -135,12 +139,16 @@ def parse_compare(entry: str) -> Contender:
     drafter_cfg, tree_cfg = _conf_file("drafter", parts[0]), _conf_file("tree", parts[1])
     overrides = _overrides(parts[2] if len(parts) == 3 else "", entry)
     label = overrides.pop("label", None)
+    rule = overrides.pop("rule", None)
+    if rule is not None and rule not in ACCEPTANCE_RULES:
+        raise ValueError(f"compare entry {entry!r}: rule must be one of "
+                         f"{sorted(ACCEPTANCE_RULES)}, got {rule!r}")
     tree_overrides = overrides.pop("tree", OmegaConf.create({}))
     _check_keys(entry, parts[0], overrides, set(drafter_cfg) - {"name"}, "")
     _check_keys(entry, parts[1], tree_overrides, set(tree_cfg) - {"name", "choices"}, "tree.")
     name = f"{drafter_cfg.name}/{tree_cfg.name}" + (f" ({label})" if label else "")
     return Contender(name, OmegaConf.merge(drafter_cfg, overrides),
-                     OmegaConf.merge(tree_cfg, tree_overrides))
+                     OmegaConf.merge(tree_cfg, tree_overrides), rule)
 
 
 def _check_keys(entry: str, owner: str, overrides: DictConfig, settable: set[str],
@@ -151,7 +159,7 @@ def _check_keys(entry: str, owner: str, overrides: DictConfig, settable: set[str
     if unknown:
         keys = sorted(f"{prefix}{key}" for key in settable)
         raise ValueError(f"compare entry {entry!r}: {owner} cannot set {unknown}; its keys: "
-                         f"{keys}" + ("" if prefix else " (and label, tree.<key>)"))
+                         f"{keys}" + ("" if prefix else " (and label, rule, tree.<key>)"))
 
 
 def _conf_file(group: str, name: str) -> DictConfig:
@@ -193,7 +201,7 @@ def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) ->
         methods["plain_loop"] = treedraft_method(target, None, params)
     for contender in drafters:
         drafter = build_drafter(contender.drafter, contender.tree, target)
-        methods[contender.name] = treedraft_method(target, drafter, params)
+        methods[contender.name] = treedraft_method(target, drafter, params, contender.rule)
     if "hf_prompt_lookup" in cfg.peers:
         methods["hf_prompt_lookup"] = hf_method(
             target, params, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_num_tokens)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -73,17 +75,35 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int) -> dict:
 @torch.no_grad()
 def divergence_margin(model, prompt: torch.Tensor, reference: torch.Tensor,
                       tokens: torch.Tensor, position: int) -> dict:
-    """Where greedy output left the reference: the reference's top-2 logit margin there (one
-    plain forward over prompt + reference[:position]) and the rank, in those logits, of the
-    token written instead. A margin near 0 with rank 1 is a numerical near-tie (bfloat16
-    rounding a tree forward differently from a one-token one); a wide margin is an error."""
+    """Where greedy output left the reference: the top-2 logit margin there and the rank of
+    the token written instead, from one float32 forward over prompt + reference[:position]
+    (a half-precision model's parameters are upcast for it and cast back, which restores
+    them exactly): a referee that rounds like neither decoding. A margin within the dtype's
+    rounding (bfloat16 logits of ~20 move in steps of 0.125) is a numerical near-tie; a wide
+    margin with a high rank is an error."""
     if position >= min(len(reference), len(tokens)):  # one output stopped early: no token pair
         return {"margin": None, "written_rank": None}
     context = torch.cat([prompt, reference[:position]])[None].to(model.device)
-    logits = model(context).logits[0, -1].float()
+    with float32_parameters(model):
+        logits = model(context).logits[0, -1].float()
     top = torch.topk(logits, 2).values
     rank = int((logits > logits[int(tokens[position])]).sum())
     return {"margin": float(top[0] - top[1]), "written_rank": rank}
+
+
+@contextmanager
+def float32_parameters(model) -> Iterator[None]:
+    """Run `model` with float32 parameters, then give each back its own dtype (bfloat16 and
+    float16 values survive the round trip unchanged). Buffers such as rotary tables keep
+    theirs throughout."""
+    dtypes = [(param, param.dtype) for param in model.parameters()]
+    for param, _ in dtypes:
+        param.data = param.data.float()
+    try:
+        yield
+    finally:
+        for param, dtype in dtypes:
+            param.data = param.data.to(dtype)
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
@@ -168,8 +188,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{verdict[r['passed']]} |")
     divergences = [d for r in rows for d in r["detail"].get("divergences", [])]
     if divergences:
-        lines += ["", "Greedy divergences (margin: the reference's top-1 minus top-2 logit "
-                  "there; rank: the written token's rank in the reference's logits):"]
+        lines += ["", "Greedy divergences (margin: top-1 minus top-2 logit of a float32 "
+                  "forward over the reference's prefix; rank: the written token's rank there):"]
         lines += [f"- question {d['question_id']}, new token {d['position']}: " + (
             "one output ended early" if d["margin"] is None else
             f"margin {d['margin']:.3g}, rank {d['written_rank']}") for d in divergences]

@@ -105,6 +105,9 @@ def test_a_compare_entry_loads_its_configs_with_overrides():
     contender = parse_compare("eagle:eagle2:tree.total_tokens=8,tree.top_k=4,label=budget 8")
     assert contender.tree.total_tokens == 8 and contender.tree.top_k == 4
     assert contender.tree.depth == 5 and contender.name == "eagle/eagle2 (budget 8)"
+    contender = parse_compare("medusa:tree8:rule=typical,label=typical")
+    assert contender.rule == "typical" and contender.name == "medusa/tree8 (typical)"
+    assert parse_compare("medusa:tree8").rule is None
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -116,6 +119,7 @@ def test_a_compare_entry_loads_its_configs_with_overrides():
     ("eagle:chain4:name=medusa", "eagle cannot set ['name']"),
     ("eagle:chain4:checkpoint", "['checkpoint'] not key=value"),
     ("eagle:eagle2:tree.total_token=8", "eagle2 cannot set ['tree.total_token']"),
+    ("medusa:tree8:rule=typcal", "rule must be one of ['greedy', 'sampling', 'typical']"),
     ("eagle:chain4:tree.choices=[]", "chain4 cannot set ['tree.choices']"),
 ])
 def test_a_bad_compare_entry_is_refused_clearly(entry, message):
@@ -200,13 +204,15 @@ def test_repeats_give_each_speedup_a_median_and_range():
 def test_a_sampled_benchmark_on_a_tiny_target(tmp_path):
     cfg = bench_config("num_prompts=2", "max_new_tokens=8", "temperature=1.0", "top_p=0.9",
                        "repeats=2", "peers=[plain_loop,hf_prompt_lookup]",
-                       "compare=[eagle:eagle2,prompt_lookup:tree8]")
+                       "compare=[eagle:eagle2,prompt_lookup:tree8,"
+                       "'draft_model:tree8:num_layers=1,rule=typical,label=typical']")
     summary = run_benchmark(cfg)
     path = write_report(tmp_path, report_stem(cfg), [summary], cfg)
     report = json.loads(path.read_text())
     methods = report["rows"][0]["methods"]
     assert list(methods) == ["hf_sample", "plain_loop", "draft_model/tree8", "eagle/eagle2",
-                             "prompt_lookup/tree8", "hf_prompt_lookup"]
+                             "prompt_lookup/tree8", "draft_model/tree8 (typical)",
+                             "hf_prompt_lookup"]
     assert summary["repeats"] == 2 and summary["prompts"] == 2
     for name, m in methods.items():
         assert m["tokens_per_s"]["overall"] > 0

@@ -12,6 +12,7 @@ from experiments.correctness import (
     divergence_margin,
     evaluate,
     first_divergence,
+    float32_parameters,
     format_table,
 )
 from experiments.stats import (
@@ -111,6 +112,20 @@ def test_a_divergence_reports_the_reference_margin_and_the_written_rank():
            "exact_claimed": True, "passed": False,
            "detail": {"divergences": [{"question_id": 7, "position": 2, **found}]}}
     assert f"question 7, new token 2: margin {found['margin']:.3g}, rank 1" in format_table([row])
+
+
+def test_the_margin_referee_runs_in_float32_and_restores_a_bfloat16_model_exactly():
+    model = build_tiny_model("llama").to(torch.bfloat16)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(out.dtype))
+    with float32_parameters(model):
+        model(torch.arange(4)[None])
+    hook.remove()
+    assert seen == [torch.float32]
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_first_divergence():
