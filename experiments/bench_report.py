@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from experiments.common import save_figure
+
 
 def summarise(records: dict[str, list[dict]], baseline: str) -> dict:
     """Per method: tokens/s overall and per category, speedup against `baseline` (ratio of
@@ -184,8 +186,4 @@ def plot_speedups(summary: dict, path: Path) -> Path:
                   rotation=45, ha="right")
     ax.set_ylabel(f"speedup over {summary['baseline']}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -38,6 +39,32 @@ def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig) ->
     write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True),
                       "environment": environment(), "rows": rows})
     return path
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def read_json_file(path: str | Path, what: str) -> dict:
+    """The JSON object in file `path`; ValueError naming `what` the file is for when it is
+    missing, not JSON, or not an object."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} file {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} file {path} holds no JSON object")
+    return data
 
 
 def environment() -> dict:

@@ -34,7 +34,7 @@ from experiments.bench import (
     time_methods,
 )
 from experiments.bench_report import summarise
-from experiments.common import single_thread, write_report
+from experiments.common import save_figure, single_thread, write_report
 from experiments.tree_search import measure_verify_cost
 from train.conversations import read_conversations, tokenize_conversation
 from verify.target import Target, load_target_from_config
@@ -154,11 +154,7 @@ def plot(rows: list[dict], path: Path, baseline: str) -> Path:
         ax.set_xticks(lengths, [str(x) for x in lengths])
         ax.minorticks_off()
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 @hydra.main(config_path="../conf", config_name="context_sweep", version_base=None)

@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
-from experiments.common import single_thread, write_report
+from experiments.common import save_figure, single_thread, write_report
 from verify.accept import make_rule
 from verify.loop import generate
 from verify.sampling import SamplingParams
@@ -216,11 +216,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xticks(list(xs), [str(r["n"]) for r in mine])
         ax.set(xlabel="tokens verified (n)", ylabel="ms per step", title=implementation)
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 @hydra.main(config_path="../conf", config_name="profile", version_base=None)

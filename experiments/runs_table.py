@@ -24,7 +24,7 @@ import hydra
 import yaml
 from omegaconf import DictConfig
 
-from experiments.common import write_report
+from experiments.common import save_figure, write_report
 
 
 def find_runs(folders: list[str]) -> list[dict]:
@@ -142,11 +142,7 @@ def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
     right.legend(fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 @hydra.main(config_path="../conf", config_name="runs_table", version_base=None)

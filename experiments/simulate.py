@@ -24,7 +24,6 @@ model leaves out; the table shows how much they matter.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import write_report
+from experiments.common import read_json_file, save_figure, write_report
 from experiments.stats import leviathan_expected_tokens
 
 CHAIN_METHOD = re.compile(r"/chain(\d+)\b")
@@ -62,7 +61,7 @@ def constant_cost(t1: float, gammas: Sequence[int]) -> dict[int, float]:
 
 def load_costs(path: str | Path) -> dict[int, float]:
     """{n: seconds} from an experiments.tree_search JSON (rows with n and t_s)."""
-    rows = _read_json(path, "costs").get("rows")
+    rows = read_json_file(path, "costs").get("rows")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and {"n", "t_s"} <= set(r)
                                              for r in rows):
         raise ValueError(f"{path} holds no experiments.tree_search rows (n, t_s)")
@@ -74,7 +73,7 @@ def load_costs(path: str | Path) -> dict[int, float]:
 
 def load_bench(path: str | Path) -> dict:
     """The first summary of an experiments.bench JSON: baseline and per-method figures."""
-    rows = _read_json(path, "bench").get("rows")
+    rows = read_json_file(path, "bench").get("rows")
     if not isinstance(rows, list) or not rows or "methods" not in rows[0]:
         raise ValueError(f"{path} is not an experiments.bench JSON (rows[0].methods)")
     return rows[0]
@@ -211,23 +210,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     left.set(xlabel="gamma (draft tokens per step)", ylabel="speedup over plain decoding",
              title="chain speculative decoding")
     left.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _read_json(path: str | Path, what: str) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{what} file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} file {path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} file {path} holds no JSON object")
-    return data
+    return save_figure(fig, path)
 
 
 @hydra.main(config_path="../conf", config_name="simulate", version_base=None)

@@ -23,7 +23,6 @@ Either mode prints (and writes as JSON) the table behind the choice.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
 from drafters.dynamic_tree import DynamicTree
-from experiments.common import single_thread, write_report
+from experiments.common import read_json_file, save_figure, single_thread, write_report
 from experiments.tree_search_dynamic import (
     budget_drafters,
     budget_rows,
@@ -60,15 +59,8 @@ def load_accuracies(path: str | Path | None) -> list[list[float]]:
     if path is None:
         raise ValueError('set accuracies=<path to a JSON file with {"rank_accuracy": '
                          '[[p(rank 0 at depth 0), p(rank 1 at depth 0), ...], ...]}>')
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"accuracies file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"accuracies file {path} is not valid JSON: {e}") from e
+    data = read_json_file(path, "accuracies")
     # train.py's eval.json keeps the table under "accuracy"; a hand-made file at the top
-    data = data if isinstance(data, dict) else {}
     nested = data.get("accuracy") if isinstance(data.get("accuracy"), dict) else {}
     table = data.get("rank_accuracy", nested.get("rank_accuracy"))
     if not _is_table(table):
@@ -214,11 +206,7 @@ def plot_budgets(rows: list[dict], path: Path) -> Path:
     right.set(xlabel="draft nodes verified (n - 1)", ylabel="predicted speedup")
     for ax in (left, right):
         ax.set_xscale("symlog", linthresh=1)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 @hydra.main(config_path="../conf", config_name="tree_search", version_base=None)
