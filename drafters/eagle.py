@@ -151,10 +151,12 @@ class EagleDraft(nn.Module):
 
     @property
     def hyperparameters(self) -> dict:
-        """What rebuilds this draft on a target, as saved in a checkpoint's config."""
-        return {"feature_layers": list(self.feature_layers),
-                "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size,
-                "train_lm_head": bool(self.lm_head.weight.requires_grad), "inputs": self.inputs}
+        """What rebuilds this draft on a target, as saved in a checkpoint's config. `inputs`
+        only for an ablation: checkpoints from before the setting read as "both" and resume."""
+        settings = {"feature_layers": list(self.feature_layers),
+                    "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size,
+                    "train_lm_head": bool(self.lm_head.weight.requires_grad)}
+        return settings if self.inputs == "both" else {**settings, "inputs": self.inputs}
 
 
 def _body_config(config):
