@@ -50,6 +50,7 @@ class ModuleTimer:
 
     def __init__(self, model: PreTrainedModel):
         self.seconds: dict[str, float] = defaultdict(float)
+        self._started: dict[int, float] = {}  # id(module) -> when its forward began
         self._handles = []
         self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
         for kind, module in _modules(model):
@@ -58,12 +59,12 @@ class ModuleTimer:
 
     def _start(self, module, args) -> None:
         self._sync()
-        module._profile_start = time.perf_counter()
+        self._started[id(module)] = time.perf_counter()
 
     def _stop(self, kind: str):
         def hook(module, args, output) -> None:
             self._sync()
-            self.seconds[kind] += time.perf_counter() - module._profile_start
+            self.seconds[kind] += time.perf_counter() - self._started.pop(id(module))
         return hook
 
     def reset(self) -> None:

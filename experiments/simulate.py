@@ -116,9 +116,13 @@ def simulate(cfg: DictConfig) -> list[dict]:
                              "(the paper's model: t(n) = t(1), a draft forward c * t(1))")
         cost = constant_cost(1.0, cfg.gammas)
         t_draft = cfg.cost_ratio
+    elif t_draft_ms is not None:
+        t_draft = t_draft_ms / 1000
+    elif cfg.cost_ratio is not None:
+        t_draft = cfg.cost_ratio * cost[1]
     else:
-        t_draft = (t_draft_ms / 1000 if t_draft_ms is not None
-                   else (cfg.cost_ratio or 0.0) * cost[1])
+        raise ValueError("with measured costs, give the draft's cost too: draft_ms=<ms per "
+                         "draft forward>, cost_ratio=<c>, or alpha_from=<a bench method>")
     gammas = [g for g in cfg.gammas if g + 1 in cost]
     if not gammas:
         raise ValueError(f"none of gammas {list(cfg.gammas)} has a measured t(gamma + 1); "

@@ -99,6 +99,10 @@ def test_bad_files_are_refused_clearly(tmp_path):
         simulate(config(costs=str(costs), bench=str(bench), alpha_from="d/chain9"))
     with pytest.raises(ValueError, match="does not exist"):
         simulate(config(costs=str(tmp_path / "none.json"), alpha=0.5))
+    with pytest.raises(ValueError, match="give the draft's cost too"):
+        simulate(config(costs=str(costs), alpha=0.5))
+    rows = simulate(config(costs=str(costs), alpha=0.5, draft_ms=2.0, gammas=[1]))
+    assert rows[0]["predicted_speedup"] == pytest.approx(1.5 * 0.040 / (0.002 + 0.042))
     no_t1 = tmp_path / "no_t1.json"
     no_t1.write_text(json.dumps({"rows": [{"n": 2, "t_s": 0.1}]}))
     with pytest.raises(ValueError, match="no t\\(1\\)"):
