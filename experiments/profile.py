@@ -92,8 +92,7 @@ def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) ->
     model, cached = verifier.model, verifier.length
     times: dict[str, float] = {}
     start = time.perf_counter()
-    mask = TreeVerifier.tree_mask(tree, cached, model.dtype) if len(tree) > 1 else None
-    positions = tree.position_ids(cached)
+    mask, positions = verifier.step_inputs(tree)
     times["inputs"] = time.perf_counter() - start
     timer.reset()
     start = time.perf_counter()

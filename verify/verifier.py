@@ -50,9 +50,14 @@ class TreeVerifier:
         Row i is what the target predicts after the path root..i. The tree's keys/values are
         appended to the cache until `commit` keeps the accepted path.
         """
-        # A lone root is plain decoding: causal attention needs no mask.
+        mask, positions = self.step_inputs(tree)
+        return self._forward(tree.tokens, positions, mask)
+
+    def step_inputs(self, tree: TokenTree) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The (1, 1, N, L + N) attention mask (None for a lone root: plain decoding needs
+        none) and (N,) position ids of `tree` after the L cached tokens."""
         mask = self.tree_mask(tree, self.length, self.model.dtype) if len(tree) > 1 else None
-        return self._forward(tree.tokens, tree.position_ids(self.length), mask)
+        return mask, tree.position_ids(self.length)
 
     def commit(self, path: list[int]) -> None:
         """Keep the cached keys/values of the accepted tree nodes `path` (root first) only."""

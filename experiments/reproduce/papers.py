@@ -183,17 +183,24 @@ LEVIATHAN = Paper(
 
 # --- Medusa -----------------------------------------------------------------------------------
 
-def _medusa_speed(reports: Path) -> Finding:
+def _family_speed(reports: Path, prefixes: tuple[str, ...], family: str,
+                  sentence: str) -> Finding:
+    """Tau and speedup of the float32 side-by-side run's methods starting with `prefixes`;
+    `sentence` ("... {best:.2f}x ...") states the best speedup against the paper's."""
     methods = bench_methods(read_report(reports, FLOAT32_BENCH, "run the command above"))
-    names = [n for n in methods if n.startswith("medusa/")]
+    names = [n for n in methods if n.startswith(prefixes)]
     if not names:
-        raise MissingReport("the float32 side-by-side run has no medusa method")
+        raise MissingReport(f"the float32 side-by-side run has no {family} method")
     rows = [[n, methods[n]["tau"], f"{_speedup(methods[n]):.2f}x"] for n in names]
     best = max(_speedup(methods[n]) for n in names)
-    return Finding(Table(["method", "tau", "speedup"], rows),
-                   PARTLY if best > 1 else NOT_HELD,
-                   f"Medusa-1 heads run at {best:.2f}x of plain decoding here, against 2.2x "
-                   "and more on Vicuna-7B in the paper.")
+    return Finding(Table(["method", "tau", "speedup"], rows), PARTLY if best > 1 else NOT_HELD,
+                   sentence.format(best=best))
+
+
+def _medusa_speed(reports: Path) -> Finding:
+    return _family_speed(reports, ("medusa/",), "medusa",
+                         "Medusa-1 heads run at {best:.2f}x of plain decoding here, against "
+                         "2.2x and more on Vicuna-7B in the paper.")
 
 
 def _sparse_vs_chain(reports: Path) -> Finding:
@@ -363,13 +370,9 @@ MEDUSA = Paper(
 # --- EAGLE ------------------------------------------------------------------------------------
 
 def _eagle_speed(reports: Path) -> Finding:
-    methods = bench_methods(read_report(reports, FLOAT32_BENCH, "run the command above"))
-    names = [n for n in methods if n.startswith(("eagle/", "eagle3/"))]
-    rows = [[n, methods[n]["tau"], f"{_speedup(methods[n]):.2f}x"] for n in names]
-    best = max(_speedup(methods[n]) for n in names)
-    return Finding(Table(["method", "tau", "speedup"], rows), PARTLY if best > 1 else NOT_HELD,
-                   f"EAGLE-1 runs at {best:.2f}x here, the fastest learned drafter, against "
-                   "2.16x (Vicuna-7B, RTX 3090) in Spec-Bench.")
+    return _family_speed(reports, ("eagle/", "eagle3/"), "EAGLE",
+                         "EAGLE-1 runs at {best:.2f}x here, the fastest learned drafter, "
+                         "against 2.16x (Vicuna-7B, RTX 3090) in Spec-Bench.")
 
 
 def _data_source(reports: Path) -> Finding:
