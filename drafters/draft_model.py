@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from drafters.base import check_depth, fill_by_levels, node_path, shallow_config, typed_config
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
-from drafters.engine import DraftEngine
+from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.files import write_atomically
@@ -98,6 +98,12 @@ class DraftModelDrafter:
         committed = self.engine.commit(acceptance.path)
         accepted = tree.tokens[acceptance.path[1:1 + committed]]
         self.cached = torch.cat([self.cached, accepted])
+
+    def fork(self) -> DraftModelDrafter:
+        """The same draft model, its own cache."""
+        twin = with_own_engine(self)
+        twin.begin(torch.empty(0, dtype=torch.long))
+        return twin
 
     def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cache the (T,) committed tokens; returns the draft logits (V',) after the last one."""

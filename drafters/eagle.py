@@ -41,7 +41,7 @@ from drafters.base import (
     typed_config,
 )
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
-from drafters.engine import DraftEngine
+from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
@@ -193,6 +193,10 @@ class EagleDrafter:
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         """Nothing to keep: the next proposal re-runs the accepted path on real features."""
+
+    def fork(self) -> EagleDrafter:
+        """The same draft, its own cache."""
+        return with_own_engine(self)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:

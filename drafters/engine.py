@@ -14,6 +14,8 @@ depth d sits at position length - 1 + d.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
@@ -102,3 +104,11 @@ class DraftEngine:
         self.length += len(fed)
         self.fed = {}
         return len(fed)
+
+
+def with_own_engine(drafter):
+    """A shallow copy of `drafter` (the same modules and settings) with its own empty
+    DraftEngine: another sequence's drafter state, sharing the weights."""
+    twin = copy.copy(drafter)
+    twin.engine = DraftEngine(drafter.engine.config)
+    return twin

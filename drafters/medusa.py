@@ -185,6 +185,10 @@ class MedusaDrafter:
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         """Nothing to learn: the next hidden state carries the accepted path."""
 
+    def fork(self) -> MedusaDrafter:
+        """Stateless between steps: every sequence can share this one."""
+        return self
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where a head's

@@ -63,6 +63,10 @@ class PromptLookupDrafter:
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         """Nothing to learn."""
 
+    def fork(self) -> PromptLookupDrafter:
+        """Stateless between steps: every sequence can share this one."""
+        return self
+
     def candidates(self, tokens: torch.Tensor) -> list[int]:
         """Where each candidate continuation starts in the (T,) context, best first.
 

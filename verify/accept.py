@@ -11,12 +11,13 @@ after the path's last node, so each target forward yields at least one token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from verify.sampling import SamplingParams, sample, warp
-from verify.tree import TokenTree
+from verify.tree import TokenTree, TreeBatch
 
 
 @dataclass
@@ -42,6 +43,14 @@ class AcceptanceRule:
                  generator: torch.Generator | None = None) -> Acceptance:
         raise NotImplementedError
 
+    def accept_batch(self, trees: Sequence[TokenTree], batch: TreeBatch, logits: torch.Tensor,
+                     params: SamplingParams, generator: torch.Generator | None = None
+                     ) -> list[Acceptance]:
+        """One acceptance per row of a batch; `batch` pads `trees`, `logits` is (B, N, V).
+        By default the rule runs row by row, in order (the generator's draws too)."""
+        return [self(tree, logits[row, :len(tree)], params, generator)
+                for row, tree in enumerate(trees)]
+
 
 class GreedyRule(AcceptanceRule):
     name = "greedy"
@@ -55,6 +64,20 @@ class GreedyRule(AcceptanceRule):
             if not match:
                 return Acceptance(path, best[path[-1]])
             path.append(match[0])
+
+    def accept_batch(self, trees, batch, logits, params, generator=None):
+        """Vectorized over the batch: only the (B, N) argmax leaves the logits' device. A node
+        is accepted when it and each of its ancestors below the root drafted its parent's
+        argmax; siblings hold distinct tokens, so the accepted nodes form one path."""
+        best = logits.argmax(-1).cpu()  # (B, N)
+        drafted_best = batch.tokens == best.gather(1, batch.parents.clamp_min(0))
+        drafted_best &= batch.parents >= 0  # padding nodes never match
+        drafted_best[:, 0] = True  # the root is decided already
+        accepted = ~((~drafted_best)[:, None, :] & batch.ancestors).any(-1)  # (B, N)
+        deepest = torch.where(accepted, batch.depths, -1).argmax(1)  # (B,)
+        return [Acceptance(batch.ancestors[row, node].nonzero().flatten().tolist(),
+                           int(best[row, node]))
+                for row, node in enumerate(deepest.tolist())]
 
 
 class SpeculativeSamplingRule(AcceptanceRule):

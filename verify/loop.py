@@ -3,7 +3,8 @@
 One step: the drafter proposes a tree rooted at the last decided token, the target scores every
 node in one forward, the acceptance rule picks a path plus a bonus token, the cache keeps the
 path, and the bonus token becomes the next root. With no drafter every tree is the root alone,
-which is plain decoding through the same code.
+which is plain decoding through the same code. A batch runs every row's step in the same
+target forward; one prompt is the batch of one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transformers import PreTrainedModel
 from verify.accept import AcceptanceRule, make_rule
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
-from verify.tree import TokenTree
+from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier, context_window
 
 
@@ -67,29 +68,96 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: in
     applies to target and draft distributions. The rule defaults to greedy at temperature 0
     and exact tree sampling otherwise ("typical" selects Medusa's lossy rule). Generation
     stops at any of the EOS ids (models such as Llama-3-Instruct list several), as Hugging
-    Face `generate` does.
+    Face `generate` does. The one-row case of `generate_batch`.
+    """
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() > 1 and input_ids.shape[0] > 1:
+        raise ValueError(f"generate decodes one prompt, got shape {tuple(input_ids.shape)}: "
+                         "use generate_batch for a batch")
+    return generate_batch(model, [input_ids.flatten()], max_new_tokens, drafter=drafter,
+                          temperature=temperature, top_k=top_k, top_p=top_p, rule=rule,
+                          eos_token_id=eos_token_id, generator=generator)[0]
+
+
+def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | torch.Tensor,
+                   max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
+                   pad_token_id: int | None = None, drafter: Drafter | None = None,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   rule: str | AcceptanceRule | None = None,
+                   eos_token_id: int | Sequence[int] | None = None,
+                   generator: torch.Generator | None = None) -> list[GenerationResult]:
+    """Decode B prompts together; one result per prompt, in order.
+
+    prompts: a list of (T_b,) tensors, or a (B, T) tensor with its (B, T) attention_mask
+    (left or right padding). A (B, T) tensor without a mask is refused when it holds the pad
+    token (pad_token_id, else the model's): padding read as text would change the output.
+    Each row gets its own tree (`drafter.fork()` gives every row after the first its own
+    drafter state), cached length and accepted path; the trees are padded to a common size and
+    verified in one target forward. A row that finishes leaves the batch. Every row's output
+    is what decoding its prompt alone gives (greedy: the same tokens; sampling: the same
+    distribution). Other arguments as in `generate`.
     """
     params = SamplingParams(temperature, top_k, top_p)
-    input_ids = _check_inputs(model, input_ids, max_new_tokens)
+    rows = [_check_inputs(model, prompt, max_new_tokens)
+            for prompt in _split_prompts(model, prompts, attention_mask, pad_token_id)]
     rule = rule if isinstance(rule, AcceptanceRule) else make_rule(rule, params)
     stop = _eos_set(eos_token_id)
     verifier = TreeVerifier(model, drafter.feature_layers if drafter is not None else ())
     start = time.perf_counter()
-    logits, features = verifier.prefill(input_ids)
-    tokens = [sample(warp(logits, params), generator)]
-    result = GenerationResult(torch.empty(0, dtype=torch.long),
-                              prefill_s=time.perf_counter() - start)
-    if drafter is not None:
-        drafter.begin(input_ids)
-    finished = tokens[0] in stop
-    while len(tokens) < max_new_tokens and not finished:
-        context = torch.cat([input_ids, torch.tensor(tokens)])
-        new, features = _step(verifier, drafter, rule, context, features, params, generator,
-                              result)
-        tokens.extend(new)
-        finished = not stop.isdisjoint(new)  # an EOS inside the accepted path ends it too
-    result.tokens = _truncate(tokens, max_new_tokens, stop)
-    return result
+    logits, features = verifier.prefill_batch(rows)
+    probs = warp(logits, params)
+    prefill_s = time.perf_counter() - start
+    sequences = [_Sequence(prompt, [sample(probs[b], generator)], row_drafter,
+                           None if features is None else features[b],
+                           GenerationResult(torch.empty(0, dtype=torch.long), prefill_s=prefill_s))
+                 for b, (prompt, row_drafter) in enumerate(zip(rows, _fork(drafter, len(rows))))]
+    for sequence in sequences:
+        if sequence.drafter is not None:
+            sequence.drafter.begin(sequence.prompt)
+    active = _drop_finished(verifier, sequences, max_new_tokens, stop)
+    while active:
+        _step(verifier, active, rule, params, generator)
+        active = _drop_finished(verifier, active, max_new_tokens, stop)
+    for sequence in sequences:
+        sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
+    return [sequence.result for sequence in sequences]
+
+
+@dataclass
+class _Sequence:
+    """One row of a batch: its prompt, the tokens decided so far, its drafter and the features
+    of the tokens its target cached last."""
+
+    prompt: torch.Tensor
+    tokens: list[int]
+    drafter: Drafter | None
+    features: torch.Tensor | None
+    result: GenerationResult
+
+    def context(self) -> torch.Tensor:
+        return torch.cat([self.prompt, torch.tensor(self.tokens, dtype=torch.long)])
+
+    def finished(self, max_new_tokens: int, stop: frozenset[int]) -> bool:
+        # an EOS anywhere in the decided tokens ends the row, inside an accepted path too
+        return len(self.tokens) >= max_new_tokens or not stop.isdisjoint(self.tokens)
+
+
+def _fork(drafter: Drafter | None, rows: int) -> list[Drafter | None]:
+    if drafter is None or rows == 1:
+        return [drafter] * rows
+    if not hasattr(drafter, "fork"):
+        raise TypeError(f"{type(drafter).__name__} cannot decode a batch: it has no fork() "
+                        "that gives another sequence its own drafter state")
+    return [drafter] + [drafter.fork() for _ in range(rows - 1)]
+
+
+def _drop_finished(verifier: TreeVerifier, active: list[_Sequence], max_new_tokens: int,
+                   stop: frozenset[int]) -> list[_Sequence]:
+    """The rows still decoding; finished ones leave the verifier's batch."""
+    keep = [i for i, s in enumerate(active) if not s.finished(max_new_tokens, stop)]
+    if len(keep) < len(active) and keep:
+        verifier.keep_rows(torch.tensor(keep))
+    return [active[i] for i in keep]
 
 
 def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -100,31 +168,39 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     return frozenset(int(i) for i in eos_token_id)
 
 
-def _step(verifier: TreeVerifier, drafter, rule: AcceptanceRule, context: torch.Tensor,
-          features: torch.Tensor | None, params: SamplingParams,
-          generator: torch.Generator | None, result: GenerationResult):
+def _step(verifier: TreeVerifier, active: list[_Sequence], rule: AcceptanceRule,
+          params: SamplingParams, generator: torch.Generator | None) -> None:
+    """One target forward for every active row: draft each row's tree, verify them together,
+    accept per row, commit, and tell each drafter."""
+    trees, draft_s = [], []
+    for sequence, cached in zip(active, verifier.lengths.tolist()):
+        start = time.perf_counter()
+        trees.append(_propose(sequence.drafter, sequence.context(), sequence.features, params,
+                              generator, verifier.model, cached))
+        draft_s.append(time.perf_counter() - start)
     start = time.perf_counter()
-    tree = _propose(drafter, context, features, params, generator, verifier)
-    drafted = time.perf_counter()
-    logits, tree_features = verifier.verify(tree)
-    acceptance = rule(tree, logits, params, generator)
-    verifier.commit(acceptance.path)
-    verified = time.perf_counter()
-    if drafter is not None:
-        drafter.update(tree, acceptance)
-    result.steps.append(StepStats(acceptance.num_accepted, len(tree), tree.depth,
-                                  drafted - start + time.perf_counter() - verified,
-                                  verified - drafted))
-    new = [int(t) for t in tree.tokens[acceptance.path[1:]]] + [acceptance.bonus]
-    if tree_features is not None:
-        path = torch.tensor(acceptance.path, device=tree_features.device)
-        tree_features = tree_features.index_select(0, path)
-    return new, tree_features
+    batch = TreeBatch.pad(trees)
+    logits, tree_features = verifier.verify_batch(batch)
+    acceptances = rule.accept_batch(trees, batch, logits, params, generator)
+    verifier.commit_batch([acceptance.path for acceptance in acceptances])
+    verify_s = time.perf_counter() - start
+    for row, (sequence, tree, acceptance) in enumerate(zip(active, trees, acceptances)):
+        start = time.perf_counter()
+        if sequence.drafter is not None:
+            sequence.drafter.update(tree, acceptance)
+        sequence.result.steps.append(StepStats(
+            acceptance.num_accepted, len(tree), tree.depth,
+            draft_s[row] + time.perf_counter() - start, verify_s))
+        sequence.tokens.extend([int(t) for t in tree.tokens[acceptance.path[1:]]]
+                               + [acceptance.bonus])
+        if tree_features is not None:
+            path = torch.tensor(acceptance.path, device=tree_features.device)
+            sequence.features = tree_features[row].index_select(0, path)
 
 
 def _propose(drafter, context: torch.Tensor, features: torch.Tensor | None,
              params: SamplingParams, generator: torch.Generator | None,
-             verifier: TreeVerifier) -> TokenTree:
+             model: PreTrainedModel, cached: int) -> TokenTree:
     root_only = TokenTree(context[-1:], torch.tensor([-1]))
     if drafter is None:
         return root_only
@@ -133,8 +209,40 @@ def _propose(drafter, context: torch.Tensor, features: torch.Tensor | None,
         raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, "
                          f"not at the last token {int(context[-1])}")
     # Near the end of the context window there is no room for a tree: decode plainly.
-    window = context_window(verifier.model)
-    return tree if window is None or tree.depth < window - verifier.length else root_only
+    window = context_window(model)
+    return tree if window is None or tree.depth < window - cached else root_only
+
+
+def _split_prompts(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | torch.Tensor,
+                   attention_mask: torch.Tensor | None,
+                   pad_token_id: int | None) -> list[torch.Tensor]:
+    """The prompts as a list of (T_b,) tensors, padding removed."""
+    if not isinstance(prompts, torch.Tensor):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a (B, T) tensor of prompts, not a list")
+        return list(prompts)
+    if prompts.dim() == 1:
+        return [prompts]
+    if prompts.dim() != 2:
+        raise ValueError(f"prompts must be (B, T) or a list of (T,), got {tuple(prompts.shape)}")
+    if attention_mask is None:
+        pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
+        if len(prompts) > 1 and pad is not None and bool((prompts == pad).any()):
+            raise ValueError(f"the (B, T) prompts hold the pad token {pad} but no attention_mask "
+                             "says which tokens are padding: pass attention_mask, or a list of "
+                             "unpadded (T,) prompts")
+        return list(prompts)
+    if attention_mask.shape != prompts.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match the "
+                         f"prompts {tuple(prompts.shape)}")
+    rows = []
+    for row, keep in zip(prompts, attention_mask.bool()):
+        where = keep.nonzero().flatten()
+        if len(where) and int(where[-1] - where[0]) + 1 != len(where):
+            raise ValueError("each attention_mask row must mark one contiguous run of tokens "
+                             "(left or right padding)")
+        rows.append(row[keep])
+    return rows
 
 
 def _check_inputs(model: PreTrainedModel, input_ids: torch.Tensor,

@@ -50,3 +50,7 @@ class Drafter(Protocol):
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         """Learn which path of the last proposal the target accepted."""
+
+    def fork(self) -> Drafter:
+        """A drafter for another sequence of a batch: the same weights and settings, its own
+        per-sequence state (a stateless drafter may return itself)."""

@@ -201,3 +201,41 @@ class TreeBuilder:
                 if p is not None:
                     draft_probs[i] = p
         return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents), draft_probs)
+
+
+@dataclass
+class TreeBatch:
+    """B token trees padded to N nodes.
+
+    tokens, depths: (B, N) long (padding nodes hold token 0 at depth 0);
+    parents: (B, N) long, -1 for each root and every padding node;
+    sizes: (B,) long, the real node count of each row;
+    ancestors: (B, N, N) bool, ancestors[b, i, j] when j is i or an ancestor of i. A padding
+    node sees only itself, so no attention row is empty (an empty row gives NaN with sdpa).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    sizes: torch.Tensor
+    ancestors: torch.Tensor
+
+    @staticmethod
+    def pad(trees: Sequence[TokenTree]) -> TreeBatch:
+        width = max(len(tree) for tree in trees)
+        tokens = torch.zeros(len(trees), width, dtype=torch.long)
+        depths = torch.zeros_like(tokens)
+        parents = torch.full_like(tokens, -1)
+        ancestors = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+        for row, tree in enumerate(trees):
+            n = len(tree)
+            tokens[row, :n] = tree.tokens
+            parents[row, :n] = tree.parents
+            depths[row, :n] = tree.depths
+            ancestors[row, :n, :n] = tree.ancestor_mask()
+        sizes = torch.tensor([len(tree) for tree in trees], dtype=torch.long)
+        return TreeBatch(tokens, parents, depths, sizes, ancestors)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]

@@ -1,22 +1,28 @@
 """Tree attention on any Hugging Face causal LM, through transformers' own extension points.
 
-The verifier owns the target's KV cache. A tree of N nodes is run as one forward pass: a float
-4D attention mask (1, 1, N, L + N) lets each node see the L cached tokens plus its own ancestors,
-and explicit position ids place each node at L + depth. No modeling file is copied: this is
-the public `attention_mask` / `position_ids` / `cache` interface of every causal LM.
+The verifier owns the target's KV cache for B sequences (rows) decoded together. A step runs
+one token tree per row, padded to a common N nodes, as one forward: a float 4D attention mask
+(B, 1, N, S + N) lets each node see its row's committed tokens plus its own ancestors, and
+explicit position ids place each node at lengths[b] + depth. No modeling file is copied: this
+is the public `attention_mask` / `position_ids` / `cache` interface of every causal LM.
 
-After acceptance the cache is compacted to the accepted path, so the cached sequence is always
-exactly the committed tokens (memory stays bounded; positions stay contiguous).
+Row b's committed tokens sit at cache slots 0 .. lengths[b] - 1. Slots beyond are stale (a
+shorter prompt's padding, room left by a longer row) and every mask hides them. After
+acceptance each row's path moves down to follow its committed tokens and the cache is trimmed
+to the longest row, so memory stays bounded and positions stay contiguous. With B = 1 there
+are no stale slots and the cached sequence is exactly the committed tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from verify.features import num_layers, resolve_layers, select_features
-from verify.tree import TokenTree
+from verify.tree import TokenTree, TreeBatch
 
 
 def context_window(model: PreTrainedModel) -> int | None:
@@ -25,102 +31,229 @@ def context_window(model: PreTrainedModel) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+def tree_attention_mask(batch: TreeBatch, lengths: torch.Tensor, cache_size: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, N, cache_size + N) additive mask: 0 where a node may attend (its row's
+    lengths[b] committed slots, its ancestors and itself), dtype-min elsewhere."""
+    committed = torch.arange(cache_size)[None, None, :] < lengths[:, None, None]  # (B, 1, S)
+    allowed = torch.cat([committed.expand(-1, batch.width, -1), batch.ancestors], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
 class TreeVerifier:
-    """Runs a target model over a growing sequence and token trees appended to it."""
+    """Runs a target model over B growing sequences and token trees appended to them.
+
+    The single-sequence methods (`prefill`, `verify`, `commit`, `step_inputs`, `length`) are the
+    B = 1 case of the batch methods (`prefill_batch`, `verify_batch`, `commit_batch`).
+    """
 
     def __init__(self, model: PreTrainedModel, feature_layers: tuple[int, ...] = ()):
         self.model = model
         self.feature_layers = resolve_layers(feature_layers, num_layers(model.config))
         self.cache = DynamicCache(config=model.config)
-        self.length = 0  # tokens whose keys/values are cached (all committed)
+        self.lengths = torch.zeros(1, dtype=torch.long)  # (B,) committed tokens per row
+        self._tree_start = 0  # cache slot where the last verified trees begin
+
+    @property
+    def length(self) -> int:
+        """Committed tokens of the only row (B = 1)."""
+        if len(self.lengths) != 1:
+            raise ValueError(f"`length` is for one sequence; this verifier has {len(self.lengths)}")
+        return int(self.lengths[0])
+
+    @property
+    def cache_size(self) -> int:
+        return self.cache.get_seq_length()
+
+    # -- one sequence -------------------------------------------------------------------------
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cache the (T,) tokens; returns the last position's logits (V,) and the features of
-        all T positions (T, F * H), or None without feature layers."""
+        """Cache the (T,) tokens after any already committed (B = 1); returns the last
+        position's logits (V,) (float, CPU) and the features of all T positions (T, F * H),
+        or None without feature layers."""
         positions = torch.arange(self.length, self.length + len(input_ids))
-        logits, features = self._forward(input_ids, positions, None, logits_to_keep=1)
-        self.length += len(input_ids)
-        return logits[-1], features
+        logits, features = self._forward(input_ids[None], positions[None], None, logits_to_keep=1)
+        self.lengths += len(input_ids)
+        return logits[0, -1].cpu(), None if features is None else features[0]
 
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run all N tree nodes at once; returns logits (N, V) and features (N, F * H) or None.
-
-        Row i is what the target predicts after the path root..i. The tree's keys/values are
-        appended to the cache until `commit` keeps the accepted path.
-        """
-        mask, positions = self.step_inputs(tree)
-        return self._forward(tree.tokens, positions, mask)
+        """Run all N tree nodes at once (B = 1); returns logits (N, V) (float, CPU) and features
+        (N, F * H) or None. Row i is what the target predicts after the path root..i. The
+        tree's keys/values are appended to the cache until `commit` keeps the accepted path."""
+        logits, features = self.verify_batch(TreeBatch.pad([tree]))
+        return logits[0].cpu(), None if features is None else features[0]
 
     def step_inputs(self, tree: TokenTree) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The (1, 1, N, L + N) attention mask (None for a lone root: plain decoding needs
-        none) and (N,) position ids of `tree` after the L cached tokens."""
-        mask = self.tree_mask(tree, self.length, self.model.dtype) if len(tree) > 1 else None
-        return mask, tree.position_ids(self.length)
+        none) and (N,) position ids of `tree` after the L cached tokens (B = 1)."""
+        mask, positions = self.batch_inputs(TreeBatch.pad([tree]))
+        return mask, positions[0]
 
     def commit(self, path: list[int]) -> None:
         """Keep the cached keys/values of the accepted tree nodes `path` (root first) only."""
-        keep_entries(self.cache, self.length, path)
-        self.length += len(path)
+        self.commit_batch([path])
 
-    @staticmethod
-    def tree_mask(tree: TokenTree, cached: int, dtype: torch.dtype) -> torch.Tensor:
-        """(1, 1, N, cached + N) additive mask: 0 where a node may attend, dtype-min elsewhere."""
-        allowed = torch.cat([torch.ones(len(tree), cached, dtype=torch.bool),
-                             tree.ancestor_mask()], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        return mask[None, None]
+    # -- B sequences ----------------------------------------------------------------------------
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                 attention_mask: torch.Tensor | None,
-                 logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return cached_forward(self.model, self.cache, tokens, positions, attention_mask,
-                              logits_to_keep, self.feature_layers)
+    @torch.no_grad()
+    def prefill_batch(self, prompts: Sequence[torch.Tensor]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Start B sequences from (T_b,) prompts in one forward (right-padded: a causal mask
+        keeps every real token from seeing padding). Returns each row's last logits (B, V)
+        (float, on the model's device) and each row's features (T_b, F * H), or None."""
+        if self.cache_size:
+            raise ValueError("prefill_batch starts new sequences: this verifier already has some")
+        sizes = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        tokens = torch.zeros(len(prompts), int(sizes.max()), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = prompt
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        last = sizes - 1
+        keep = torch.unique(last)  # only these positions go through the LM head
+        logits, features = self._forward(tokens, positions, None, logits_to_keep=keep)
+        column = torch.searchsorted(keep, last).to(logits.device)
+        logits = logits[torch.arange(len(prompts), device=logits.device), column]
+        self.lengths = sizes
+        if features is None:
+            return logits, None
+        return logits, [features[row, :n] for row, n in enumerate(sizes.tolist())]
+
+    @torch.no_grad()
+    def verify_batch(self, batch: TreeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run every row's tree in one forward; returns logits (B, N, V) (float, on the model's
+        device: acceptance picks the path there) and features (B, N, F * H) or None. Padding
+        nodes' rows are meaningless."""
+        if len(batch.tokens) != len(self.lengths):
+            raise ValueError(f"{len(batch.tokens)} trees for {len(self.lengths)} sequences")
+        mask, positions = self.batch_inputs(batch)
+        self._tree_start = self.cache_size
+        return self._forward(batch.tokens, positions, mask)
+
+    def batch_inputs(self, batch: TreeBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The (B, 1, N, S + N) attention mask over the S cached slots and the trees (None
+        when plain causal attention is the same: lone roots, no stale slots) and the (B, N)
+        position ids."""
+        positions = self.lengths[:, None] + batch.depths
+        size = self.cache_size
+        if batch.width == 1 and bool((self.lengths == size).all()):
+            return None, positions
+        return tree_attention_mask(batch, self.lengths, size, self.model.dtype), positions
+
+    def commit_batch(self, paths: Sequence[Sequence[int]]) -> None:
+        """Keep, in each row, the accepted nodes paths[b] (root first) of the last trees."""
+        if len(paths) != len(self.lengths):
+            raise ValueError(f"{len(paths)} paths for {len(self.lengths)} sequences")
+        keep_paths(self.cache, self.lengths, self._tree_start, paths)
+        self.lengths = self.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` (long indices, in the new order): finished rows leave
+        the batch and the cache shrinks to the longest row left."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        self.cache.batch_select_indices(rows.to(self.model.device))
+        self.lengths = self.lengths[rows]
+        trim(self.cache, int(self.lengths.max()) if len(rows) else 0)
+
+    def _forward(self, tokens, positions, attention_mask, logits_to_keep=0):
+        return batched_forward(self.model, self.cache, tokens, positions, attention_mask,
+                               logits_to_keep, self.feature_layers)
+
+
+def keep_paths(cache: DynamicCache, lengths: torch.Tensor, start: int,
+               paths: Sequence[Sequence[int]]) -> None:
+    """Move row b's cache entries start + paths[b][k] to slots lengths[b] + k, then trim the
+    cache to the longest row. One sequence uses `keep_entries` (views, no copy when the path
+    is already in place)."""
+    if len(paths) == 1 and int(lengths[0]) == start:
+        keep_entries(cache, start, list(paths[0]))
+        return
+    width = max(len(p) for p in paths)
+    source = torch.full((len(paths), width), start, dtype=torch.long)
+    for row, path in enumerate(paths):
+        source[row, :len(path)] = start + torch.as_tensor(list(path), dtype=torch.long)
+    # Slots past a row's path get stale copies: they lie beyond its new length, hidden.
+    target = lengths[:, None] + torch.arange(width)
+    for layer in _full_attention_layers(cache):
+        heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
+        src = source.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
+        dst = target.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
+        for name in ("keys", "values"):
+            entries = getattr(layer, name)
+            entries.scatter_(-2, dst, entries.gather(-2, src))
+    trim(cache, int((lengths + torch.tensor([len(p) for p in paths])).max()))
+
+
+def trim(cache: DynamicCache, size: int) -> None:
+    """Drop every cache slot from `size` on (a view: the next forward's concatenation copies)."""
+    for layer in _full_attention_layers(cache):
+        layer.keys = layer.keys[..., :size, :]
+        layer.values = layer.values[..., :size, :]
 
 
 def keep_entries(cache: DynamicCache, start: int, keep: list[int]) -> None:
-    """Compact `cache` to its first `start` entries followed by entries start + keep[i].
+    """Compact a one-row `cache` to its first `start` entries followed by entries
+    start + keep[i].
 
     A `keep` that is a prefix of the order (chains, the root alone) is already in place;
     otherwise its entries move down. Either way each layer becomes a view: the next forward's
     concatenation copies it anyway, so no extra full copy happens here.
     """
     index = torch.tensor(keep, dtype=torch.long) + start
-    new_length = start + len(keep)
     in_place = list(keep) == list(range(len(keep)))
+    for layer in _full_attention_layers(cache):
+        if not in_place:
+            moved = index.to(layer.keys.device)
+            new_length = start + len(keep)
+            layer.keys[..., start:new_length, :] = layer.keys.index_select(-2, moved)
+            layer.values[..., start:new_length, :] = layer.values.index_select(-2, moved)
+    trim(cache, start + len(keep))
+
+
+def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
             raise NotImplementedError(
                 f"cache compaction supports full-attention layers, not {type(layer).__name__}")
-        if not in_place:
-            moved = index.to(layer.keys.device)
-            layer.keys[..., start:new_length, :] = layer.keys.index_select(-2, moved)
-            layer.values[..., start:new_length, :] = layer.values.index_select(-2, moved)
-        layer.keys = layer.keys[..., :new_length, :]
-        layer.values = layer.values[..., :new_length, :]
+    return cache.layers
 
 
-def cached_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
-                   positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   logits_to_keep: int = 0, feature_layers: tuple[int, ...] = ()
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Append (n,) tokens at (n,) positions to `cache` in one forward of `model`.
+def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
+                    positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    logits_to_keep: int | torch.Tensor = 0, feature_layers: tuple[int, ...] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Append (B, n) tokens at (B, n) positions to `cache` in one forward of `model`.
 
-    attention_mask: None for causal attention, or an additive (1, 1, n, cached + n) mask.
-    Returns float CPU logits (n, V) (the last `logits_to_keep` rows when > 0) and, with
-    feature_layers (absolute hidden-state indices, see verify.features), the features
-    (n, F * H) on the model's device and in its dtype: drafters run there, so nothing is copied.
+    attention_mask: None for causal attention, or an additive (B, 1, n, cached + n) mask.
+    logits_to_keep: 0 for all positions, k > 0 for the last k, or a (k,) tensor of positions.
+    Returns float logits (B, n', V) on the model's device and, with feature_layers (absolute
+    hidden-state indices, see verify.features), the features (B, n, F * H) on the model's
+    device and in its dtype: drafters run there, so nothing is copied.
     """
     device = model.device
+    if isinstance(logits_to_keep, torch.Tensor):
+        logits_to_keep = logits_to_keep.to(device)
     out = model(
-        input_ids=tokens[None].to(device),
-        position_ids=positions[None].to(device),
+        input_ids=tokens.to(device),
+        position_ids=positions.to(device),
         attention_mask=None if attention_mask is None else attention_mask.to(device),
         cache=cache,
         use_cache=True,
         output_hidden_states=bool(feature_layers),
         logits_to_keep=logits_to_keep,
     )
-    features = select_features(out.hidden_states, feature_layers)[0] if feature_layers else None
-    return out.logits[0].float().cpu(), features
+    features = select_features(out.hidden_states, feature_layers) if feature_layers else None
+    return out.logits.float(), features
+
+
+def cached_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
+                   positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   logits_to_keep: int = 0, feature_layers: tuple[int, ...] = ()
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sequence's `batched_forward`: (n,) tokens and positions, a (1, 1, n, cached + n)
+    mask or None; returns float CPU logits (n, V) and features (n, F * H) or None."""
+    logits, features = batched_forward(model, cache, tokens[None], positions[None],
+                                       attention_mask, logits_to_keep, feature_layers)
+    return logits[0].cpu(), None if features is None else features[0]

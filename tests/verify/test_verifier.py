@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from verify.target import load_target
-from verify.tree import TokenTree
-from verify.verifier import TreeVerifier
+from verify.tree import TokenTree, TreeBatch
+from verify.verifier import TreeVerifier, tree_attention_mask
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 # root, two children, a grandchild under the first and one under the second, a great-grandchild
@@ -63,7 +63,7 @@ def test_commit_keeps_only_the_accepted_path(arch):
 
 def test_tree_mask_shape_and_values():
     tree = TokenTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0]))
-    mask = TreeVerifier.tree_mask(tree, cached=2, dtype=torch.float32)
+    mask = tree_attention_mask(TreeBatch.pad([tree]), torch.tensor([2]), 2, torch.float32)
     assert mask.shape == (1, 1, 3, 5)
     blocked = mask[0, 0] < 0
     assert blocked.tolist() == [
