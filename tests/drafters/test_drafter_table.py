@@ -1,5 +1,6 @@
 """The shared drafter table: every drafter x tree x architecture decodes greedily token for token
-like plain decoding, and gets drafts accepted where it can. A new drafter is one DRAFTERS row."""
+like plain decoding, and gets drafts accepted where it can, at B = 1 and in a batch of four
+prompts of different lengths. A new drafter is one DRAFTERS row."""
 
 from dataclasses import dataclass, field
 
@@ -8,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
-from verify.loop import generate
+from verify.loop import generate, generate_batch
 
 STATIC_TREES = ["chain4", "tree16"]
 
@@ -42,6 +43,9 @@ NEW_TOKENS = 80
 # Repetitive, so prompt lookup finds matches; chosen so that no greedy step of the tiny targets
 # is a near tie (see test_prompt_has_no_near_ties), where tree and plain forwards may round apart.
 PROMPT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 40, 41])
+# The batch: four lengths, so that rows finish their trees at different cache lengths.
+BATCH = [PROMPT, PROMPT[:9], PROMPT[3:], torch.cat([PROMPT, torch.tensor([42, 44])])]
+BATCH_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +66,43 @@ def test_greedy_output_is_plain_decoding(row, tree, arch, tiny, conf, plain):
         assert result.tau > 1
 
 
+@pytest.fixture(scope="module")
+def plain_batch(tiny):
+    model = tiny("llama").model
+    return [generate(model, prompt, BATCH_TOKENS).tokens for prompt in BATCH]
+
+
+@pytest.mark.parametrize("row, tree", CASES, ids=[f"{r.config}-{t}" for r, t in CASES])
+def test_a_batch_of_four_decodes_each_row_as_alone(row, tree, tiny, conf, plain_batch):
+    target = tiny("llama")
+    cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
+    drafter = build_drafter(cfg, conf("tree", tree), target)
+    results = generate_batch(target.model, BATCH, BATCH_TOKENS, drafter=drafter)
+    for result, expected in zip(results, plain_batch):
+        assert torch.equal(result.tokens, expected)
+    assert max(step.tree_size for r in results for step in r.steps) > 1, "the drafter never drafted"
+
+
 def test_every_shipped_drafter_has_a_row(conf_dir):
     shipped = {path.stem for path in (conf_dir / "drafter").glob("*.yaml")}
     assert shipped <= {row.config for row in DRAFTERS}
+
+
+def smallest_margin(model, prompt, tokens) -> float:
+    sequence = torch.cat([prompt, tokens])
+    with torch.no_grad():
+        logits = model(sequence[None]).logits[0, len(prompt) - 1: -1]
+    top2 = logits.topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_has_no_near_ties(arch, tiny, plain):
     # A precondition of the table, not of the drafters: with two top logits closer than float32
     # rounding across different batch shapes, exact greedy equality is not a fair demand.
-    sequence = torch.cat([PROMPT, plain[arch]])
-    with torch.no_grad():
-        logits = tiny(arch).model(sequence[None]).logits[0, len(PROMPT) - 1: -1]
-    top2 = logits.topk(2, dim=-1).values
-    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+    assert smallest_margin(tiny(arch).model, PROMPT, plain[arch]) > 1e-3
+
+
+def test_batch_prompts_have_no_near_ties(tiny, plain_batch):
+    for prompt, tokens in zip(BATCH, plain_batch):
+        assert smallest_margin(tiny("llama").model, prompt, tokens) > 1e-3

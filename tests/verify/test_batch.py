@@ -1,0 +1,194 @@
+"""Batched decoding: every row of a batch decodes exactly as its prompt alone, whatever the
+prompt lengths, trees and finishing times; vectorized greedy acceptance against the per-row
+rule; padded (B, T) prompts and their refusal without a mask."""
+
+import pytest
+import torch
+
+from drafters.prompt_lookup import PromptLookupDrafter
+from verify.accept import GreedyRule, SpeculativeSamplingRule
+from verify.loop import generate, generate_batch
+from verify.sampling import SamplingParams
+from verify.target import load_target
+from verify.tree import TokenTree, TreeBatch, TreeTopology
+from verify.verifier import TreeVerifier
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request):
+    return load_target(tiny=request.param).model
+
+
+def prompts_of_lengths(*lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    # repeated 4-grams, so that prompt lookup drafts (and sometimes hits) on every row
+    return [(torch.randint(3, 250, (4,), generator=generator).repeat(n // 4 + 1))[:n]
+            for n in lengths]
+
+
+def lookup_drafter():
+    return PromptLookupDrafter(TreeTopology.from_choices([(0,), (0, 0), (0, 0, 0), (1,)]))
+
+
+class Scripted:
+    """Drafts two branches per step: the first follows a row's known continuation for 0..3
+    tokens and then errs, the second errs at once. State is per row (fork), so the test fails
+    if rows' drafter states leak into each other."""
+
+    feature_layers = ()
+
+    def __init__(self, references: dict[tuple, list[int]]):
+        self.references = references
+        self.prompt, self.step = None, 0
+
+    def begin(self, prompt):
+        self.prompt, self.step = tuple(prompt.tolist()), 0
+
+    def fork(self):
+        return Scripted(self.references)
+
+    def propose(self, ctx):
+        reference = self.references[self.prompt]
+        done = len(ctx.tokens) - len(self.prompt)
+        good = reference[done:done + 3]
+        keep = self.step % 4
+        wrong = [(t + 1) % 256 for t in good]
+        self.step += 1
+        path = good[:keep] + wrong[keep:keep + 1]
+        return TokenTree.from_paths(int(ctx.tokens[-1]), [p for p in (path, wrong[:1]) if p])
+
+    def update(self, tree, acceptance):
+        pass
+
+
+def alone(model, prompts, n, **kwargs):
+    return [generate(model, p, n, **kwargs).tokens for p in prompts]
+
+
+def test_plain_batch_equals_each_prompt_alone(model):
+    prompts = prompts_of_lengths(7, 15, 3, 11)
+    batch = generate_batch(model, prompts, 24)
+    for got, expected in zip(batch, alone(model, prompts, 24)):
+        assert torch.equal(got.tokens, expected)
+    assert all(result.tau == 1.0 for result in batch)
+
+
+def test_drafted_batch_with_per_row_trees_equals_each_prompt_alone(model):
+    prompts = prompts_of_lengths(9, 20, 5, 13)
+    references = {tuple(p.tolist()): t.tolist() for p, t in zip(prompts, alone(model, prompts, 60))}
+    batch = generate_batch(model, prompts, 50, drafter=Scripted(references))
+    for prompt, result in zip(prompts, batch):
+        assert result.tokens.tolist() == references[tuple(prompt.tolist())][:50]
+        assert result.tau > 1.3  # the scripted drafts were accepted: paths of length 0..3
+        assert len({step.tree_size for step in result.steps}) > 1  # trees differ by step
+
+
+def test_prompt_lookup_batch_equals_each_prompt_alone(model):
+    prompts = prompts_of_lengths(16, 8, 24)
+    batch = generate_batch(model, prompts, 40, drafter=lookup_drafter())
+    for got, expected in zip(batch, alone(model, prompts, 40)):
+        assert torch.equal(got.tokens, expected)
+
+
+def test_rows_that_finish_early_leave_the_others_intact(model):
+    prompts = prompts_of_lengths(6, 12, 9)
+    references = alone(model, prompts, 40)
+    eos = int(references[1][5])  # row 1 stops after 6 tokens (earlier, if eos shows up before)
+    batch = generate_batch(model, prompts, 40, eos_token_id=eos, drafter=lookup_drafter())
+    for got, reference in zip(batch, references):
+        tokens = reference.tolist()
+        expected = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+        assert got.tokens.tolist() == expected
+    assert len(batch[1].tokens) <= 6 < len(batch[0].tokens) + len(batch[2].tokens)
+
+
+def test_padded_prompts_with_a_mask_decode_as_the_list(model):
+    prompts = prompts_of_lengths(4, 10, 7)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding, as Hugging Face batches do
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    from_tensor = generate_batch(model, ids, 12, attention_mask=mask)
+    from_list = generate_batch(model, prompts, 12)
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(from_tensor, from_list))
+
+
+def test_padding_without_a_mask_is_refused(model):
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    with pytest.raises(ValueError, match="pad token 0 but no attention_mask"):
+        generate_batch(model, ids, 4, pad_token_id=0)
+    with pytest.raises(ValueError, match="contiguous"):
+        generate_batch(model, ids, 4, attention_mask=torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="use generate_batch"):
+        generate(model, ids, 4)
+
+
+def test_a_drafter_without_fork_cannot_decode_a_batch(model):
+    class NoFork:
+        feature_layers = ()
+
+        def begin(self, prompt):
+            pass
+
+    generate(model, prompts_of_lengths(4)[0], 1, drafter=NoFork())  # one row needs no fork
+    with pytest.raises(TypeError, match="no fork"):
+        generate_batch(model, prompts_of_lengths(4, 5), 4, drafter=NoFork())
+
+
+def random_tree(generator, size, vocab):
+    builder_parents, tokens = [-1], [int(torch.randint(vocab, (1,), generator=generator))]
+    used = set()
+    while len(tokens) < size:
+        parent = int(torch.randint(len(tokens), (1,), generator=generator))
+        token = int(torch.randint(vocab, (1,), generator=generator))
+        if (parent, token) not in used:
+            used.add((parent, token))
+            builder_parents.append(parent)
+            tokens.append(token)
+    return TokenTree(torch.tensor(tokens), torch.tensor(builder_parents))
+
+
+def test_vectorized_greedy_acceptance_equals_the_per_row_rule():
+    generator = torch.Generator().manual_seed(0)
+    vocab, rule = 4, GreedyRule()  # a small vocabulary: drafts often hit the argmax
+    longest = 0
+    for _ in range(50):
+        sizes = torch.randint(1, 12, (5,), generator=generator).tolist()
+        trees = [random_tree(generator, n, vocab) for n in sizes]
+        batch = TreeBatch.pad(trees)
+        logits = torch.randn(len(trees), batch.width, vocab, generator=generator)
+        vectorized = rule.accept_batch(trees, batch, logits, SamplingParams())
+        for row, tree in enumerate(trees):
+            expected = rule(tree, logits[row, :len(tree)], SamplingParams())
+            assert (vectorized[row].path, vectorized[row].bonus) == (expected.path, expected.bonus)
+            longest = max(longest, len(expected.path))
+    assert longest >= 4  # deep paths were exercised
+
+
+def test_the_default_batch_rule_runs_the_per_row_rule_in_order():
+    trees = [random_tree(torch.Generator().manual_seed(s), 5, 4) for s in range(3)]
+    batch = TreeBatch.pad(trees)
+    logits = torch.randn(3, batch.width, 4, generator=torch.Generator().manual_seed(1))
+    params, rule = SamplingParams(1.0), SpeculativeSamplingRule()
+    vectorized = rule.accept_batch(trees, batch, logits, params, torch.Generator().manual_seed(2))
+    generator = torch.Generator().manual_seed(2)
+    one_by_one = [rule(tree, logits[row, :len(tree)], params, generator)
+                  for row, tree in enumerate(trees)]
+    assert vectorized == one_by_one
+
+
+def test_batched_verify_gives_each_row_its_own_logits(model):
+    prompts = prompts_of_lengths(5, 9)
+    trees = [random_tree(torch.Generator().manual_seed(s), n, 200) for s, n in ((0, 6), (1, 3))]
+    batched = TreeVerifier(model)
+    batched.prefill_batch([p[:-1] for p in prompts])
+    for tree, prompt in zip(trees, prompts):
+        tree.tokens[0] = prompt[-1]
+    logits, _ = batched.verify_batch(TreeBatch.pad(trees))
+    for row, (prompt, tree) in enumerate(zip(prompts, trees)):
+        single = TreeVerifier(model)
+        single.prefill(prompt[:-1])
+        expected, _ = single.verify(tree)
+        torch.testing.assert_close(logits[row, :len(tree)].cpu(), expected, atol=1e-4, rtol=1e-4)
