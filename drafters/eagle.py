@@ -12,7 +12,10 @@ time, with its own KV cache (drafters.engine).
   regression plus cross-entropy. EAGLE-2 is a tree policy (drafters.dynamic_tree) on top.
 - EAGLE-3 (`variant: eagle3`): f concatenates a low, a middle and a high layer, fused 3H -> H;
   trained on its own unrolled outputs (training-time test) with cross-entropy only, and a
-  trainable head over a reduced draft vocabulary.
+  trainable head over a reduced draft vocabulary. Its draft layer (`layout: eagle3`, the
+  default) keeps embedding and feature apart until attention, as EAGLE-3's code and the
+  serving engines do (drafters.eagle3_layer); `layout: fused_input` is EAGLE-1's layer, what
+  EAGLE-3 drafts trained here before used (their checkpoints load as such).
 
 Deeper tree nodes read the draft's own output of their parent in place of a target feature.
 At each step the target's real features of the accepted path replace those guesses: the draft
@@ -41,6 +44,7 @@ from drafters.base import (
     typed_config,
 )
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
+from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
 from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
@@ -53,6 +57,7 @@ from verify.verifier import context_window
 
 VARIANTS = ("eagle1", "eagle3")
 INPUTS = ("both", "tokens", "features")  # what the draft reads; the last two are ablations
+LAYOUTS = ("fused_input", "eagle3")  # EAGLE-1's draft layer, EAGLE-3's (drafters.eagle3_layer)
 WEIGHTS_FILE = "draft.safetensors"
 
 
@@ -66,6 +71,7 @@ class EagleConfig:
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary (slow on CPU)
     train_lm_head: bool = False  # eagle3: the reduced head learns (starts from the target's rows)
     inputs: str = "both"  # the EAGLE paper's input ablation: both | tokens | features (one zeroed)
+    layout: str | None = None  # the draft layer: null = eagle3 for variant eagle3, else fused_input
     checkpoint: str | None = None  # a trained draft (python train.py drafter=eagle ...)
     # Training only (train.eagle):
     ttt_steps: int = 1  # unrolled draft steps per position (EAGLE-3's training-time test)
@@ -82,7 +88,16 @@ def eagle_config(cfg: Mapping) -> EagleConfig:
         raise ValueError(f"drafter.variant must be one of {VARIANTS}, got {config.variant!r}")
     if config.inputs not in INPUTS:
         raise ValueError(f"drafter.inputs must be one of {INPUTS}, got {config.inputs!r}")
+    if config.layout is None:
+        config.layout = default_layout(config.variant)
+    if config.layout not in LAYOUTS:
+        raise ValueError(f"drafter.layout must be one of {LAYOUTS}, got {config.layout!r}")
     return config
+
+
+def default_layout(variant: str) -> str:
+    """The draft layer a variant gets when the config names none: each paper's own."""
+    return "eagle3" if variant == "eagle3" else "fused_input"
 
 
 def default_layers(variant: str, total_layers: int) -> tuple[int, ...]:
@@ -94,19 +109,22 @@ class EagleDraft(nn.Module):
     """The draft network for a target model.
 
     feature_layers: absolute hidden-state indices it reads (F of them); vocab_ids (V',) its
-    draft vocabulary (None: all V). fuse (F*H -> H, EAGLE-3 only), input_proj ([emb, g] 2H ->
-    H), body (one decoder layer + final norm of the target's architecture), lm_head (H -> V').
+    draft vocabulary (None: all V). fuse (F*H -> H, EAGLE-3 only), lm_head (H -> V'), and the
+    layer by `layout`: "fused_input", input_proj ([emb, g] 2H -> H) and body (one decoder
+    layer + final norm of the target's architecture); "eagle3", body = Eagle3Layer.
     inputs: "both" (EAGLE), or the paper's ablations "tokens" (features zeroed: a one-layer
     draft LM over tokens) and "features" (the shifted token's embedding zeroed).
     """
 
     def __init__(self, target: PreTrainedModel, feature_layers: tuple[int, ...],
                  vocab_ids: torch.Tensor | None = None, train_lm_head: bool = False,
-                 inputs: str = "both"):
+                 inputs: str = "both", layout: str = "fused_input"):
         super().__init__()
         if inputs not in INPUTS:
             raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
-        self.inputs = inputs
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.inputs, self.layout = inputs, layout
         config, lm_head = target.config, target.get_output_embeddings()
         self.target_vocab_size, hidden = lm_head.weight.shape
         self.feature_layers = resolve_layers(feature_layers, num_layers(config))
@@ -115,8 +133,12 @@ class EagleDraft(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids)
         width = len(self.feature_layers) * hidden
         self.fuse = nn.Linear(width, hidden, bias=False) if width != hidden else None
-        self.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.body = AutoModel.from_config(_body_config(config))
+        if layout == "eagle3":
+            self.input_proj = None
+            self.body = Eagle3Layer(eagle3_layer_config(config))
+        else:
+            self.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            self.body = AutoModel.from_config(_body_config(config))
         self.lm_head = copy_linear(lm_head, vocab_ids).requires_grad_(train_lm_head)
         self._embed = (target.get_input_embeddings(),)  # the target's, frozen: not saved here
         self.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
@@ -134,20 +156,23 @@ class EagleDraft(nn.Module):
         """inputs (B, n, H): fused target features or the draft's own outputs; tokens (B, n)
         the tokens that follow them; positions (B, n). attention_mask: None (causal), (B,
         cached + n) padding, or an additive (B, 1, n, cached + n) tree mask. Returns the
-        predicted next features (B, n, H); with `cache`, their keys/values are appended."""
+        predicted next features (B, n, H) (the eagle3 layout: before its final norm); with
+        `cache`, their keys/values are appended."""
         embedded = self._embed[0](tokens).to(inputs.dtype)
         if self.inputs == "tokens":
             inputs = torch.zeros_like(inputs)
         elif self.inputs == "features":
             embedded = torch.zeros_like(embedded)
+        if self.layout == "eagle3":
+            return self.body(embedded, inputs, positions, attention_mask, cache)
         x = self.input_proj(torch.cat([embedded, inputs], dim=-1))
         out = self.body(inputs_embeds=x, position_ids=positions, attention_mask=attention_mask,
                         cache=cache, use_cache=cache is not None)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., V') over the draft vocabulary."""
-        return self.lm_head(hidden)
+        """(..., H) `forward` outputs -> (..., V') over the draft vocabulary."""
+        return self.lm_head(self.body.norm(hidden) if self.layout == "eagle3" else hidden)
 
     @property
     def hyperparameters(self) -> dict:
@@ -156,6 +181,8 @@ class EagleDraft(nn.Module):
         settings = {"feature_layers": list(self.feature_layers),
                     "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size,
                     "train_lm_head": bool(self.lm_head.weight.requires_grad)}
+        if self.layout != "fused_input":  # older checkpoints have none: they read as fused_input
+            settings["layout"] = self.layout
         return settings if self.inputs == "both" else {**settings, "inputs": self.inputs}
 
 
@@ -232,7 +259,7 @@ class EagleDrafter:
             raise ValueError(f"{self.name} got features for positions {start}..{length - 2} but "
                              f"holds {self.engine.length}: call begin() for a new sequence")
         self.engine.crop(start)
-        weight = self.draft.input_proj.weight
+        weight = self.draft.lm_head.weight
         inputs = self.draft.fuse_features(ctx.features.to(weight))[None]  # (1, k, H)
         tokens = ctx.tokens[start + 1:].to(weight.device)[None]
         positions = torch.arange(start, length - 1, device=weight.device)[None]
@@ -278,7 +305,7 @@ class EagleDrafter:
                        parent_hidden: torch.Tensor) -> torch.Tensor:
         """One tree level through the draft's cache: nodes ending `paths`, their tokens and
         their parents' predicted features (n, H) -> their own predicted features (n, H)."""
-        weight = self.draft.input_proj.weight
+        weight = self.draft.lm_head.weight
         positions, mask = self.engine.level(paths, weight.dtype)
         tokens = torch.tensor(tokens, device=weight.device)[None]
         return self.draft(parent_hidden[None], tokens, positions.to(weight.device)[None],
@@ -293,7 +320,7 @@ def save_draft(draft: EagleDraft, folder: str | Path, target_name: str,
                extra: Callable[[Path], None] | None = None) -> None:
     """Write the draft (draft.safetensors + config.json naming its target) to `folder`,
     atomically, replacing what was there; `extra(tmp)` may add files (training state)."""
-    hidden = draft.input_proj.weight.shape[0]
+    hidden = draft.lm_head.weight.shape[1]
     config = {"target": {"name": target_name, "hidden_size": hidden,
                          "vocab_size": draft.target_vocab_size}, **draft.hyperparameters}
     save_module(draft, folder, WEIGHTS_FILE, config, extra)
@@ -308,7 +335,8 @@ def load_draft(folder: str | Path, target: Target) -> EagleDraft:
     device = str(target.model.get_output_embeddings().weight.device)
     state = load_file(str(folder / WEIGHTS_FILE), device=device)
     draft = EagleDraft(target.model, tuple(config["feature_layers"]), state.get("vocab_ids"),
-                       config["train_lm_head"], config.get("inputs", "both"))  # older: both
+                       config["train_lm_head"], config.get("inputs", "both"),  # older: both
+                       config.get("layout", "fused_input"))
     draft.load_state_dict(state)
     return draft
 
@@ -333,5 +361,5 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) 
         layers = config.feature_layers or default_layers(config.variant,
                                                          num_layers(target.model.config))
         draft = EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head,
-                           inputs=config.inputs)
+                           inputs=config.inputs, layout=config.layout)
     return EagleDrafter(draft, tree, name=config.name)

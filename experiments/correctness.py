@@ -34,7 +34,7 @@ from experiments.chain import chain_rows
 from experiments.common import pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
 from verify.accept import SpeculativeSamplingRule, make_rule
-from verify.loop import generate
+from verify.loop import generate, generate_batch
 from verify.sampling import SamplingParams
 from verify.target import Target, build_tiny_model, hf_generate, load_target_from_config
 
@@ -141,18 +141,24 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
     counts: Counter = Counter()
     drafted = 0  # draft tokens put to the test: a row whose drafter proposed none tests nothing
     produced = forwards = 0  # tokens per target forward after the prefill: the speed it buys
-    for _ in tqdm(range(dist.samples), desc=f"sampling ({rule.name})", leave=False):
-        out = generate(model, prompt, dist.length, drafter=drafter, rule=rule,
-                       generator=generator, **asdict(params))
-        counts[tuple(out.tokens.tolist())] += 1
-        drafted += sum(step.tree_size - 1 for step in out.steps)
-        produced += sum(step.accepted + 1 for step in out.steps)
-        forwards += len(out.steps)
+    if dist.samples % dist.batch_size:
+        raise ValueError(f"distribution.samples={dist.samples} is not a multiple of "
+                         f"distribution.batch_size={dist.batch_size}")
+    for _ in tqdm(range(dist.samples // dist.batch_size), desc=f"sampling ({rule.name})",
+                  leave=False):
+        batch = generate_batch(model, [prompt] * dist.batch_size, dist.length, drafter=drafter,
+                               rule=rule, generator=generator, **asdict(params))
+        for out in batch:
+            counts[tuple(out.tokens.tolist())] += 1
+            drafted += sum(step.tree_size - 1 for step in out.steps)
+            produced += sum(step.accepted + 1 for step in out.steps)
+            forwards += len(out.steps)
     stat, p_value, dof = chi_square_test(counts, expected)
     consistent = p_value >= dist.alpha
     control = "control" in rule.name
     return {"rule": rule.name,
-            "check": f"chi-square, first {dist.length} tokens, {dist.samples} samples",
+            "check": f"chi-square, first {dist.length} tokens, {dist.samples} samples"
+                     + (f" in batches of {dist.batch_size}" if dist.batch_size > 1 else ""),
             "value": p_value, "exact_claimed": rule.exact,
             # an exact rule must look exact; the control must be caught; typical is reported
             "passed": consistent if rule.exact else (not consistent if control else None),

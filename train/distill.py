@@ -1,7 +1,8 @@
 """Self-distillation data: the target's own greedy answers to training prompts, cached on disk.
 
 Heads learn to predict what the target will write, so the training text is the target's own
-output (Medusa-2, EAGLE): prompts are answered in batches by `generate`, and each answer is kept
+output (Medusa-2, EAGLE): prompts are answered in batches by the batched decoding loop
+(`verify.loop.generate_batch`), and each answer is kept
 with the last-layer hidden states that predicted its tokens, the heads' input. Answers are
 written in shards, each atomically, so an interrupted run keeps the shards it finished and the
 next run only answers the rest. Under torchrun every rank answers its share of the shards.
@@ -23,6 +24,8 @@ from train.distributed import DistEnv
 from train.prompts import interleave, load_prompt_files
 from train.schema import DataConfig
 from verify.files import save_tensors_atomically, shard_path
+from verify.loop import generate_batch
+from verify.protocol import Drafter
 from verify.target import Target, cache_root
 
 
@@ -80,45 +83,21 @@ def cache_folder(cache_dir: str | None, target: Target, prompts: list[torch.Tens
 
 @torch.no_grad()
 def answer_batch(target: Target, prompts: list[torch.Tensor], max_new_tokens: int,
-                 keep_hidden: bool) -> list[Answer]:
-    """Greedy answers to a batch of prompts in one left-padded `generate` call."""
-    eos, pad = target.eos_token_ids, _pad_id(target)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = prompt
-        mask[row, width - len(prompt):] = 1
-    device = target.model.device
-    out = target.model.generate(
-        ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=list(eos) or None, pad_token_id=pad,
-        return_dict_in_generate=True, output_hidden_states=keep_hidden)
-    new = out.sequences[:, width:].cpu()  # (B, S)
-    # Step s's last-layer state at the last position predicted new token s: (B, S, H).
-    hidden = (torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1).cpu()
-              if keep_hidden else None)
-    return [_answer(prompt, new[row], None if hidden is None else hidden[row], eos)
-            for row, prompt in enumerate(prompts)]
+                 keep_hidden: bool, drafter: Drafter | None = None) -> list[Answer]:
+    """Greedy answers to a batch of prompts, decoded together by this framework's batched loop
+    (with `drafter`, speculatively: the same answers, sooner)."""
+    results = generate_batch(target.model, prompts, max_new_tokens, drafter=drafter,
+                             eos_token_id=target.eos_token_ids, keep_states=keep_hidden)
+    return [_answer(prompt, result.tokens, None if result.states is None
+                    else result.states.cpu())
+            for prompt, result in zip(prompts, results)]
 
 
-def _answer(prompt: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor | None,
-            eos: tuple[int, ...]) -> Answer:
-    """Cut a padded answer after its first EOS (kept: heads learn to predict the end too)."""
-    length = len(new)
-    ends = torch.isin(new, torch.tensor(eos, dtype=torch.long)).nonzero()
-    if len(ends):
-        length = int(ends[0]) + 1
+def _answer(prompt: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor | None) -> Answer:
+    """An answer ends at its first EOS, kept: heads learn to predict the end too."""
     # float16 halves the cache; the heads train under bf16 autocast anyway
-    kept = None if hidden is None else hidden[:length].to(torch.float16)
-    return Answer(prompt.clone(), new[:length].clone(), kept)
-
-
-def _pad_id(target: Target) -> int:
-    tokenizer = target.tokenizer
-    if tokenizer is not None and tokenizer.pad_token_id is not None:
-        return int(tokenizer.pad_token_id)
-    return target.eos_token_id if target.eos_token_id is not None else 0
+    kept = None if hidden is None else hidden.to(torch.float16)
+    return Answer(prompt.clone(), new.clone(), kept)
 
 
 def _write_shard(path: Path, answers: list[Answer]) -> None:

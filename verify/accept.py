@@ -117,11 +117,58 @@ class SpeculativeSamplingRule(AcceptanceRule):
         return None, p
 
     def residual(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The target's distribution given that a draft from q was rejected."""
+        """The target's distribution given that a draft from q was rejected; p and q are
+        (V,) or (B, V), one distribution per row."""
         r = (p - q).clamp_min(0)
-        total = r.sum()
+        total = r.sum(-1, keepdim=True)
         # p <= q everywhere means p == q: rejection had probability 0, only rounding got here.
-        return r / total if total > 0 else p
+        return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+    def accept_batch(self, trees, batch, logits, params, generator=None):
+        """Vectorized over the batch: every row walks its own tree, one sibling rank at a time
+        for all rows at once, with the per-row rule's arithmetic (its random draws differ:
+        one uniform per row and try, drawn together)."""
+        probs = warp(logits, params)  # (B, N, V)
+        drafts, has_draft = _draft_rows(trees, batch, probs)  # (B, N, V), (B, N)
+        rank = _sibling_ranks(batch.parents)  # (B, N)
+        rows = torch.arange(len(trees), device=probs.device)
+        node = torch.zeros(len(trees), dtype=torch.long, device=probs.device)
+        p, q = probs[rows, 0], drafts[rows, 0]
+        paths = [[0] for _ in trees]
+        walking = torch.ones(len(trees), dtype=torch.bool, device=probs.device)
+        bonus = torch.zeros(len(trees), dtype=torch.long, device=probs.device)
+        while bool(walking.any()):
+            moved = torch.zeros_like(walking)
+            for k in range(int(rank.max()) + 1):
+                child = _kth_child(batch.parents, rank, node, k).to(probs.device)  # (B,), -1
+                trying = walking & ~moved & (child >= 0)
+                if not bool(trying.any()):
+                    continue
+                token = batch.tokens.to(probs.device)[rows, child.clamp_min(0)]
+                proposal = torch.where(has_draft[rows, node][:, None], q,
+                                       torch.nn.functional.one_hot(token, p.shape[-1]).float())
+                q_token = proposal[rows, token]
+                if bool((trying & (q_token <= 0)).any()):
+                    raise ValueError("a node drafts a token its recorded draft distribution "
+                                     "gives probability 0: the drafter is inconsistent")
+                ratio = p[rows, token] / q_token.clamp_min(1e-30)
+                uniform = torch.rand(len(trees), generator=generator, device=probs.device)
+                accept = trying & (uniform < ratio)
+                reject = trying & ~accept
+                p = torch.where(reject[:, None], self.residual(p, proposal), p)
+                q = torch.where(reject[:, None], _without(q, token), q)
+                for row in accept.nonzero().flatten().tolist():
+                    paths[row].append(int(child[row]))
+                node = torch.where(accept, child, node)
+                p = torch.where(accept[:, None], probs[rows, node], p)
+                q = torch.where(accept[:, None], drafts[rows, node], q)
+                moved |= accept
+            stopping = walking & ~moved  # every child rejected, or a leaf: the bonus is due
+            if bool(stopping.any()):
+                drawn = torch.multinomial(p[stopping], 1, generator=generator).flatten()
+                bonus[stopping] = drawn
+            walking = moved
+        return [Acceptance(path, int(token)) for path, token in zip(paths, bonus.tolist())]
 
 
 class TypicalRule(AcceptanceRule):
@@ -183,8 +230,37 @@ def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def _without(q: torch.Tensor, token: int) -> torch.Tensor:
+def _without(q: torch.Tensor, token: int | torch.Tensor) -> torch.Tensor:
+    """The draft distribution (V,) or (B, V) with `token` (one per row) drawn already."""
     q = q.clone()
-    q[token] = 0.0
-    total = q.sum()
-    return q / total if total > 0 else q
+    if isinstance(token, int):
+        q[token] = 0.0
+    else:
+        q[torch.arange(len(q), device=q.device), token] = 0.0
+    total = q.sum(-1, keepdim=True)
+    return torch.where(total > 0, q / total.clamp_min(1e-30), q)
+
+
+def _draft_rows(trees: Sequence[TokenTree], batch: TreeBatch, like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each node's draft distribution (B, N, V) padded with zeros, and (B, N) whether it has
+    one (a zero row marks children chosen deterministically: one-hot proposals)."""
+    drafts = torch.zeros_like(like)
+    for row, tree in enumerate(trees):
+        if tree.draft_probs is not None:
+            drafts[row, :len(tree)] = tree.draft_probs.to(like.device, torch.float32)
+    return drafts, drafts.sum(-1) > 0
+
+
+def _sibling_ranks(parents: torch.Tensor) -> torch.Tensor:
+    """(B, N) each node's rank among its siblings in proposal order (node order)."""
+    same_parent = parents[:, :, None] == parents[:, None, :]  # (B, N, N)
+    earlier = torch.ones_like(same_parent[0]).tril(-1)  # [i, j]: j < i
+    return (same_parent & earlier).sum(-1)
+
+
+def _kth_child(parents: torch.Tensor, rank: torch.Tensor, node: torch.Tensor, k: int
+               ) -> torch.Tensor:
+    """(B,) the k-th child of each row's `node`, or -1 where it has fewer children."""
+    hit = (parents == node.cpu()[:, None]) & (rank == k)  # (B, N); roots' parent -1 never hits
+    return torch.where(hit.any(1), hit.long().argmax(1), torch.full_like(node.cpu(), -1))

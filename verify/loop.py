@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verify.accept import AcceptanceRule, make_rule
+from verify.features import LAST
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
 from verify.tree import TokenTree, TreeBatch
@@ -37,11 +38,13 @@ class StepStats:
 @dataclass
 class GenerationResult:
     """tokens: (M,) the new tokens (EOS included when generated); steps: one per target forward
-    after the prefill."""
+    after the prefill; states: with keep_states, (M, H) the target's last-layer state (what
+    its LM head read) that predicted each new token, on the model's device and in its dtype."""
 
     tokens: torch.Tensor
     steps: list[StepStats] = field(default_factory=list)
     prefill_s: float = 0.0
+    states: torch.Tensor | None = None
 
     @property
     def tau(self) -> float:
@@ -85,7 +88,8 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    rule: str | AcceptanceRule | None = None,
                    eos_token_id: int | Sequence[int] | None = None,
-                   generator: torch.Generator | None = None) -> list[GenerationResult]:
+                   generator: torch.Generator | None = None,
+                   keep_states: bool = False) -> list[GenerationResult]:
     """Decode B prompts together; one result per prompt, in order.
 
     prompts: a list of (T_b,) tensors, or a (B, T) tensor with its (B, T) attention_mask
@@ -95,32 +99,74 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     drafter state), cached length and accepted path; the trees are padded to a common size and
     verified in one target forward. A row that finishes leaves the batch. Every row's output
     is what decoding its prompt alone gives (greedy: the same tokens; sampling: the same
-    distribution). Other arguments as in `generate`.
+    distribution). keep_states returns each new token's last-layer state (self-distillation
+    data) in `GenerationResult.states`. Other arguments as in `generate`.
     """
     params = SamplingParams(temperature, top_k, top_p)
     rows = [_check_inputs(model, prompt, max_new_tokens)
             for prompt in _split_prompts(model, prompts, attention_mask, pad_token_id)]
     rule = rule if isinstance(rule, AcceptanceRule) else make_rule(rule, params)
     stop = _eos_set(eos_token_id)
-    verifier = TreeVerifier(model, drafter.feature_layers if drafter is not None else ())
+    features = _Features(drafter.feature_layers if drafter is not None else (), keep_states,
+                         model.config.hidden_size)
+    verifier = TreeVerifier(model, features.layers)
     start = time.perf_counter()
-    logits, features = verifier.prefill_batch(rows)
-    probs = warp(logits, params)
+    logits, prompt_features = verifier.prefill_batch(rows)
+    first = _first_tokens(logits, params, generator)
     prefill_s = time.perf_counter() - start
-    sequences = [_Sequence(prompt, [sample(probs[b], generator)], row_drafter,
-                           None if features is None else features[b],
-                           GenerationResult(torch.empty(0, dtype=torch.long), prefill_s=prefill_s))
-                 for b, (prompt, row_drafter) in enumerate(zip(rows, _fork(drafter, len(rows))))]
+    sequences = []
+    for b, (prompt, row_drafter) in enumerate(zip(rows, _fork(drafter, len(rows)))):
+        sequence = _Sequence(prompt, [first[b]], row_drafter, None,
+                             GenerationResult(torch.empty(0, dtype=torch.long),
+                                              prefill_s=prefill_s))
+        # the prompt's last state predicted the first new token
+        features.take(sequence, None if prompt_features is None else prompt_features[b], last=1)
+        sequences.append(sequence)
     for sequence in sequences:
         if sequence.drafter is not None:
             sequence.drafter.begin(sequence.prompt)
     active = _drop_finished(verifier, sequences, max_new_tokens, stop)
     while active:
-        _step(verifier, active, rule, params, generator)
+        _step(verifier, active, rule, params, generator, features)
         active = _drop_finished(verifier, active, max_new_tokens, stop)
     for sequence in sequences:
         sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
+        if keep_states:
+            sequence.result.states = torch.cat(sequence.states)[:len(sequence.result.tokens)]
     return [sequence.result for sequence in sequences]
+
+
+def _first_tokens(logits: torch.Tensor, params: SamplingParams,
+                  generator: torch.Generator | None) -> list[int]:
+    """Each row's first new token from its (B, V) prefill logits. Greedy takes the argmax and
+    draws nothing: greedy decoding leaves the random state alone (training seeds by it)."""
+    if params.greedy:
+        return logits.argmax(-1).tolist()
+    probs = warp(logits, params)
+    return [sample(row, generator) for row in probs]
+
+
+class _Features:
+    """Which hidden states the verifier returns and who gets them: the drafter's layers (its
+    DraftContext.features), then, with keep_states, the last layer's (GenerationResult.states)."""
+
+    def __init__(self, drafter_layers: tuple[int, ...], keep_states: bool, hidden_size: int):
+        self.layers = tuple(drafter_layers) + (LAST if keep_states else ())
+        self.keep_states = keep_states
+        self.drafter_width = len(drafter_layers) * hidden_size  # their columns come first
+        self.has_drafter = bool(drafter_layers)
+
+    def take(self, sequence: _Sequence, rows: torch.Tensor | None, last: int | None = None
+             ) -> None:
+        """Hand the (k, F * H) rows the target just cached to `sequence`: all k to its drafter,
+        the last `last` (None: all) states to its result."""
+        if rows is None:
+            return
+        if self.has_drafter:
+            sequence.features = rows[:, :self.drafter_width]
+        if self.keep_states:
+            kept = rows[:, self.drafter_width:]
+            sequence.states.append(kept if last is None else kept[-last:])
 
 
 @dataclass
@@ -133,6 +179,7 @@ class _Sequence:
     drafter: Drafter | None
     features: torch.Tensor | None
     result: GenerationResult
+    states: list[torch.Tensor] = field(default_factory=list)  # keep_states: one part per step
 
     def context(self) -> torch.Tensor:
         return torch.cat([self.prompt, torch.tensor(self.tokens, dtype=torch.long)])
@@ -169,7 +216,8 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 
 def _step(verifier: TreeVerifier, active: list[_Sequence], rule: AcceptanceRule,
-          params: SamplingParams, generator: torch.Generator | None) -> None:
+          params: SamplingParams, generator: torch.Generator | None,
+          features: _Features) -> None:
     """One target forward for every active row: draft each row's tree, verify them together,
     accept per row, commit, and tell each drafter."""
     trees, draft_s = [], []
@@ -195,7 +243,8 @@ def _step(verifier: TreeVerifier, active: list[_Sequence], rule: AcceptanceRule,
                                + [acceptance.bonus])
         if tree_features is not None:
             path = torch.tensor(acceptance.path, device=tree_features.device)
-            sequence.features = tree_features[row].index_select(0, path)
+            # each path node's state predicted the token after it: path[1:] and the bonus
+            features.take(sequence, tree_features[row].index_select(0, path))
 
 
 def _propose(drafter, context: torch.Tensor, features: torch.Tensor | None,

@@ -74,6 +74,19 @@ def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
     assert exact["tokens_per_step"] >= 1 and rows["typical"]["detail"]["tokens_per_step"] >= 1
 
 
+@pytest.mark.parametrize("drafter, tree", [("draft_model", "tree8"), ("eagle3", "eagle2")])
+def test_batched_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
+    # the same test with 8 samples decoded together: per-row trees, the vectorized rule
+    cfg = correctness_cfg(f"tree={tree}", "distribution.samples=2000",
+                          "distribution.batch_size=8", drafter=drafter)
+    rows = {row["rule"]: row for row in distribution_rows(cfg)}
+    assert rows["sampling"]["passed"] and rows["sampling"]["value"] >= 0.001, rows["sampling"]
+    assert rows["sampling"]["detail"]["draft_tokens_per_sample"] > 0.5
+    assert "in batches of 8" in rows["sampling"]["check"]
+    control = rows["wrong-residual (control)"]
+    assert control["passed"] and control["value"] < 0.001, control
+
+
 def test_greedy_rows_on_spec_bench_prompts():
     cfg = correctness_cfg("tree=tree8", "greedy.num_prompts=2",
                           "greedy.max_new_tokens=24", "distribution.enabled=false",

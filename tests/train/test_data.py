@@ -4,11 +4,13 @@ with the states decoding would hand the heads, and a shard cache that survives i
 import pytest
 import torch
 
+from drafters.prompt_lookup import PromptLookupDrafter
 from train.distill import Answer, answer_batch, cache_folder, distill
 from train.evaluate import answer_states
 from train.medusa import choose_draft_vocab, head_targets
 from train.prompts import interleave, load_prompt_files
 from verify.target import hf_generate, load_target
+from verify.tree import TreeTopology
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,11 @@ def test_prompt_sources_mix_every_file_and_refuse_spec_bench():
         load_prompt_files(None, ["spec_bench"])
 
 
-def test_batched_answers_are_greedy_decoding_with_its_states(target):
-    answers = answer_batch(target, PROMPTS, 10, keep_hidden=True)
+@pytest.mark.parametrize("drafter", [None, "prompt_lookup"])
+def test_batched_answers_are_greedy_decoding_with_its_states(target, drafter):
+    if drafter is not None:  # speculative answering: the same answers and states
+        drafter = PromptLookupDrafter(TreeTopology.chain(3))
+    answers = answer_batch(target, PROMPTS, 10, keep_hidden=True, drafter=drafter)
     for prompt, answer in zip(PROMPTS, answers):
         assert torch.equal(answer.response, hf_generate(target, prompt, 10))
     states = answer_states(target.model, answers)  # teacher-forced, right-padded

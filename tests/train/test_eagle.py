@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import train.features as features_module
 from drafters import build_drafter
-from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter
+from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter, default_layout
 from train import run_training
 from train.distill import distilled_data
 from train.distributed import DistEnv
@@ -56,7 +56,7 @@ def test_unrolled_steps_equal_drafting_the_chain(arch, variant):
     # entry j - s, exactly as the drafter computes it at decoding time (tree mask, positions)
     target = load_target(tiny=arch)
     layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
-    draft = EagleDraft(target.model, layers).eval()
+    draft = EagleDraft(target.model, layers, layout=default_layout(variant)).eval()
     objective = EagleLoss(draft, target.model.get_output_embeddings(), EagleConfig(noise=0.0))
     features = _features(target, TOKENS, draft.feature_layers)
     inputs = draft.fuse_features(features[None, :-1])
@@ -83,7 +83,8 @@ def test_training_steps_lower_the_loss(arch, variant):
     torch.manual_seed(0)
     target = load_target(tiny=arch)
     layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
-    draft = EagleDraft(target.model, layers, train_lm_head=variant == "eagle3")
+    draft = EagleDraft(target.model, layers, train_lm_head=variant == "eagle3",
+                       layout=default_layout(variant))
     config = EagleConfig(variant=variant, ttt_steps=1 if variant == "eagle1" else 3, noise=0.0)
     objective = EagleLoss(draft, target.model.get_output_embeddings(), config)
     stored = layers if variant == "eagle1" else (*draft.feature_layers, 2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from drafters.prompt_lookup import PromptLookupDrafter
-from verify.accept import GreedyRule, SpeculativeSamplingRule
+from verify.accept import GreedyRule, SpeculativeSamplingRule, TypicalRule
 from verify.loop import generate, generate_batch
 from verify.sampling import SamplingParams
 from verify.target import load_target
@@ -171,7 +171,7 @@ def test_the_default_batch_rule_runs_the_per_row_rule_in_order():
     trees = [random_tree(torch.Generator().manual_seed(s), 5, 4) for s in range(3)]
     batch = TreeBatch.pad(trees)
     logits = torch.randn(3, batch.width, 4, generator=torch.Generator().manual_seed(1))
-    params, rule = SamplingParams(1.0), SpeculativeSamplingRule()
+    params, rule = SamplingParams(1.0), TypicalRule()  # a rule without a vectorized form
     vectorized = rule.accept_batch(trees, batch, logits, params, torch.Generator().manual_seed(2))
     generator = torch.Generator().manual_seed(2)
     one_by_one = [rule(tree, logits[row, :len(tree)], params, generator)
@@ -192,3 +192,61 @@ def test_batched_verify_gives_each_row_its_own_logits(model):
         single.prefill(prompt[:-1])
         expected, _ = single.verify(tree)
         torch.testing.assert_close(logits[row, :len(tree)].cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def drafted_trees(generator, vocab, count):
+    """`count` trees with a root, three children drawn without replacement from one draft
+    distribution q (the per-row randomness exactness is defined over) and a grandchild drawn
+    from another, as a drafter would record them."""
+    draft = torch.softmax(2 * torch.randn(vocab, generator=generator), -1)
+    below = torch.softmax(torch.randn(vocab, generator=generator), -1)
+    zeros = torch.zeros(vocab)
+    trees = []
+    for _ in range(count):
+        children = torch.multinomial(draft, 3, generator=generator).tolist()
+        grandchild = int(torch.multinomial(below, 1, generator=generator))
+        trees.append(TokenTree(torch.tensor([0, *children, grandchild]),
+                               torch.tensor([-1, 0, 0, 0, 1]),
+                               torch.stack([draft, below, zeros, zeros, zeros])))
+    return trees
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["exact", "wrong-residual control"])
+def test_vectorized_sampling_emits_the_target_distribution(wrong):
+    from experiments.correctness import WrongResidualRule
+    from experiments.stats import chi_square_test
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 6, 6000
+    trees = drafted_trees(generator, vocab, rows)
+    logits = torch.randn(5, vocab, generator=generator)  # the target at each of the 5 nodes
+    rule = WrongResidualRule() if wrong else SpeculativeSamplingRule()
+    params = SamplingParams(1.0)
+    acceptances = rule.accept_batch(trees, TreeBatch.pad(trees), logits.expand(rows, -1, -1),
+                                    params, generator)
+    first = [int(tree.tokens[a.path[1]]) if len(a.path) > 1 else a.bonus
+             for tree, a in zip(trees, acceptances)]
+    counts = {(t,): first.count(t) for t in set(first)}
+    expected = {(t,): float(p) for t, p in enumerate(torch.softmax(logits[0], -1))}
+    p_value = chi_square_test(counts, expected)[1]
+    assert (p_value < 1e-4) if wrong else (p_value > 1e-3)
+    assert sum(len(a.path) > 2 for a in acceptances) > 100  # grandchildren were accepted too
+
+
+def test_vectorized_sampling_agrees_with_the_per_row_rule_where_draws_do_not_matter():
+    # Drafts the target is sure of are always accepted, drafts it rules out never are:
+    # the paths are then fixed, whatever the random draws, and both rules must find them.
+    vocab = 5
+    sure = torch.full((vocab,), -30.0)
+    sure[2] = 30.0
+    trees = [TokenTree(torch.tensor([0, 1, 2, 2]), torch.tensor([-1, 0, 0, 2])),  # 2 then 2
+             TokenTree(torch.tensor([0, 4, 3]), torch.tensor([-1, 0, 0])),  # both wrong
+             TokenTree(torch.tensor([0]), torch.tensor([-1]))]
+    batch = TreeBatch.pad(trees)
+    logits = sure.expand(len(trees), batch.width, vocab)
+    rule, params = SpeculativeSamplingRule(), SamplingParams(1.0)
+    batched = rule.accept_batch(trees, batch, logits, params, torch.Generator().manual_seed(0))
+    for row, tree in enumerate(trees):
+        alone = rule(tree, logits[row, :len(tree)], params, torch.Generator().manual_seed(1))
+        assert batched[row] == alone
+    assert [a.path for a in batched] == [[0, 2, 3], [0], [0]]

@@ -56,7 +56,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     stored = layers if layers[-1] == total else (*layers, total)  # + the state the loss reads
     train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored)
     vocab = most_frequent_tokens(train_set.learned_tokens(), ecfg.draft_vocab_size)
-    draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head, ecfg.inputs)
+    draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head, ecfg.inputs,
+                       ecfg.layout)
     objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg).to(env.device)
     optimizer, scheduler = adamw(draft, cfg.optim)
     start = _resume(cfg, out_dir, target, draft, optimizer, scheduler)

@@ -1,0 +1,111 @@
+"""Export a trained drafter to a serving engine's format, and check the round trip.
+
+    python -m experiments.export checkpoint=<eagle3 run>/checkpoint format=speculators out=<dir>
+    python -m experiments.export checkpoint=<medusa run>/checkpoint format=vllm_medusa out=<dir>
+
+`speculators` (EAGLE-3 drafts, for vLLM) and `vllm_medusa` (Medusa heads) are described in
+drafters.export. After writing, the folder is read back through our own loader and its draft
+logits are compared with the checkpoint's on the same random features: the command fails
+rather than leave a folder that drafts differently. Serving commands: README, "Serve it".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from drafters.base import read_config
+from drafters.eagle import EagleDraft, load_draft
+from drafters.export import (
+    export_speculators_eagle3,
+    export_vllm_medusa,
+    load_speculators_eagle3,
+    load_vllm_medusa,
+)
+from drafters.medusa import MedusaHeads, load_heads
+from drafters.vocab import to_target_vocab
+from verify.target import Target, load_target_from_config
+
+FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medusa heads"}
+
+
+def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
+           speculative_tokens: int = 3) -> float:
+    """Write `checkpoint` to `out` in format `fmt`; returns the largest draft-logit difference
+    between the checkpoint and the folder read back (0 for an exact copy)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
+    saved = read_config(checkpoint)
+    if fmt == "vllm_medusa":
+        if "num_heads" not in saved:
+            raise ValueError(f"{checkpoint} holds no Medusa heads: format=vllm_medusa exports "
+                             "those (python train.py drafter=medusa)")
+        heads = load_heads(checkpoint, target)
+        export_vllm_medusa(heads, out, target.name)
+        return medusa_logit_gap(heads, load_vllm_medusa(out, target))
+    if "feature_layers" not in saved:
+        raise ValueError(f"{checkpoint} holds no EAGLE draft: format=speculators exports an "
+                         "EAGLE-3 one (python train.py drafter=eagle3)")
+    draft = load_draft(checkpoint, target)
+    export_speculators_eagle3(draft, out, target, speculative_tokens)
+    return eagle_logit_gap(draft, load_speculators_eagle3(out, target))
+
+
+@torch.no_grad()
+def medusa_logit_gap(ours: MedusaHeads, theirs: MedusaHeads, rows: int = 8) -> float:
+    """Largest difference of the two heads' target-vocabulary logits on random states."""
+    weight = ours.blocks[0][0].linear.weight if ours.num_layers else ours.head_lm(0).weight
+    hidden = torch.randn(rows, ours.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(weight)
+    a, b = ours.to_target_vocab(ours(hidden)), theirs.to_target_vocab(theirs(hidden))
+    return _gap(a, b)
+
+
+@torch.no_grad()
+def eagle_logit_gap(ours: EagleDraft, theirs: EagleDraft, length: int = 8) -> float:
+    """Largest difference of the two drafts' target-vocabulary logits on random features and
+    tokens."""
+    weight = ours.lm_head.weight
+    generator = torch.Generator().manual_seed(0)
+    width = len(ours.feature_layers) * weight.shape[1]
+    features = torch.randn(1, length, width, generator=generator).to(weight)
+    tokens = torch.randint(ours.target_vocab_size, (1, length), generator=generator)
+    positions = torch.arange(length)[None]
+    logits = []
+    for draft in (ours, theirs):
+        hidden = draft(draft.fuse_features(features), tokens.to(weight.device),
+                       positions.to(weight.device))
+        logits.append(to_target(draft, draft.logits(hidden)))
+    return _gap(*logits)
+
+
+def to_target(draft: EagleDraft, logits: torch.Tensor) -> torch.Tensor:
+    return to_target_vocab(logits, draft.vocab_ids, draft.target_vocab_size)
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| over entries both have finite; inf when they disagree on which are."""
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)):
+        return float("inf")
+    return float((a[finite].float() - b[finite].float()).abs().max())
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base=None)
+def main(cfg: DictConfig) -> None:
+    if cfg.checkpoint is None or cfg.out is None:
+        raise SystemExit("give checkpoint=<run>/checkpoint and out=<folder>")
+    target = load_target_from_config(cfg.target)
+    gap = export(cfg.checkpoint, cfg.format, cfg.out, target, cfg.speculative_tokens)
+    print(f"{FORMATS[cfg.format]} -> {cfg.out} ({cfg.format}); read back: largest draft-logit "
+          f"difference {gap:.3g}")
+    if gap > cfg.tolerance:
+        raise SystemExit(f"the exported folder drafts differently (gap {gap:.3g} > "
+                         f"{cfg.tolerance}): do not serve it")
+
+
+if __name__ == "__main__":
+    main()

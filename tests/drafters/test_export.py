@@ -1,0 +1,139 @@
+"""Serving formats: every export round-trips to the same draft logits, the files follow the
+engines' layouts (names, shapes, vocabulary maps), and what a format cannot hold is refused."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafters.eagle import EagleDraft, save_draft
+from drafters.export import (
+    export_speculators_eagle3,
+    export_vllm_medusa,
+    load_speculators_eagle3,
+    load_vllm_medusa,
+)
+from drafters.medusa import MedusaHeads, save_heads
+from experiments.export import eagle_logit_gap, export, medusa_logit_gap
+from verify.features import eagle3_layers
+
+
+def randomize(module, seed=0):
+    """Every parameter random, norms included: a fresh module is too regular to catch a
+    swapped or dropped tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2 + 0.1)
+    return module
+
+
+@pytest.mark.parametrize("share, vocab", [(True, None), (False, torch.arange(3, 200, 3))])
+def test_medusa_heads_round_trip_through_the_vllm_layout(tiny, tmp_path, share, vocab):
+    target = tiny("llama")
+    heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 3, 2, share, vocab))
+    export_vllm_medusa(heads, tmp_path / "medusa", target.name)
+    assert medusa_logit_gap(heads, load_vllm_medusa(tmp_path / "medusa", target)) == 0.0
+
+
+def test_the_vllm_medusa_files_compute_what_our_heads_do(tiny, tmp_path):
+    # vLLM's computation, from its files alone: per head x <- x + SiLU(W x + b) for each
+    # block, then lm_heads.k, scattered to token_map's ids (-inf elsewhere)
+    target = tiny("llama")
+    vocab = torch.arange(0, 256, 2)
+    heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 2, False, vocab))
+    export_vllm_medusa(heads, tmp_path / "m", target.name)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    state = load_file(str(tmp_path / "m" / "model.safetensors"))
+    assert config["model_type"] == "medusa" and config["truncated_vocab_size"] == 128
+    assert state["token_map"].dtype == torch.int64
+    hidden = torch.randn(5, 64)
+    for k in range(config["num_heads"]):
+        x = hidden
+        for j in range(config["num_hidden_layers"]):
+            w, b = state[f"blocks.{k}.layers.{j}.weight"], state[f"blocks.{k}.layers.{j}.bias"]
+            x = x + torch.nn.functional.silu(x @ w.T + b)
+        logits = torch.full((5, config["vocab_size"]), float("-inf"))
+        logits[:, state["token_map"]] = x @ state[f"lm_heads.{k}.weight"].T
+        with torch.no_grad():
+            ours = heads.to_target_vocab(heads.head_logits(hidden, k))
+        torch.testing.assert_close(logits, ours)
+
+
+def eagle3_draft(target, vocab=None):
+    draft = EagleDraft(target.model, eagle3_layers(2), vocab, train_lm_head=True,
+                       layout="eagle3")
+    return randomize(draft)
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(5, 250, 2)])
+def test_eagle3_draft_round_trips_through_the_speculators_format(tiny, tmp_path, vocab):
+    target = tiny("llama")
+    draft = eagle3_draft(target, vocab)
+    export_speculators_eagle3(draft, tmp_path / "spec", target)
+    again = load_speculators_eagle3(tmp_path / "spec", target)
+    assert eagle_logit_gap(draft, again) == 0.0
+    assert again.feature_layers == draft.feature_layers
+
+
+def test_the_speculators_files_follow_the_eagle3_schema(tiny, tmp_path):
+    target = tiny("llama")
+    vocab = torch.arange(5, 250, 2)
+    export_speculators_eagle3(eagle3_draft(target, vocab), tmp_path / "s", target,
+                              speculative_tokens=4)
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    state = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == len(vocab)
+    assert config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(eagle3_layers(2))
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
+    assert layer["vocab_size"] == 256 and layer["hidden_size"] == 64
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == 4
+    hidden, heads, kv, dim = 64, 4, 2, 16
+    expected = {"fc.weight": (hidden, 3 * hidden),
+                "layers.0.self_attn.q_proj.weight": (heads * dim, 2 * hidden),
+                "layers.0.self_attn.k_proj.weight": (kv * dim, 2 * hidden),
+                "layers.0.self_attn.v_proj.weight": (kv * dim, 2 * hidden),
+                "layers.0.self_attn.o_proj.weight": (hidden, heads * dim),
+                "layers.0.mlp.gate_proj.weight": (layer["intermediate_size"], hidden),
+                "layers.0.mlp.up_proj.weight": (layer["intermediate_size"], hidden),
+                "layers.0.mlp.down_proj.weight": (hidden, layer["intermediate_size"]),
+                "layers.0.input_layernorm.weight": (hidden,),
+                "layers.0.hidden_norm.weight": (hidden,),
+                "layers.0.post_attention_layernorm.weight": (hidden,),
+                "norm.weight": (hidden,), "lm_head.weight": (len(vocab), hidden),
+                "d2t": (len(vocab),), "t2d": (256,)}
+    assert {name: tuple(t.shape) for name, t in state.items()} == expected  # no embedding
+    # target id = draft id + d2t[draft id]; t2d marks exactly the draft's tokens
+    assert torch.equal(torch.arange(len(vocab)) + state["d2t"], vocab)
+    assert state["t2d"].dtype == torch.bool and state["t2d"].nonzero().flatten().equal(vocab)
+
+
+def test_what_a_format_cannot_hold_is_refused(tiny, tmp_path):
+    target = tiny("llama")
+    fused = EagleDraft(target.model, eagle3_layers(2), layout="fused_input")
+    with pytest.raises(ValueError, match="fused_input"):
+        export_speculators_eagle3(fused, tmp_path / "x", target)
+    save_draft(eagle3_draft(target), tmp_path / "eagle", target.name)
+    with pytest.raises(ValueError, match="holds no Medusa heads"):
+        export(tmp_path / "eagle", "vllm_medusa", tmp_path / "y", target)
+    heads = MedusaHeads(target.model.get_output_embeddings(), 2, 1)
+    save_heads(heads, tmp_path / "medusa", target.name)
+    with pytest.raises(ValueError, match="holds no EAGLE draft"):
+        export(tmp_path / "medusa", "speculators", tmp_path / "z", target)
+    with pytest.raises(ValueError, match="unknown format"):
+        export(tmp_path / "medusa", "gguf", tmp_path / "z", target)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_export_command_checks_its_own_round_trip(tiny, tmp_path):
+    target = tiny("llama")
+    save_draft(eagle3_draft(target, torch.arange(0, 256, 4)), tmp_path / "eagle", target.name)
+    assert export(tmp_path / "eagle", "speculators", tmp_path / "out", target) == 0.0
+    heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 1))
+    save_heads(heads, tmp_path / "medusa", target.name)
+    assert export(tmp_path / "medusa", "vllm_medusa", tmp_path / "m", target) == 0.0
