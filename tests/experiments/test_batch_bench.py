@@ -1,0 +1,44 @@
+"""The batch benchmark on a tiny target: every batch size decodes every prompt as alone, the
+figures add up, and settings it cannot honour are refused."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.batch_bench import check_sizes, format_table, plot, run_batches, until_eos
+from experiments.common import CONF_DIR
+
+
+def batch_config(*overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("batch_bench", ["target=tiny_llama", "drafter=draft_model",
+                                       "drafter.num_layers=1", "tree=chain4", "num_prompts=4",
+                                       "max_new_tokens=8", "batch_sizes=[1,2,4]", *overrides])
+
+
+def test_every_batch_size_decodes_every_prompt_as_alone(tmp_path):
+    summary = run_batches(batch_config("compare=[prompt_lookup:tree8]"))
+    assert list(summary["sizes"]) == [1, 2, 4]
+    for size, methods in summary["sizes"].items():
+        assert list(methods) == ["hf_greedy", "plain_loop", "draft_model/chain4",
+                                 "prompt_lookup/tree8"]
+        assert methods["hf_greedy"]["speedup"] == 1.0
+        for name, figures in methods.items():
+            assert figures["identical"] == 1.0, (size, name)  # HF's batched greedy too
+            assert figures["new_tokens"] == 4 * 8
+        assert methods["draft_model/chain4"]["tau"] >= 1.0
+        assert 0 < methods["draft_model/chain4"]["draft_share"] < 1
+    table = format_table(summary)
+    assert "| 4 | draft_model/chain4 |" in table
+    assert plot(summary, tmp_path / "b.png").stat().st_size > 0
+
+
+def test_settings_it_cannot_honour_are_refused():
+    with pytest.raises(ValueError, match="not a multiple of batch size"):
+        check_sizes([1, 3], 4)
+    with pytest.raises(ValueError, match="greedy only"):
+        run_batches(batch_config("temperature=1.0"))
+
+
+def test_rows_end_at_their_first_eos():
+    assert until_eos([5, 2, 7, 2], [2]) == [5, 2]
+    assert until_eos([5, 6], [2]) == [5, 6]
