@@ -137,6 +137,7 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
     tensors = _own_copies(tensors)
     layer_config = draft.body.config.to_dict()
     layer_config["torch_dtype"] = str(draft.lm_head.weight.dtype).removeprefix("torch.")
+    layer_config["architectures"] = ["LlamaForCausalLM"]
     # engines on older transformers read the rotary base from its former key
     layer_config["rope_theta"] = layer_config["rope_parameters"]["rope_theta"]
     layers = list(draft.feature_layers)

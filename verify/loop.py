@@ -64,7 +64,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: in
              drafter: Drafter | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, rule: str | AcceptanceRule | None = None,
              eos_token_id: int | Sequence[int] | None = None,
-             generator: torch.Generator | None = None) -> GenerationResult:
+             generator: torch.Generator | None = None, pad_rows: int = 1) -> GenerationResult:
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. The same warp
@@ -79,7 +79,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: in
                          "use generate_batch for a batch")
     return generate_batch(model, [input_ids.flatten()], max_new_tokens, drafter=drafter,
                           temperature=temperature, top_k=top_k, top_p=top_p, rule=rule,
-                          eos_token_id=eos_token_id, generator=generator)[0]
+                          eos_token_id=eos_token_id, generator=generator, pad_rows=pad_rows)[0]
 
 
 def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | torch.Tensor,
@@ -89,7 +89,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
                    rule: str | AcceptanceRule | None = None,
                    eos_token_id: int | Sequence[int] | None = None,
                    generator: torch.Generator | None = None,
-                   keep_states: bool = False) -> list[GenerationResult]:
+                   keep_states: bool = False, pad_rows: int = 1) -> list[GenerationResult]:
     """Decode B prompts together; one result per prompt, in order.
 
     prompts: a list of (T_b,) tensors, or a (B, T) tensor with its (B, T) attention_mask
@@ -100,7 +100,11 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     verified in one target forward. A row that finishes leaves the batch. Every row's output
     is what decoding its prompt alone gives (greedy: the same tokens; sampling: the same
     distribution). keep_states returns each new token's last-layer state (self-distillation
-    data) in `GenerationResult.states`. Other arguments as in `generate`.
+    data) in `GenerationResult.states`. pad_rows: every step's forward runs at least that many
+    tree rows (padding nodes, discarded): one matrix shape for plain and tree steps alike, so
+    a node's numbers cannot depend on its tree's size (a batch-invariant mode for half
+    precision, where kernels for different shapes round differently). Other arguments as in
+    `generate`.
     """
     params = SamplingParams(temperature, top_k, top_p)
     rows = [_check_inputs(model, prompt, max_new_tokens)
@@ -127,7 +131,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
             sequence.drafter.begin(sequence.prompt)
     active = _drop_finished(verifier, sequences, max_new_tokens, stop)
     while active:
-        _step(verifier, active, rule, params, generator, features)
+        _step(verifier, active, rule, params, generator, features, pad_rows)
         active = _drop_finished(verifier, active, max_new_tokens, stop)
     for sequence in sequences:
         sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
@@ -217,7 +221,7 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 def _step(verifier: TreeVerifier, active: list[_Sequence], rule: AcceptanceRule,
           params: SamplingParams, generator: torch.Generator | None,
-          features: _Features) -> None:
+          features: _Features, pad_rows: int = 1) -> None:
     """One target forward for every active row: draft each row's tree, verify them together,
     accept per row, commit, and tell each drafter."""
     trees, draft_s = [], []
@@ -227,7 +231,7 @@ def _step(verifier: TreeVerifier, active: list[_Sequence], rule: AcceptanceRule,
                               generator, verifier.model, cached))
         draft_s.append(time.perf_counter() - start)
     start = time.perf_counter()
-    batch = TreeBatch.pad(trees)
+    batch = TreeBatch.pad(trees, pad_rows)
     logits, tree_features = verifier.verify_batch(batch)
     acceptances = rule.accept_batch(trees, batch, logits, params, generator)
     verifier.commit_batch([acceptance.path for acceptance in acceptances])

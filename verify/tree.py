@@ -221,8 +221,9 @@ class TreeBatch:
     ancestors: torch.Tensor
 
     @staticmethod
-    def pad(trees: Sequence[TokenTree]) -> TreeBatch:
-        width = max(len(tree) for tree in trees)
+    def pad(trees: Sequence[TokenTree], width: int = 1) -> TreeBatch:
+        """`trees` padded to the largest one, or to `width` nodes if that is more."""
+        width = max(width, *(len(tree) for tree in trees))
         tokens = torch.zeros(len(trees), width, dtype=torch.long)
         depths = torch.zeros_like(tokens)
         parents = torch.full_like(tokens, -1)
