@@ -88,10 +88,11 @@ def hf_method(target: Target, params: SamplingParams, **generate_kwargs) -> Meth
 
 
 def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingParams,
-                     rule: str | None = None) -> Method:
+                     rule: str | None = None, pad_rows: int = 1) -> Method:
     """A method running this framework's loop (drafter None: plain decoding) with `params`
-    and acceptance `rule` (None: the default for params). Its record counts the draft
-    forwards when the drafter runs a DraftEngine."""
+    and acceptance `rule` (None: the default for params), every step padded to `pad_rows`
+    rows (verify.loop.generate_batch). Its record counts the draft forwards when the drafter
+    runs a DraftEngine."""
     engine = getattr(drafter, "engine", None)
     weights = own_weights_bytes(drafter, target.model) if drafter is not None else 0
 
@@ -101,7 +102,7 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           temperature=params.temperature, top_k=params.top_k,
                           top_p=params.top_p, eos_token_id=target.eos_token_ids,
-                          generator=generator, rule=rule)
+                          generator=generator, rule=rule, pad_rows=pad_rows)
         record = {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps],
                   "prefill_s": result.prefill_s}
         if drafter is not None:
@@ -198,10 +199,11 @@ def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) ->
     params = sampling_params(cfg)
     methods = {baseline_name(params): hf_method(target, params)}
     if "plain_loop" in cfg.peers:
-        methods["plain_loop"] = treedraft_method(target, None, params)
+        methods["plain_loop"] = treedraft_method(target, None, params, pad_rows=cfg.pad_rows)
     for contender in drafters:
         drafter = build_drafter(contender.drafter, contender.tree, target)
-        methods[contender.name] = treedraft_method(target, drafter, params, contender.rule)
+        methods[contender.name] = treedraft_method(target, drafter, params, contender.rule,
+                                                   cfg.pad_rows)
     if "hf_prompt_lookup" in cfg.peers:
         methods["hf_prompt_lookup"] = hf_method(
             target, params, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_num_tokens)

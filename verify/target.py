@@ -32,6 +32,7 @@ from transformers import (
 )
 
 import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
+import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
 from verify.files import write_atomically
 from verify.verifier import context_window
 

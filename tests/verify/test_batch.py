@@ -250,3 +250,18 @@ def test_vectorized_sampling_agrees_with_the_per_row_rule_where_draws_do_not_mat
         alone = rule(tree, logits[row, :len(tree)], params, torch.Generator().manual_seed(1))
         assert batched[row] == alone
     assert [a.path for a in batched] == [[0, 2, 3], [0], [0]]
+
+
+def test_padded_rows_change_the_shape_of_every_forward_not_the_output(model, monkeypatch):
+    prompt = prompts_of_lengths(12)[0]
+    expected = generate(model, prompt, 20, drafter=lookup_drafter()).tokens
+    widths = []
+    real = model.forward
+
+    def spy(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(model, "forward", spy)
+    padded = generate(model, prompt, 20, drafter=lookup_drafter(), pad_rows=8)
+    assert torch.equal(padded.tokens, expected)
+    assert widths[0] == len(prompt) and set(widths[1:]) == {8}  # prefill, then 8-row steps
