@@ -24,7 +24,8 @@ import hashlib
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -88,21 +89,24 @@ def hf_method(target: Target, params: SamplingParams, **generate_kwargs) -> Meth
 
 
 def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingParams,
-                     rule: str | None = None, pad_rows: int = 1) -> Method:
+                     rule: str | None = None, pad_rows: int = 1,
+                     attn_implementation: str | None = None) -> Method:
     """A method running this framework's loop (drafter None: plain decoding) with `params`
     and acceptance `rule` (None: the default for params), every step padded to `pad_rows`
-    rows (verify.loop.generate_batch). Its record counts the draft forwards when the drafter
-    runs a DraftEngine."""
+    rows (verify.loop.generate_batch), the target's attention switched to
+    `attn_implementation` for its runs if given (the baselines keep the target's own). Its
+    record counts the draft forwards when the drafter runs a DraftEngine."""
     engine = getattr(drafter, "engine", None)
     weights = own_weights_bytes(drafter, target.model) if drafter is not None else 0
 
     def run(ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
         before = engine.forwards if engine is not None else 0  # a running count: diff it
         generator = torch.Generator(target.model.device).manual_seed(seed)
-        result = generate(target.model, ids, max_new_tokens, drafter=drafter,
-                          temperature=params.temperature, top_k=params.top_k,
-                          top_p=params.top_p, eos_token_id=target.eos_token_ids,
-                          generator=generator, rule=rule, pad_rows=pad_rows)
+        with attention(target.model, attn_implementation):
+            result = generate(target.model, ids, max_new_tokens, drafter=drafter,
+                              temperature=params.temperature, top_k=params.top_k,
+                              top_p=params.top_p, eos_token_id=target.eos_token_ids,
+                              generator=generator, rule=rule, pad_rows=pad_rows)
         record = {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps],
                   "prefill_s": result.prefill_s}
         if drafter is not None:
@@ -114,6 +118,19 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
             record["draft_cache_mb"] = engine.cache_bytes() / 2**20
         return record
     return run
+
+
+@contextmanager
+def attention(model: torch.nn.Module, implementation: str | None) -> Iterator[None]:
+    """Run `model` with another attention implementation (None: its own), then restore it."""
+    own = model.config._attn_implementation
+    if implementation is not None:
+        model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        if implementation is not None:
+            model.set_attn_implementation(own)
 
 
 def own_weights_bytes(drafter: Drafter, target_model: torch.nn.Module) -> int:
@@ -199,11 +216,12 @@ def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) ->
     params = sampling_params(cfg)
     methods = {baseline_name(params): hf_method(target, params)}
     if "plain_loop" in cfg.peers:
-        methods["plain_loop"] = treedraft_method(target, None, params, pad_rows=cfg.pad_rows)
+        methods["plain_loop"] = treedraft_method(target, None, params, pad_rows=cfg.pad_rows,
+                                                 attn_implementation=cfg.loop_attention)
     for contender in drafters:
         drafter = build_drafter(contender.drafter, contender.tree, target)
         methods[contender.name] = treedraft_method(target, drafter, params, contender.rule,
-                                                   cfg.pad_rows)
+                                                   cfg.pad_rows, cfg.loop_attention)
     if "hf_prompt_lookup" in cfg.peers:
         methods["hf_prompt_lookup"] = hf_method(
             target, params, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_num_tokens)

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from drafters.draft_model import DraftModelConfig, save_draft_model
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from experiments.bench import (
+    build_methods,
     contenders,
     hf_assistant,
     log_results,
@@ -289,3 +290,22 @@ def test_an_offline_wandb_run_holds_the_benchmark(tmp_path):
     cfg = bench_config(f"out_dir={tmp_path}", "logger.mode=offline")
     assert "W&B run" in log_results(cfg, summary, None, "tiny-run")
     assert list((tmp_path / "tiny-run" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_the_batch_invariant_mode_applies_to_our_loop_only(monkeypatch):
+    cfg = bench_config("peers=[plain_loop]", "pad_rows=8", "loop_attention=row_invariant")
+    target = load_target_from_config(cfg.target)
+    seen = []
+    real = target.model.forward
+
+    def spy(*args, **kwargs):  # which attention and how many rows each forward ran
+        seen.append((target.model.config._attn_implementation, kwargs["input_ids"].shape[1]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(target.model, "forward", spy)
+    methods = build_methods(cfg, target, contenders(cfg))
+    prompt = torch.arange(5, 17)
+    methods["plain_loop"](prompt, 6, 0)
+    assert {attn for attn, _ in seen} == {"row_invariant"} and seen[-1][1] == 8
+    seen.clear()
+    methods["hf_greedy"](prompt, 6, 0)
+    assert {attn for attn, _ in seen} == {"sdpa"}  # the target's own, restored
