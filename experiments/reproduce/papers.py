@@ -543,10 +543,10 @@ python train.py drafter=eagle data.sharegpt_tokens=50000 optim.batch_sequences=4
     optim.max_steps=150
 python train.py drafter=eagle data.sharegpt_tokens=200000 optim.batch_sequences=4 \\
     optim.max_steps=600
-python train.py drafter=eagle3 data.sharegpt_tokens=50000 drafter.ttt_steps=3 \\
-    optim.batch_sequences=4 optim.max_steps=150      # the training-time-test run above
-python train.py drafter=eagle3 data.sharegpt_tokens=200000 drafter.ttt_steps=3 \\
-    optim.batch_sequences=4 optim.max_steps=600
+python train.py drafter=eagle3 drafter.layout=fused_input data.sharegpt_tokens=50000 \\
+    drafter.ttt_steps=3 optim.batch_sequences=4 optim.max_steps=150   # the TTT run above
+python train.py drafter=eagle3 drafter.layout=fused_input data.sharegpt_tokens=200000 \\
+    drafter.ttt_steps=3 optim.batch_sequences=4 optim.max_steps=600
 python -m experiments.runs_table 'runs=[<the four run folders>]' x=data.sharegpt_tokens \\
     series=drafter.name name=eagle-vs-eagle3-data out_dir=experiments/reports/reproduce"""
 
@@ -576,15 +576,21 @@ EAGLE3 = Paper(
     published=Table(["setting", "speedup"],
                     [["chat and reasoning models, five tasks (paper)",
                       "up to 6.5x, about 1.4x over EAGLE-2"]]),
-    setup=SETUP + " EAGLE-3 drafts: 50k ShareGPT tokens, 150 steps, batch 4 sequences.",
+    setup=SETUP + " EAGLE-3 drafts: 50k ShareGPT tokens, 150 steps, batch 4 sequences. These "
+                  "runs use EAGLE-1's draft layer on the fused features "
+                  "(drafter.layout=fused_input): they were trained before EAGLE-3's own layer "
+                  "(drafter.layout=eagle3, now the default) was added; README, \"Training "
+                  "EAGLE drafters\", compares the two.",
     claims=(
         Claim("Training-time test makes later draft steps accurate",
               "Training the draft on its own unrolled outputs removes the train/test "
               "mismatch of feature-level autoregression.",
-              "python train.py -m drafter=eagle3 drafter.ttt_steps=1,3,5 "
-              "data.sharegpt_tokens=50000 optim.batch_sequences=4 optim.max_steps=150\n"
+              "python train.py -m drafter=eagle3 drafter.layout=fused_input "
+              "drafter.ttt_steps=1,3,5 data.sharegpt_tokens=50000 optim.batch_sequences=4 "
+              "optim.max_steps=150\n"
               "python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct/"
-              "eagle3]' x=drafter.ttt_steps 'where=[\"optim.max_steps=150\"]' "
+              "eagle3]' x=drafter.ttt_steps 'where=[\"optim.max_steps=150\","
+              "\"drafter.layout=fused_input\"]' 'absent=[\"drafter.layout=fused_input\"]' "
               "name=eagle3-ttt-steps out_dir=experiments/reports",
               _training_time_test,
               "With one step the draft never sees its own features, and from depth 2 on it "
@@ -604,7 +610,8 @@ EAGLE3 = Paper(
               "python train.py -m experiment=eagle3_features\n"
               "python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct/"
               "eagle3]' x=drafter.feature_layers 'where=[\"optim.max_steps=150\","
-              "\"drafter.ttt_steps=3\"]' name=eagle3-features "
+              "\"drafter.ttt_steps=3\",\"drafter.layout=fused_input\"]' "
+              "'absent=[\"drafter.layout=fused_input\"]' name=eagle3-features "
               "out_dir=experiments/reports/reproduce",
               _fused_features,
               "At this scale the difference is within the noise of 8 held-out prompts. The "
