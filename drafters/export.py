@@ -76,13 +76,7 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target_name: str)
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
         "treedraft": {"target": target_name},  # where the heads came from; engines ignore it
     }
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / VLLM_WEIGHTS))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    write_atomically(Path(folder), write, overwrite=True)
-    return Path(folder)
+    return _write_folder(folder, tensors, config)
 
 
 def load_vllm_medusa(folder: str | Path, target: Target) -> MedusaHeads:
@@ -163,13 +157,7 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
         },
         "treedraft": {"target": target.name},
     }
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / VLLM_WEIGHTS))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    write_atomically(Path(folder), write, overwrite=True)
-    return Path(folder)
+    return _write_folder(folder, tensors, config)
 
 
 def load_speculators_eagle3(folder: str | Path, target: Target) -> EagleDraft:
@@ -197,6 +185,16 @@ def load_speculators_eagle3(folder: str | Path, target: Target) -> EagleDraft:
         if draft.fuse is not None:
             draft.fuse.weight.copy_(state["fc.weight"])
     return draft
+
+
+def _write_folder(folder: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """`folder` with model.safetensors and config.json, written atomically (replaced)."""
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / VLLM_WEIGHTS))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    write_atomically(Path(folder), write, overwrite=True)
+    return Path(folder)
 
 
 def _own_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ def test_row_invariant_gives_sdpa_numbers(arch):
     reference = forwards(build_tiny_model(arch, attn_implementation="sdpa").eval())
     ours = forwards(build_tiny_model(arch, attn_implementation="row_invariant").eval())
     for a, b in zip(reference, ours):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
 
 
 def step_logits(model, committed, tree):
