@@ -170,6 +170,10 @@ class EagleDraft(nn.Module):
                         cache=cache, use_cache=cache is not None)
         return out.last_hidden_state
 
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V') draft-vocabulary logits -> (..., V) over the target's, -inf outside."""
+        return to_target_vocab(logits, self.vocab_ids, self.target_vocab_size)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) `forward` outputs -> (..., V') over the draft vocabulary."""
         return self.lm_head(self.body.norm(hidden) if self.layout == "eagle3" else hidden)
@@ -313,7 +317,7 @@ class EagleDrafter:
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, V') draft-vocabulary logits -> (n, V) over the target's, -inf outside."""
-        return to_target_vocab(logits, self.draft.vocab_ids, self.draft.target_vocab_size)
+        return self.draft.to_target_vocab(logits)
 
 
 def save_draft(draft: EagleDraft, folder: str | Path, target_name: str,

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from drafters import build_drafter
 from experiments.bench import contenders
 from experiments.common import pick_questions, save_figure, single_thread, write_report
-from verify.loop import generate_batch
+from verify.loop import generate_batch, until_eos
 from verify.protocol import Drafter
 from verify.target import Target, load_target_from_config
 
@@ -61,14 +61,9 @@ def hf_batched(target: Target) -> BatchMethod:
         out = target.model.generate(ids.to(device), attention_mask=mask.to(device),
                                     max_new_tokens=max_new_tokens, do_sample=False,
                                     eos_token_id=eos or None, pad_token_id=pad)
+        # rows that ended are padded after their EOS
         return {"tokens": [until_eos(row.tolist(), eos) for row in out[:, width:]]}
     return run
-
-
-def until_eos(tokens: list[int], eos: list[int]) -> list[int]:
-    """`tokens` up to and including the first EOS (what a finished row is padded after)."""
-    ends = [i for i, token in enumerate(tokens) if token in eos]
-    return tokens[: ends[0] + 1] if ends else tokens
 
 
 def treedraft_batched(target: Target, drafter: Drafter | None) -> BatchMethod:

@@ -26,7 +26,6 @@ from drafters.export import (
     load_vllm_medusa,
 )
 from drafters.medusa import MedusaHeads, load_heads
-from drafters.vocab import to_target_vocab
 from verify.target import Target, load_target_from_config
 
 FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medusa heads"}
@@ -78,12 +77,8 @@ def eagle_logit_gap(ours: EagleDraft, theirs: EagleDraft, length: int = 8) -> fl
     for draft in (ours, theirs):
         hidden = draft(draft.fuse_features(features), tokens.to(weight.device),
                        positions.to(weight.device))
-        logits.append(to_target(draft, draft.logits(hidden)))
+        logits.append(draft.to_target_vocab(draft.logits(hidden)))
     return _gap(*logits)
-
-
-def to_target(draft: EagleDraft, logits: torch.Tensor) -> torch.Tensor:
-    return to_target_vocab(logits, draft.vocab_ids, draft.target_vocab_size)
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:

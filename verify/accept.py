@@ -132,6 +132,7 @@ class SpeculativeSamplingRule(AcceptanceRule):
         drafts, has_draft = _draft_rows(trees, batch, probs)  # (B, N, V), (B, N)
         rank = _sibling_ranks(batch.parents)  # (B, N)
         rows = torch.arange(len(trees), device=probs.device)
+        tokens = batch.tokens.to(probs.device)
         node = torch.zeros(len(trees), dtype=torch.long, device=probs.device)
         p, q = probs[rows, 0], drafts[rows, 0]
         paths = [[0] for _ in trees]
@@ -144,7 +145,7 @@ class SpeculativeSamplingRule(AcceptanceRule):
                 trying = walking & ~moved & (child >= 0)
                 if not bool(trying.any()):
                     continue
-                token = batch.tokens.to(probs.device)[rows, child.clamp_min(0)]
+                token = tokens[rows, child.clamp_min(0)]
                 proposal = torch.where(has_draft[rows, node][:, None], q,
                                        torch.nn.functional.one_hot(token, p.shape[-1]).float())
                 q_token = proposal[rows, token]

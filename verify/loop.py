@@ -10,7 +10,7 @@ target forward; one prompt is the batch of one.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -158,7 +158,6 @@ class _Features:
         self.layers = tuple(drafter_layers) + (LAST if keep_states else ())
         self.keep_states = keep_states
         self.drafter_width = len(drafter_layers) * hidden_size  # their columns come first
-        self.has_drafter = bool(drafter_layers)
 
     def take(self, sequence: _Sequence, rows: torch.Tensor | None, last: int | None = None
              ) -> None:
@@ -166,7 +165,7 @@ class _Features:
         the last `last` (None: all) states to its result."""
         if rows is None:
             return
-        if self.has_drafter:
+        if self.drafter_width:
             sequence.features = rows[:, :self.drafter_width]
         if self.keep_states:
             kept = rows[:, self.drafter_width:]
@@ -313,8 +312,10 @@ def _check_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
 
 
 def _truncate(tokens: list[int], max_new_tokens: int, stop: frozenset[int]) -> torch.Tensor:
-    tokens = tokens[:max_new_tokens]
-    ends = [i for i, token in enumerate(tokens) if token in stop]
-    if ends:
-        tokens = tokens[: ends[0] + 1]
-    return torch.tensor(tokens, dtype=torch.long)
+    return torch.tensor(until_eos(tokens[:max_new_tokens], stop), dtype=torch.long)
+
+
+def until_eos(tokens: list[int], eos: Collection[int]) -> list[int]:
+    """`tokens` up to and including the first of the `eos` ids (all of them if none)."""
+    ends = [i for i, token in enumerate(tokens) if token in eos]
+    return tokens[: ends[0] + 1] if ends else tokens

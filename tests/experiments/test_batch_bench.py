@@ -4,8 +4,9 @@ figures add up, and settings it cannot honour are refused."""
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.batch_bench import check_sizes, format_table, plot, run_batches, until_eos
+from experiments.batch_bench import check_sizes, format_table, plot, run_batches
 from experiments.common import CONF_DIR
+from verify.loop import until_eos
 
 
 def batch_config(*overrides):
