@@ -14,9 +14,13 @@
   auxiliary layer ids (HF hidden-state indices, the convention of ours and of vLLM's) and the
   verifier; `model.safetensors` with `fc`, `layers.0.*` (q/k/v read 2H), `norm`, `lm_head`
   and, with a draft vocabulary, `d2t` (target id = draft id + d2t[draft id]) and `t2d` (a bool
-  mask over the target's vocabulary). The token embedding is left out: engines share the
-  target's, as we do. (Facts from vllm-project/speculators at commit c05b95b3,
-  `models/eagle3`.)
+  mask over the target's vocabulary) and `embed_tokens.weight`, the target's token embedding
+  (the draft reads it frozen). vLLM shares the target's embedding when the folder has none,
+  but the `speculators` library, whose own checkpoints carry it, treats a missing one as
+  "load it from the verifier" only when its uninitialised memory happens to hold a NaN (seen
+  here: a flaky load), so it is written by default; `embedding=False` leaves it out.
+  (Facts from vllm-project/speculators at commit c05b95b3 and release 0.9.0, `models/eagle3`
+  and `model.py`.)
 
 `load_vllm_medusa` and `load_speculators_eagle3` read such folders back into our modules (the
 round trips the tests check: the same draft logits), so drafts trained elsewhere in those
@@ -108,9 +112,13 @@ def load_vllm_medusa(folder: str | Path, target: Target) -> MedusaHeads:
 
 
 def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Target,
-                              speculative_tokens: int = 3) -> Path:
+                              speculative_tokens: int = 3, verifier: str | None = None,
+                              embedding: bool = True) -> Path:
     """Write an eagle3-layout `draft` of `target` to `folder` in the speculators format
-    (atomically); `speculative_tokens` is the chain length an engine drafts by default."""
+    (atomically); `speculative_tokens` is the chain length an engine drafts by default,
+    `verifier` the target's hub id or folder as the engine knows it (the speculators library
+    reads its config from there), target.name when None; `embedding` writes the target's token
+    embedding too (see the module docstring)."""
     if draft.layout != "eagle3":
         raise ValueError(f"the speculators eagle3 format holds EAGLE-3's draft layer; this draft "
                          f"has the {draft.layout!r} layout (train with drafter=eagle3)")
@@ -128,6 +136,8 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
         t2d = torch.zeros(draft.target_vocab_size, dtype=torch.bool)
         t2d[ids] = True
         tensors["t2d"] = t2d
+    if embedding:
+        tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
     tensors = _own_copies(tensors)
     layer_config = draft.body.config.to_dict()
     layer_config["torch_dtype"] = str(draft.lm_head.weight.dtype).removeprefix("torch.")
@@ -135,7 +145,7 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
     # engines on older transformers read the rotary base from its former key
     layer_config["rope_theta"] = layer_config["rope_parameters"]["rope_theta"]
     layers = list(draft.feature_layers)
-    verifier = {"name_or_path": target.name,
+    verifier = {"name_or_path": verifier or target.name,
                 "architectures": list(target.model.config.architectures or [])}
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -173,6 +183,11 @@ def load_speculators_eagle3(folder: str | Path, target: Target) -> EagleDraft:
                   "vocab_size": layer["vocab_size"]}, target, folder)
     device = str(target.model.get_output_embeddings().weight.device)
     state = load_file(str(folder / VLLM_WEIGHTS), device=device)
+    if "embed_tokens.weight" in state:  # the draft read this embedding: it must be the target's
+        ours = target.model.get_input_embeddings().weight
+        if not torch.allclose(state["embed_tokens.weight"].to(ours.dtype), ours):
+            raise ValueError(f"{folder}'s token embedding is not {target.name}'s: a draft for "
+                             "another target (or another fine-tune of it)")
     vocab_ids = (state["d2t"] + torch.arange(len(state["d2t"]), device=device)
                  if "d2t" in state else None)
     draft = EagleDraft(target.model, tuple(config["eagle_aux_hidden_state_layer_ids"]),

@@ -32,7 +32,8 @@ FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medu
 
 
 def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
-           speculative_tokens: int = 3) -> float:
+           speculative_tokens: int = 3, verifier: str | None = None,
+           embedding: bool = True) -> float:
     """Write `checkpoint` to `out` in format `fmt`; returns the largest draft-logit difference
     between the checkpoint and the folder read back (0 for an exact copy)."""
     if fmt not in FORMATS:
@@ -49,7 +50,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
         raise ValueError(f"{checkpoint} holds no EAGLE draft: format=speculators exports an "
                          "EAGLE-3 one (python train.py drafter=eagle3)")
     draft = load_draft(checkpoint, target)
-    export_speculators_eagle3(draft, out, target, speculative_tokens)
+    export_speculators_eagle3(draft, out, target, speculative_tokens, verifier, embedding)
     return eagle_logit_gap(draft, load_speculators_eagle3(out, target))
 
 
@@ -60,7 +61,7 @@ def medusa_logit_gap(ours: MedusaHeads, theirs: MedusaHeads, rows: int = 8) -> f
     hidden = torch.randn(rows, ours.hidden_size, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(weight)
     a, b = ours.to_target_vocab(ours(hidden)), theirs.to_target_vocab(theirs(hidden))
-    return _gap(a, b)
+    return logit_gap(a, b)
 
 
 @torch.no_grad()
@@ -78,10 +79,10 @@ def eagle_logit_gap(ours: EagleDraft, theirs: EagleDraft, length: int = 8) -> fl
         hidden = draft(draft.fuse_features(features), tokens.to(weight.device),
                        positions.to(weight.device))
         logits.append(draft.to_target_vocab(draft.logits(hidden)))
-    return _gap(*logits)
+    return logit_gap(*logits)
 
 
-def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+def logit_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| over entries both have finite; inf when they disagree on which are."""
     finite = torch.isfinite(a)
     if not torch.equal(finite, torch.isfinite(b)):
@@ -94,7 +95,8 @@ def main(cfg: DictConfig) -> None:
     if cfg.checkpoint is None or cfg.out is None:
         raise SystemExit("give checkpoint=<run>/checkpoint and out=<folder>")
     target = load_target_from_config(cfg.target)
-    gap = export(cfg.checkpoint, cfg.format, cfg.out, target, cfg.speculative_tokens)
+    gap = export(cfg.checkpoint, cfg.format, cfg.out, target, cfg.speculative_tokens,
+                 cfg.verifier, cfg.embedding)
     print(f"{FORMATS[cfg.format]} -> {cfg.out} ({cfg.format}); read back: largest draft-logit "
           f"difference {gap:.3g}")
     if gap > cfg.tolerance:

@@ -2,6 +2,7 @@
 
     python -m experiments.profile 'sizes=[1,2,4,8,16]' context_len=256 repeats=10
     python -m experiments.profile 'attn_implementations=[sdpa_gqa,sdpa,eager]'
+    python -m experiments.profile 'packings=[null,auto]'   # pre-packed weights, before/after
 
 For each n, a chain of n tokens is verified after `context_len` cached tokens (sizes take
 turns, medians over `repeats`), and the step is cut into its parts:
@@ -13,7 +14,9 @@ turns, medians over `repeats`), and the step is cut into its parts:
 - commit: keeping the accepted entries of the KV cache.
 Then `loop` is the rest of a real plain decoding step (verify.loop.generate, no drafter): its
 wall time per step minus the parts above at n = 1, i.e. the Python around them.
-With several attention implementations, each gets its own rows. Prints a table, writes JSON
+With several attention implementations or packings (target.packed_rows, verify/packed.py: a
+packed target pads each tree to the next packed row count, and the rows show that padded
+step), each gets its own rows. Prints a table, writes JSON
 and a PNG (stacked parts by n).
 """
 
@@ -32,8 +35,10 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
 from experiments.common import save_figure, single_thread, write_report
+from experiments.tree_search import measure_verify_cost
 from verify.accept import make_rule
 from verify.loop import generate
+from verify.packed import ladder_width, packed_rows
 from verify.sampling import SamplingParams
 from verify.target import load_target_from_config
 from verify.tree import TokenTree, TreeTopology
@@ -92,12 +97,12 @@ def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) ->
     model, cached = verifier.model, verifier.length
     times: dict[str, float] = {}
     start = time.perf_counter()
-    mask, positions = verifier.step_inputs(tree)
+    tokens, mask, positions = verifier.step_inputs(tree)
     times["inputs"] = time.perf_counter() - start
     timer.reset()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model(input_ids=tree.tokens[None].to(model.device),
+        out = model(input_ids=tokens[None].to(model.device),
                     position_ids=positions[None].to(model.device),
                     attention_mask=None if mask is None else mask.to(model.device),
                     cache=verifier.cache, use_cache=True)
@@ -107,7 +112,7 @@ def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) ->
     times.update({part: timer.seconds.get(part, 0.0) for part in MODEL_PARTS})
     times["model_rest"] = forward - sum(times[part] for part in MODEL_PARTS)
     start = time.perf_counter()
-    logits = out.logits[0].float().cpu()
+    logits = out.logits[0, :len(tree)].float().cpu()
     times["to_host"] = time.perf_counter() - start
     for rule_name, params in (("greedy", SamplingParams()), ("sampling", SamplingParams(1.0))):
         rule = make_rule(rule_name, params)
@@ -158,55 +163,79 @@ def loop_overhead(model: PreTrainedModel, context_len: int, steps: int, parts: d
     return max(wall - measured, 0.0)
 
 
+def variants(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """(label, target config) per attention implementation x packing asked for."""
+    implementations = cfg.attn_implementations or [cfg.target.attn_implementation]
+    packings = cfg.packings or [cfg.target.get("packed_rows")]
+    out = []
+    for implementation in implementations:
+        for packing in packings:
+            target_cfg = OmegaConf.merge(cfg.target, {"attn_implementation": implementation,
+                                                      "packed_rows": packing})
+            packed = f"packed {OmegaConf.to_object(target_cfg).get('packed_rows')}" if packing \
+                else "unpacked"
+            label = implementation if len(packings) == 1 else f"{implementation}, {packed}"
+            out.append((label, target_cfg))
+    return out
+
+
 def profile(cfg: DictConfig) -> list[dict]:
-    """One row per (attention implementation, n): the parts in ms and their total."""
+    """One row per (variant, n): the parts in ms and their total."""
     sizes = sorted(set(cfg.sizes))
     if not sizes or sizes[0] < 1 or 1 not in sizes:
         raise ValueError(f"sizes must be positive and include 1, got {list(cfg.sizes)}")
     rows = []
-    for implementation in cfg.attn_implementations or [cfg.target.attn_implementation]:
-        target_cfg = OmegaConf.merge(cfg.target, {"attn_implementation": implementation})
+    for label, target_cfg in variants(cfg):
         target = load_target_from_config(target_cfg)
         with single_thread() if cfg.target.tiny else nullcontext():
             parts = profile_sizes(target.model, sizes, cfg.context_len, cfg.repeats, cfg.seed)
             loop = loop_overhead(target.model, cfg.context_len, cfg.loop_steps, parts[1],
                                  cfg.seed)
+            # the same steps timed whole, without the hooks' own cost: t(n) as tree_search has it
+            verify = measure_verify_cost(target.model, sizes, cfg.context_len, cfg.repeats)
         for n in sizes:
             ms = {part: 1000 * seconds for part, seconds in parts[n].items()}
             step = sum(v for k, v in ms.items() if k != "accept_sampling") + 1000 * loop
-            rows.append({"attn_implementation": implementation, "n": n, **ms,
-                         "loop": 1000 * loop, "step_greedy": step,
+            rows.append({"variant": label, "attn_implementation": target_cfg.attn_implementation,
+                         "packed_rows": list(packed_rows(target.model)), "n": n,
+                         "rows_run": ladder_width(packed_rows(target.model), 1, n), **ms,
+                         "loop": 1000 * loop, "step_greedy": step, "verify": 1000 * verify[n],
                          "forward": sum(ms[p] for p in (*MODEL_PARTS, "model_rest"))})
+        del target  # one variant's weights (and packed copies) in memory at a time
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     columns = ["inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy",
-               "accept_sampling", "commit", "loop", "forward", "step_greedy"]
-    lines = ["| attention | n | " + " | ".join(columns) + " | forward / t1 forward |",
+               "accept_sampling", "commit", "loop", "forward", "step_greedy", "verify"]
+    lines = ["| variant | n | " + " | ".join(columns) + " | t(n) / t(1) |",
              "|---" * (len(columns) + 3) + "|"]
-    first = {}
+    one = {r["variant"]: r["verify"] for r in rows if r["n"] == 1}
+    base = rows[0]["verify"]  # the first variant's one-token step: every ratio's denominator
     for r in rows:
-        first.setdefault(r["attn_implementation"], r["forward"])
         cells = " | ".join(f"{r[c]:.2f}" for c in columns)
-        ratio = r["forward"] / first[r["attn_implementation"]]
-        lines.append(f"| {r['attn_implementation']} | {r['n']} | {cells} | {ratio:.2f} |")
-    return "\n".join(lines) + "\n\nAll in ms, medians; the step total counts greedy acceptance."
+        lines.append(f"| {r['variant']} | {r['n']} | {cells} | {r['verify'] / base:.2f} |")
+    note = ("All in ms, medians; the step total counts greedy acceptance. verify: the whole "
+            "`TreeVerifier.verify` call timed without the parts' hooks (t(n)); t(n) / t(1) "
+            "divides by the first variant's t(1)")
+    if len(one) > 1:
+        note += " (" + ", ".join(f"{v}: t(1) {t:.2f}" for v, t in one.items()) + ")"
+    return "\n".join(lines) + "\n\n" + note + "."
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """Stacked parts of a greedy step by n, one panel per attention implementation."""
+    """Stacked parts of a greedy step by n, one panel per variant."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    implementations = list(dict.fromkeys(r["attn_implementation"] for r in rows))
+    implementations = list(dict.fromkeys(r["variant"] for r in rows))
     fig, axes = plt.subplots(1, len(implementations), figsize=(6 * len(implementations), 4),
                              squeeze=False, sharey=True)
     stacked = ["inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy", "commit",
                "loop"]
     for ax, implementation in zip(axes[0], implementations):
-        mine = [r for r in rows if r["attn_implementation"] == implementation]
+        mine = [r for r in rows if r["variant"] == implementation]
         xs = range(len(mine))  # evenly spaced bars, labelled with n
         bottom = [0.0] * len(mine)
         for part in stacked:

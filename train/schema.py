@@ -30,6 +30,8 @@ class TargetConfig:
     seed: int = 0
     adapter: str | None = None  # a peft LoRA folder merged into the model (Medusa-2 targets)
     device: str | None = None   # where it loads; training then moves it to train.py's device=
+    # "auto", a list of row counts or null (verify/packed.py); training loads the target unpacked
+    packed_rows: Any = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from transformers import (
 import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
 import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
 from verify.files import write_atomically
+from verify.packed import pack_linears, resolve_ladder
 from verify.verifier import context_window
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ def load_target(
     seed: int = 0,
     adapter: str | None = None,
     device: str | None = None,
+    packed_rows: str | Sequence[int] | None = None,
 ) -> Target:
     """Load a target model in eval mode.
 
@@ -137,6 +139,9 @@ def load_target(
         adapter: a peft LoRA adapter folder (a Medusa-2 checkpoint's `adapter/`), merged into
             the weights: the result decodes as fast as the plain model.
         device: where the weights go ("cuda", "cuda:1"); None leaves them on the CPU.
+        packed_rows: row counts whose matrix products get pre-packed weights (verify/packed.py,
+            float32 on an x86 CPU: cheaper tree steps, each count costs a copy of the
+            weights); "auto" packs 4, 8 and 16 rows where that works, None nothing.
     """
     torch_dtype = _torch_dtype(dtype)
     if tiny is not None:
@@ -157,6 +162,7 @@ def load_target(
     if device is not None:
         target.model.to(device)
     target.model.eval()
+    pack_linears(target.model, resolve_ladder(target.model, packed_rows))
     return target
 
 
@@ -170,10 +176,11 @@ def merge_adapter(target: Target, adapter: str | Path) -> Target:
     return Target(merged, target.tokenizer, target.name, adapter=str(adapter))
 
 
-def load_target_from_config(cfg: Mapping) -> Target:
-    """`load_target` from a conf/target/*.yaml mapping (DictConfig or dict); `name` is ignored."""
+def load_target_from_config(cfg: Mapping, **overrides) -> Target:
+    """`load_target` from a conf/target/*.yaml mapping (DictConfig or dict), with `overrides`
+    taking precedence; `name` is ignored."""
     kwargs = {key: cfg[key] for key in cfg if key != "name"}
-    return load_target(**kwargs)
+    return load_target(**(kwargs | overrides))
 
 
 def build_tiny_model(

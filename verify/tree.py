@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 class TreeError(ValueError):
@@ -240,3 +241,14 @@ class TreeBatch:
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
+
+    def widen(self, width: int) -> TreeBatch:
+        """This batch with padding nodes added up to `width` nodes (itself if already as wide)."""
+        extra = width - self.width
+        if extra <= 0:
+            return self
+        rows = len(self.tokens)
+        ancestors = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)
+        ancestors[:, :self.width, :self.width] = self.ancestors
+        return TreeBatch(F.pad(self.tokens, (0, extra)), F.pad(self.parents, (0, extra), value=-1),
+                         F.pad(self.depths, (0, extra)), self.sizes, ancestors)

@@ -22,6 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from verify.features import num_layers, resolve_layers, select_features
+from verify.packed import ladder_width, packed_rows
 from verify.tree import TokenTree, TreeBatch
 
 
@@ -86,11 +87,14 @@ class TreeVerifier:
         logits, features = self.verify_batch(TreeBatch.pad([tree]))
         return logits[0].cpu(), None if features is None else features[0]
 
-    def step_inputs(self, tree: TokenTree) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The (1, 1, N, L + N) attention mask (None for a lone root: plain decoding needs
-        none) and (N,) position ids of `tree` after the L cached tokens (B = 1)."""
-        mask, positions = self.batch_inputs(TreeBatch.pad([tree]))
-        return mask, positions[0]
+    def step_inputs(self, tree: TokenTree
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """What `verify(tree)` feeds the model after the L cached tokens (B = 1): the (N',)
+        tokens (N' >= N: padded on a packed target), the (1, 1, N', L + N') attention mask
+        (None for a lone root: plain decoding needs none) and the (N',) position ids."""
+        batch = self._packed_width(TreeBatch.pad([tree]))
+        mask, positions = self.batch_inputs(batch)
+        return batch.tokens[0], mask, positions[0]
 
     def commit(self, path: list[int]) -> None:
         """Keep the cached keys/values of the accepted tree nodes `path` (root first) only."""
@@ -128,9 +132,17 @@ class TreeVerifier:
         nodes' rows are meaningless."""
         if len(batch.tokens) != len(self.lengths):
             raise ValueError(f"{len(batch.tokens)} trees for {len(self.lengths)} sequences")
+        width = batch.width
+        batch = self._packed_width(batch)
         mask, positions = self.batch_inputs(batch)
         self._tree_start = self.cache_size
-        return self._forward(batch.tokens, positions, mask)
+        logits, features = self._forward(batch.tokens, positions, mask)
+        return logits[:, :width], None if features is None else features[:, :width]
+
+    def _packed_width(self, batch: TreeBatch) -> TreeBatch:
+        """On a packed target, `batch` padded to the next row count whose weights are packed
+        (verify/packed.py); otherwise `batch` itself."""
+        return batch.widen(ladder_width(packed_rows(self.model), len(batch.tokens), batch.width))
 
     def batch_inputs(self, batch: TreeBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The (B, 1, N, S + N) attention mask over the S cached slots and the trees (None

@@ -106,11 +106,22 @@ def test_the_speculators_files_follow_the_eagle3_schema(tiny, tmp_path):
                 "layers.0.hidden_norm.weight": (hidden,),
                 "layers.0.post_attention_layernorm.weight": (hidden,),
                 "norm.weight": (hidden,), "lm_head.weight": (len(vocab), hidden),
-                "d2t": (len(vocab),), "t2d": (256,)}
-    assert {name: tuple(t.shape) for name, t in state.items()} == expected  # no embedding
+                "d2t": (len(vocab),), "t2d": (256,), "embed_tokens.weight": (256, hidden)}
+    assert {name: tuple(t.shape) for name, t in state.items()} == expected
+    assert torch.equal(state["embed_tokens.weight"], target.model.get_input_embeddings().weight)
     # target id = draft id + d2t[draft id]; t2d marks exactly the draft's tokens
     assert torch.equal(torch.arange(len(vocab)) + state["d2t"], vocab)
     assert state["t2d"].dtype == torch.bool and state["t2d"].nonzero().flatten().equal(vocab)
+
+
+def test_a_speculators_draft_of_another_target_is_refused(tiny, tmp_path):
+    llama, other = tiny("llama"), tiny("qwen2")  # same sizes, other weights
+    export_speculators_eagle3(eagle3_draft(llama), tmp_path / "s", llama)
+    with pytest.raises(ValueError, match="token embedding is not"):
+        load_speculators_eagle3(tmp_path / "s", other)
+    export_speculators_eagle3(eagle3_draft(llama), tmp_path / "bare", llama, embedding=False)
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "bare" / "model.safetensors"))
+    load_speculators_eagle3(tmp_path / "bare", other)  # nothing to tell them apart by
 
 
 def test_what_a_format_cannot_hold_is_refused(tiny, tmp_path):

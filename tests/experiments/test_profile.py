@@ -27,6 +27,20 @@ def test_every_part_is_timed_and_the_forward_is_split_by_module(tmp_path):
     assert plot(rows, tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_packings_get_their_own_rows_and_the_packed_step_is_padded():
+    from verify.packed import packing_unavailable
+    from verify.target import load_target
+
+    if packing_unavailable(load_target(tiny="llama").model):
+        pytest.skip("packing needs a float32 CPU torch build with MKL")
+    rows = profile(profile_config("packings=[null,[2,4]]", "sizes=[1,3]"))
+    assert [(r["variant"], r["n"], r["packed_rows"], r["rows_run"]) for r in rows] == [
+        ("sdpa, unpacked", 1, [], 1), ("sdpa, unpacked", 3, [], 3),
+        ("sdpa, packed [2, 4]", 1, [2, 4], 1), ("sdpa, packed [2, 4]", 3, [2, 4], 4)]
+    assert all(r["verify"] > 0 for r in rows)
+    assert "| sdpa, packed [2, 4] | 3 |" in format_table(rows)
+
+
 def test_sizes_must_include_the_plain_step():
     with pytest.raises(ValueError, match="include 1"):
         profile(profile_config("sizes=[2,4]"))

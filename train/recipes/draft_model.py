@@ -68,7 +68,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         raise ValueError("drafter.path names a draft to decode with; training builds its own "
                          "(drafter.init, drafter.num_layers): leave drafter.path null")
     torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target)
+    target = load_target_from_config(cfg.target, packed_rows=None)  # packing serves decoding
     target.model.to(env.device).requires_grad_(False)
     out_dir = Path(cfg.out_dir)
     last = resolve_layers(LAST, num_layers(target.model.config))

@@ -47,7 +47,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train an EAGLE draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     ecfg = eagle_config(cfg.drafter)
     torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target)
+    target = load_target_from_config(cfg.target, packed_rows=None)  # packing serves decoding
     target.model.to(env.device).requires_grad_(False)
     out_dir = Path(cfg.out_dir)
     total = num_layers(target.model.config)

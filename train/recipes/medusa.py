@@ -68,7 +68,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train Medusa heads as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     mcfg = medusa_config(cfg.drafter)
     torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target)
+    target = load_target_from_config(cfg.target, packed_rows=None)  # packing serves decoding
     target.model.to(env.device)
     out_dir = Path(cfg.out_dir)
     train_set, heldout = distilled_data(cfg.data, target, env)

@@ -1,0 +1,108 @@
+"""Pre-packed weights for the few-row matrix products of tree verification (float32, x86 CPU).
+
+A verification step multiplies every weight matrix by N rows (the tree's nodes). On an x86 CPU
+the BLAS call behind `nn.Linear` runs one token as a fast matrix-vector product, but from about
+4 rows on it switches to a GEMM that repacks the weight matrix on every call: on the default
+target one step costs 32 ms at 1-2 tokens, 47 at 4 and 57 at 8 (README, "What a verification
+step costs here"), and the 49k-row LM head alone is slower at 8 rows than at 16.
+
+MKL can pack a weight matrix once for a given row count M and reuse it (torch exposes this as
+`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU freezing uses).
+`pack_linears(model, ladder)` keeps one packed copy of every linear layer's weight per M in
+`ladder` (each copy costs the weights' size again) and sends an M-row product to its packed
+copy; any other M runs `F.linear` as before. `TreeVerifier` pads each step's trees up to the
+next width whose row count B * N is packed (`ladder_width`), so every tree of 3-8 nodes runs the
+8-row packed kernel. Packed and unpacked products of the same row differ in rounding (float32
+ulps), as the one-token and tree kernels already do; greedy identity with plain decoding is
+measured by `experiments.correctness`, not assumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The row counts packed by `target.packed_rows=auto`: trees of 1-3 nodes run as they are (the
+# matrix-vector path is fastest there), 4, 5-8 and 9-16 nodes run packed.
+DEFAULT_LADDER = (4, 8, 16)
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` whose weight also lives packed for MKL at some row counts.
+
+    Made by `pack_linears` (a class swap: parameters and state dict are untouched). The packed
+    copies are not parameters: they go stale if the weight changes, so pack only for inference.
+    """
+
+    packed: dict[int, torch.Tensor]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in) -> (..., out)
+        rows = x.numel() // x.shape[-1]
+        packed = self.packed.get(rows)
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, self.weight, self.bias, rows)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def packing_unavailable(model: nn.Module) -> str | None:
+    """Why `model` cannot be packed here, or None when it can."""
+    if not (torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return "this torch build has no MKL (packing needs an x86 CPU build)"
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"packing is for float32 weights on the CPU, not {weight.dtype} on {weight.device}"
+    return None
+
+
+@torch.no_grad()
+def pack_linears(model: nn.Module, ladder: Sequence[int]) -> nn.Module:
+    """Pack every `nn.Linear` of `model` for the row counts in `ladder`; returns `model`."""
+    ladder = tuple(sorted({int(m) for m in ladder}))
+    if not ladder:
+        return model
+    if min(ladder) < 1:
+        raise ValueError(f"row counts to pack must be >= 1, got {list(ladder)}")
+    reason = packing_unavailable(model)
+    if reason is not None:
+        raise ValueError(f"cannot pack the target's linear layers: {reason}; "
+                         "set target.packed_rows=[] (or auto)")
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.__class__ = PackedLinear
+            weight = module.weight.detach()
+            module.packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+                             for m in ladder}
+    model.packed_rows = ladder
+    return model
+
+
+def packed_rows(model: nn.Module) -> tuple[int, ...]:
+    """The row counts `model`'s linear layers are packed for (empty when not packed)."""
+    return getattr(model, "packed_rows", ())
+
+
+def ladder_width(ladder: Sequence[int], batch: int, width: int) -> int:
+    """The node count to pad B = `batch` trees of `width` nodes to: the smallest w >= width
+    whose batch * w rows are packed, else `width` itself. Fewer rows than the smallest packed
+    count are not padded: there the unpacked product is the fast one."""
+    if not ladder or batch * width < min(ladder):
+        return width
+    widths = [m // batch for m in ladder if m % batch == 0 and m // batch >= width]
+    return min(widths, default=width)
+
+
+def resolve_ladder(model: nn.Module, packed: str | Sequence[int] | None) -> tuple[int, ...]:
+    """`target.packed_rows`: "auto" packs DEFAULT_LADDER where packing works here (else
+    nothing); a list packs exactly those row counts (an error where it cannot); None or []
+    packs nothing."""
+    if packed is None:
+        return ()
+    if isinstance(packed, str):
+        if packed != "auto":
+            raise ValueError(f"packed_rows is 'auto', a list of row counts or null, not {packed!r}")
+        return () if packing_unavailable(model) else DEFAULT_LADDER
+    return tuple(packed)
