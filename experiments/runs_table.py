@@ -17,6 +17,7 @@ The figures are the runs' own: nothing is re-measured here.
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
@@ -28,13 +29,16 @@ from experiments.common import save_figure, write_report
 
 
 def find_runs(folders: list[str]) -> list[dict]:
-    """Every eval.json under `folders` (the folder itself may be a run), read whole."""
+    """Every eval.json under `folders` (the folder itself may be a run; a glob pattern such as
+    `<dir>/*eagle3_ttt` stands for the folders it matches), read whole."""
     runs = []
-    for folder in map(Path, folders):
-        if not folder.is_dir():
-            raise FileNotFoundError(f"runs: no folder {folder}")
-        runs += [json.loads(path.read_text()) | {"eval": str(path)}
-                 for path in sorted(folder.rglob("eval.json"))]
+    for pattern in folders:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches or not all(Path(m).is_dir() for m in matches):
+            raise FileNotFoundError(f"runs: no folder {pattern}")
+        for folder in map(Path, matches):
+            runs += [json.loads(path.read_text()) | {"eval": str(path)}
+                     for path in sorted(folder.rglob("eval.json"))]
     return runs
 
 

@@ -8,14 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/venv.sh
 VENV=.venv-engines
-STAMP="$VENV/.engines-installed"
-inputs_hash() { sha256sum scripts/engine_env.sh | cut -d' ' -f1; }
-
-if [[ ! -x "$VENV/bin/python" ]]; then
-    python3 -m venv "$VENV"
-fi
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" ]]; then
+INPUTS=(scripts/engine_env.sh scripts/venv.sh)
+if venv_current "$VENV" "${INPUTS[@]}"; then
     exit 0
 fi
 
@@ -29,4 +25,4 @@ PIP=("$VENV/bin/python" -m pip)
     hs-connectors==0.9.0
 "${PIP[@]}" install -q --no-deps speculators==0.9.0
 
-inputs_hash > "$STAMP"
+venv_stamp "$VENV" "${INPUTS[@]}"

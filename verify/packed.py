@@ -3,18 +3,19 @@
 A verification step multiplies every weight matrix by N rows (the tree's nodes). On an x86 CPU
 the BLAS call behind `nn.Linear` runs one token as a fast matrix-vector product, but from about
 4 rows on it switches to a GEMM that repacks the weight matrix on every call: on the default
-target one step costs 32 ms at 1-2 tokens, 47 at 4 and 57 at 8 (README, "What a verification
-step costs here"), and the 49k-row LM head alone is slower at 8 rows than at 16.
+target a step of 8 tokens costs 1.75x a one-token step, and the 49k-row LM head alone is slower
+at 8 rows than at 16 (README, "What a verification step costs here").
 
 MKL can pack a weight matrix once for a given row count M and reuse it (torch exposes this as
 `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU freezing uses).
 `pack_linears(model, ladder)` keeps one packed copy of every linear layer's weight per M in
 `ladder` (each copy costs the weights' size again) and sends an M-row product to its packed
 copy; any other M runs `F.linear` as before. `TreeVerifier` pads each step's trees up to the
-next width whose row count B * N is packed (`ladder_width`), so every tree of 3-8 nodes runs the
-8-row packed kernel. Packed and unpacked products of the same row differ in rounding (float32
-ulps), as the one-token and tree kernels already do; greedy identity with plain decoding is
-measured by `experiments.correctness`, not assumed.
+next width whose row count B * N is packed (`ladder_width`): with the default ladder a tree of
+4 nodes runs the 4-row packed kernel, 5-8 nodes the 8-row one, 9-16 the 16-row one. Packed and
+unpacked products of the same row differ in rounding (float32 ulps), as the one-token and tree
+kernels already do; greedy identity with plain decoding is measured by
+`experiments.correctness`, not assumed.
 """
 
 from __future__ import annotations

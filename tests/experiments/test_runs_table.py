@@ -66,6 +66,13 @@ def test_a_setting_older_runs_lack_reads_as_its_default(runs):
 def test_a_missing_folder_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no folder"):
         find_runs([str(tmp_path / "nowhere")])
+    with pytest.raises(FileNotFoundError, match="no folder"):
+        find_runs([str(tmp_path / "nowhere*")])  # a pattern that matches nothing
+
+
+def test_a_glob_pattern_picks_the_folders_it_matches(runs):
+    found = find_runs([str(runs / "eagle" / "[ab]"), str(runs / "eagle3")])
+    assert sorted(r["config"]["data"]["sharegpt_tokens"] for r in found) == [50000, 200000, 200000]
 
 
 def test_plot(runs, tmp_path):
