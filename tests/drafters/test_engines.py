@@ -52,8 +52,8 @@ def test_speculators_loads_our_export_and_drafts_the_same_logits(
     draft = randomize(EagleDraft(target.model, (0, 1, 2), vocab, train_lm_head=True,
                                  layout="eagle3"))
     draft.body.norm_before_residual = norm_before_residual
-    # the library reads the verifier's folder: its layer count, and the token embedding that
-    # the export leaves out (engines share the target's)
+    # the library reads the verifier's folder named in the config (its layer count; weights
+    # the folder lacks), so it has to exist, as the served target does
     target.model.save_pretrained(tmp_path / "verifier")
     folder = export_speculators_eagle3(draft, tmp_path / "spec", target,
                                        verifier=str(tmp_path / "verifier"))
