@@ -36,6 +36,7 @@ class PackedLinear(nn.Linear):
 
     Made by `pack_linears` (a class swap: parameters and state dict are untouched). The packed
     copies are not parameters: they go stale if the weight changes, so pack only for inference.
+    A layer whose weight has left the CPU or float32 since (`model.to(...)`) runs `F.linear`.
     """
 
     packed: dict[int, torch.Tensor]
@@ -43,7 +44,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in) -> (..., out)
         rows = x.numel() // x.shape[-1]
         packed = self.packed.get(rows)
-        if packed is None:
+        if packed is None or self.weight.device.type != "cpu" or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, self.weight, self.bias, rows)
         return out.reshape(*x.shape[:-1], self.out_features)

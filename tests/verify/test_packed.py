@@ -55,6 +55,10 @@ def test_packed_rows_use_the_packed_product_and_match_f_linear(mkl_calls):
         assert out.shape == (*shape[:-1], 80)
         torch.testing.assert_close(out, F.linear(x, weight, bias))
     assert mkl_calls == [4, 8]  # (2, 2, 48) is 4 rows; 1, 5 and 16 rows run unpacked
+    layer.to(torch.float64)  # moved after packing: the stale packed copies are not used
+    x = torch.randn(4, 48, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight.double(), bias.double()))
+    assert mkl_calls == [4, 8]
 
 
 def test_ladder_width_pads_to_the_next_packed_row_count():
