@@ -172,8 +172,7 @@ def variants(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
         for packing in packings:
             target_cfg = OmegaConf.merge(cfg.target, {"attn_implementation": implementation,
                                                       "packed_rows": packing})
-            packed = f"packed {OmegaConf.to_object(target_cfg).get('packed_rows')}" if packing \
-                else "unpacked"
+            packed = f"packed {target_cfg.packed_rows}" if packing else "unpacked"
             label = implementation if len(packings) == 1 else f"{implementation}, {packed}"
             out.append((label, target_cfg))
     return out

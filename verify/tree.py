@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 
 class TreeError(ValueError):
@@ -225,10 +224,7 @@ class TreeBatch:
     def pad(trees: Sequence[TokenTree], width: int = 1) -> TreeBatch:
         """`trees` padded to the largest one, or to `width` nodes if that is more."""
         width = max(width, *(len(tree) for tree in trees))
-        tokens = torch.zeros(len(trees), width, dtype=torch.long)
-        depths = torch.zeros_like(tokens)
-        parents = torch.full_like(tokens, -1)
-        ancestors = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+        tokens, parents, depths, ancestors = _padding(len(trees), width)
         for row, tree in enumerate(trees):
             n = len(tree)
             tokens[row, :n] = tree.tokens
@@ -244,11 +240,18 @@ class TreeBatch:
 
     def widen(self, width: int) -> TreeBatch:
         """This batch with padding nodes added up to `width` nodes (itself if already as wide)."""
-        extra = width - self.width
-        if extra <= 0:
+        if width <= self.width:
             return self
-        rows = len(self.tokens)
-        ancestors = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)
-        ancestors[:, :self.width, :self.width] = self.ancestors
-        return TreeBatch(F.pad(self.tokens, (0, extra)), F.pad(self.parents, (0, extra), value=-1),
-                         F.pad(self.depths, (0, extra)), self.sizes, ancestors)
+        tokens, parents, depths, ancestors = _padding(len(self.tokens), width)
+        n = self.width
+        tokens[:, :n], parents[:, :n], depths[:, :n] = self.tokens, self.parents, self.depths
+        ancestors[:, :n, :n] = self.ancestors
+        return TreeBatch(tokens, parents, depths, self.sizes, ancestors)
+
+
+def _padding(rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    """(rows, width) tokens, parents, depths and (rows, width, width) ancestors holding only
+    padding nodes: token 0 at depth 0, no parent, seeing only itself."""
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    ancestors = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)
+    return tokens, torch.full_like(tokens, -1), torch.zeros_like(tokens), ancestors
