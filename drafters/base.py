@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -17,9 +18,10 @@ from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
 
-__all__ = ["CONFIG_FILE", "DraftContext", "Drafter", "add_children", "check_depth",
-           "fill_by_levels", "node_path", "propose_children", "read_config", "save_module",
-           "shallow_config", "typed_config"]
+__all__ = ["CONFIG_FILE", "DraftContext", "Drafter", "Steps", "add_children", "check_depth",
+           "fill_by_levels", "fill_steps", "node_path", "propose_children", "read_config",
+           "relay", "run_lockstep", "run_steps", "save_module", "shallow_config",
+           "typed_config"]
 
 
 CONFIG_FILE = "config.json"  # beside a trained drafter's weights: its settings and its target
@@ -81,6 +83,13 @@ def check_depth(topology: TreeTopology, max_depth: int | None, drafter: str) -> 
                         f"(at most {max_depth})")
 
 
+# A tree policy written as steps: a generator that yields what it needs a draft forward for
+# (a request), is sent the answer, and returns its tree. One sequence answers each request as
+# it comes (`run_steps`); a batch answers every row's pending request with one forward
+# (`run_lockstep`), so the same policy code drafts one row or B rows in step.
+Steps = Generator[Any, Any, Any]
+
+
 def fill_by_levels(topology: TreeTopology, root: int, root_logits: torch.Tensor,
                    forward_level: Callable[[TreeBuilder, list[int]], torch.Tensor],
                    depth_limit: int, params: SamplingParams,
@@ -92,6 +101,14 @@ def fill_by_levels(topology: TreeTopology, root: int, root_logits: torch.Tensor,
     topology) and returns their logits (len(nodes), V). Levels past `depth_limit` are left
     out (a draft model near the end of its position range).
     """
+    steps = fill_steps(topology, root, root_logits, depth_limit, params, generator)
+    return run_steps(steps, lambda request: forward_level(*request))
+
+
+def fill_steps(topology: TreeTopology, root: int, root_logits: torch.Tensor, depth_limit: int,
+               params: SamplingParams, generator: torch.Generator | None) -> Steps:
+    """`fill_by_levels` as steps (see `run_steps`): yields (builder, nodes) per level, takes
+    their (len(nodes), V) logits, returns the TokenTree."""
     builder = TreeBuilder(root)
     placed = {0: 0}  # topology node -> tree node
     logits = {0: root_logits}  # tree node -> (V,) draft logits after its path
@@ -105,8 +122,51 @@ def fill_by_levels(topology: TreeTopology, root: int, root_logits: torch.Tensor,
         if not frontier or depth == depth_limit:
             break
         nodes = [placed[t] for t in frontier]
-        logits.update(zip(nodes, forward_level(builder, nodes)))
+        logits.update(zip(nodes, (yield builder, nodes)))
     return builder.build()
+
+
+def run_steps(steps: Steps, answer: Callable[[Any], Any]) -> Any:
+    """Drive one sequence's steps: each request gets answer(request); returns the result."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(answer(request))
+    except StopIteration as done:
+        return done.value
+
+
+def run_lockstep(steps: Mapping[int, Steps],
+                 answer: Callable[[dict[int, Any]], Mapping[int, Any]]) -> dict[int, Any]:
+    """Drive several rows' steps together: each round, answer({row: request}) answers every
+    row still asking at once. Returns {row: result}."""
+    results, pending = {}, {}
+    for row, row_steps in steps.items():
+        try:
+            pending[row] = next(row_steps)
+        except StopIteration as done:
+            results[row] = done.value
+    while pending:
+        answers, asking = answer(pending), {}
+        for row, request in pending.items():
+            try:
+                asking[row] = steps[row].send(answers[row])
+            except StopIteration as done:
+                results[row] = done.value
+        pending = asking
+    return results
+
+
+def relay(steps: Steps, ask: Callable[[Any], Steps]) -> Steps:
+    """Steps that run `steps`, turning each of its requests into the requests of ask(request)
+    (itself steps, whose result answers the original): a drafter wraps a tree policy's
+    "expand these nodes" into "run the draft over these inputs"."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send((yield from ask(request)))
+    except StopIteration as done:
+        return done.value
 
 
 def node_path(parents: list[int], node: int) -> list[int]:

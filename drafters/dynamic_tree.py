@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drafters.base import Steps, run_steps
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree
 
@@ -108,7 +109,14 @@ class DynamicTree:
 
     def search(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> CandidateTree:
         """Expansion phase: every candidate of `depth` rounds, calling `expand` once per round
-        after the first, on that round's frontier (ascending indices, all of one depth).
+        after the first, on that round's frontier (ascending indices, all of one depth)."""
+        return run_steps(self.search_steps(root, root_logprobs),
+                         lambda request: expand(*request))
+
+    def search_steps(self, root: int, root_logprobs: torch.Tensor) -> Steps:
+        """`search` as steps (drafters.base.run_steps): yields (candidates, frontier) once per
+        round after the first, takes the frontier's (len(frontier), V) log-probabilities,
+        returns the CandidateTree.
 
         No more than `total_tokens` rounds run: a kept node needs all its ancestors kept, so no
         node deeper than `total_tokens` can be kept, and rounds past it would only cost draft
@@ -121,7 +129,7 @@ class DynamicTree:
             frontier = self._frontier(candidates, level)
             if not frontier:
                 break
-            logprobs = expand(candidates, frontier)
+            logprobs = yield candidates, frontier
             if logprobs.dim() != 2 or logprobs.shape[0] != len(frontier):
                 raise ValueError(f"expand returned {tuple(logprobs.shape)} for "
                                  f"{len(frontier)} nodes; expected ({len(frontier)}, V)")

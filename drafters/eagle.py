@@ -35,10 +35,13 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from drafters.base import (
+    Steps,
     check_depth,
-    fill_by_levels,
+    fill_steps,
     node_path,
     read_config,
+    relay,
+    run_lockstep,
     save_module,
     shallow_config,
     typed_config,
@@ -205,7 +208,8 @@ class EagleDrafter:
 
     Static trees with sampling draw each node's children without replacement from the draft's
     warped distribution and record it (exact tree sampling); dynamic trees pick children by
-    top-k (see drafters.dynamic_tree for why).
+    top-k (see drafters.dynamic_tree for why). A batch of B sequences drafts together
+    (`begin_batch`, `propose_batch`): one draft forward per tree level for all rows.
     """
 
     max_depth = None  # the draft can continue any path
@@ -222,27 +226,53 @@ class EagleDrafter:
         """A new sequence: forget the draft's cache."""
         self.engine.reset()
 
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        """B new sequences, drafted together by `propose_batch`."""
+        self.engine.reset(len(prompts))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` of the batch (finished ones leave)."""
+        self.engine.keep_rows(rows)
+
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         """Nothing to keep: the next proposal re-runs the accepted path on real features."""
+
+    def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
+        """Nothing to keep, as in `update`."""
 
     def fork(self) -> EagleDrafter:
         """The same draft, its own cache."""
         return with_own_engine(self)
 
-    @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree rooted at ctx.tokens[-1], from the draft run on ctx.features' new rows."""
-        root_hidden, root_logits = self._catch_up(ctx)  # (H,), (V',)
-        root = int(ctx.tokens[-1])
-        if not self._fits(len(ctx.tokens)):
-            return TokenTree(ctx.tokens[-1:], torch.tensor([-1]))  # decode plainly at the end
+        if self.engine.rows != 1:
+            raise ValueError(f"{self.name} holds a batch of {self.engine.rows} sequences: "
+                             "use propose_batch, or begin() for one sequence")
+        return self.propose_batch([ctx])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
+        """One tree per sequence of the batch (ctxs in `begin_batch`'s order), every level of
+        every row's tree through one draft forward."""
+        if len(ctxs) != self.engine.rows:
+            raise ValueError(f"{len(ctxs)} contexts for {self.engine.rows} sequences")
+        root_hidden, root_logits = self._catch_up(ctxs)  # (B, H), (B, V')
+        trees, steps = {}, {}
+        for row, ctx in enumerate(ctxs):
+            root = int(ctx.tokens[-1])
+            if not self._fits(len(ctx.tokens)):  # decode plainly at the end
+                trees[row] = TokenTree(ctx.tokens[-1:], torch.tensor([-1]))
+            elif isinstance(self.tree, DynamicTree):
+                steps[row] = self._dynamic_steps(root, root_hidden[row], root_logits[row],
+                                                 ctx.params)
+            else:
+                steps[row] = self._static_steps(root, root_hidden[row], root_logits[row], ctx)
         try:
-            if isinstance(self.tree, DynamicTree):
-                return self._grow_dynamic(root, root_hidden, root_logits, ctx.params)
-            return self._fill_static(root, root_hidden, self._full_logits(root_logits[None])[0],
-                                     ctx)
+            trees.update(run_lockstep(steps, self._forward_rows))
         finally:
-            self.engine.rollback()  # the tree's entries were built on draft features
+            self.engine.rollback()  # the trees' entries were built on draft features
+        return [trees[row] for row in range(len(ctxs))]
 
     def _fits(self, length: int) -> bool:
         """Whether a tree's deepest node (position length - 2 + depth) stays inside the draft's
@@ -250,70 +280,105 @@ class EagleDrafter:
         window = context_window(self.draft.body)
         return window is None or length - 2 + self.tree.depth < window
 
-    def _catch_up(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the rows the target just computed features for: (f_j, token j + 1) for the k
-        positions T - 1 - k .. T - 2. Returns the root's predicted feature (H,) and the float
-        CPU draft-vocabulary logits (V',) of its children."""
-        if ctx.features is None:
-            raise ValueError(f"{self.name} needs the target's features (ctx.features) at "
-                             f"layers {self.feature_layers}; verify.loop.generate computes them")
-        count, length = len(ctx.features), len(ctx.tokens)
-        start = length - 1 - count
-        if not 0 <= start <= self.engine.length:
-            raise ValueError(f"{self.name} got features for positions {start}..{length - 2} but "
-                             f"holds {self.engine.length}: call begin() for a new sequence")
-        self.engine.crop(start)
+    def _catch_up(self, ctxs: list[DraftContext]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each row the rows the target just computed features for: (f_j, token j + 1)
+        for its k positions T - 1 - k .. T - 2, all rows in one forward. Returns the roots'
+        predicted features (B, H) and the float CPU draft-vocabulary logits (B, V') of their
+        children."""
         weight = self.draft.lm_head.weight
-        inputs = self.draft.fuse_features(ctx.features.to(weight))[None]  # (1, k, H)
-        tokens = ctx.tokens[start + 1:].to(weight.device)[None]
-        positions = torch.arange(start, length - 1, device=weight.device)[None]
-        hidden = self.draft(inputs, tokens, positions, cache=self.engine.cache)[0]  # (k, H)
-        self.engine.extend(count)
-        return hidden[-1], self.draft.logits(hidden[-1]).float().cpu()
+        starts, counts = [], []
+        for row, ctx in enumerate(ctxs):
+            if ctx.features is None:
+                raise ValueError(f"{self.name} needs the target's features (ctx.features) at "
+                                 f"layers {self.feature_layers}; verify.loop.generate computes "
+                                 "them")
+            count, length = len(ctx.features), len(ctx.tokens)
+            start = length - 1 - count
+            if not 0 <= start <= int(self.engine.lengths[row]):
+                raise ValueError(f"{self.name} got features for positions {start}..{length - 2}"
+                                 f" but holds {int(self.engine.lengths[row])}: call begin() for "
+                                 "a new sequence")
+            starts.append(start)
+            counts.append(count)
+        self.engine.crop_rows(starts)
+        positions, mask = self.engine.chains(counts, weight.dtype)
+        inputs = torch.zeros(len(ctxs), positions.shape[1], weight.shape[1], dtype=weight.dtype,
+                             device=weight.device)
+        tokens = torch.zeros(positions.shape, dtype=torch.long)
+        for row, (ctx, start, count) in enumerate(zip(ctxs, starts, counts)):
+            inputs[row, :count] = self.draft.fuse_features(ctx.features.to(weight))
+            tokens[row, :count] = ctx.tokens[start + 1:]
+        hidden = self.draft(inputs, tokens.to(weight.device), positions.to(weight.device),
+                            None if mask is None else mask.to(weight.device),
+                            cache=self.engine.cache)  # (B, K, H)
+        self.engine.commit_chains(counts)
+        last = hidden[torch.arange(len(ctxs)), torch.tensor(counts) - 1]
+        return last, self.draft.logits(last).float().cpu()
 
-    def _fill_static(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
-                     ctx: DraftContext) -> TokenTree:
+    def _static_steps(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
+                      ctx: DraftContext) -> Steps:
+        """Steps (drafters.base) filling the static topology below `root`."""
         hidden = {0: root_hidden}  # tree node -> the draft's predicted feature after it
 
-        def forward_level(builder: TreeBuilder, nodes: list[int]) -> torch.Tensor:
+        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
+            builder, nodes = request
             parents = [builder.parents[n] for n in nodes]
-            paths = [node_path(builder.parents, n) for n in nodes]
-            out = self._forward_level(paths, [builder.tokens[n] for n in nodes],
-                                      torch.stack([hidden[p] for p in parents]))
+            out, logits = yield ([node_path(builder.parents, n) for n in nodes],
+                                 [builder.tokens[n] for n in nodes],
+                                 torch.stack([hidden[p] for p in parents]))
             hidden.update(zip(nodes, out))
-            return self._full_logits(self.draft.logits(out).float().cpu())
+            return self._full_logits(logits)
 
-        return fill_by_levels(self.tree, root, root_logits, forward_level, self.tree.depth,
-                              ctx.params, ctx.generator)
+        fill = fill_steps(self.tree, root, self._full_logits(root_logits[None])[0],
+                          self.tree.depth, ctx.params, ctx.generator)
+        return (yield from relay(fill, ask))
 
-    def _grow_dynamic(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
-                      params: SamplingParams) -> TokenTree:
-        """EAGLE-2's tree, grown over draft-vocabulary indices (ranking 8k scores instead of
-        49k costs ~0.3 ms less per node here); mapped back to target ids at the end."""
+    def _dynamic_steps(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
+                       params: SamplingParams) -> Steps:
+        """Steps growing EAGLE-2's tree below `root`, over draft-vocabulary indices (ranking
+        8k scores instead of 49k costs ~0.3 ms less per node here); mapped back to target ids
+        at the end."""
         hidden = {0: root_hidden}
         to_target = target_ids(self.draft.vocab_ids, self.draft.target_vocab_size)
 
-        def expand(candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
+        def ask(request: tuple[CandidateTree, list[int]]) -> Steps:
+            candidates, nodes = request
             parents = [candidates.parents[n] for n in nodes]
-            out = self._forward_level([candidates.path(n) for n in nodes],
-                                      [int(to_target[candidates.tokens[n]]) for n in nodes],
-                                      torch.stack([hidden[p] for p in parents]))
+            out, logits = yield ([candidates.path(n) for n in nodes],
+                                 [int(to_target[candidates.tokens[n]]) for n in nodes],
+                                 torch.stack([hidden[p] for p in parents]))
             hidden.update(zip(nodes, out))
-            return draft_log_probs(self.draft.logits(out).float().cpu(), params)
+            return draft_log_probs(logits, params)
 
-        tree = self.tree.grow(root, draft_log_probs(root_logits[None], params)[0], expand)
+        search = self.tree.search_steps(root, draft_log_probs(root_logits[None], params)[0])
+        candidates = yield from relay(search, ask)
+        tree = candidates.subtree(self.tree.rerank(candidates))
         tree.tokens[1:] = to_target[tree.tokens[1:]]
         return tree
 
-    def _forward_level(self, paths: list[list[int]], tokens: list[int],
-                       parent_hidden: torch.Tensor) -> torch.Tensor:
-        """One tree level through the draft's cache: nodes ending `paths`, their tokens and
-        their parents' predicted features (n, H) -> their own predicted features (n, H)."""
+    def _forward_rows(self, requests: dict[int, tuple[list[list[int]], list[int], torch.Tensor]]
+                      ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """One tree level of every asking row through the draft's cache, in one forward.
+        requests[b]: the paths of row b's level's nodes, their tokens and their parents'
+        predicted features (n_b, H). Returns per row the nodes' own predicted features
+        (n_b, H) and their float CPU draft-vocabulary logits (n_b, V'). Rows not asking feed
+        a padding node."""
         weight = self.draft.lm_head.weight
-        positions, mask = self.engine.level(paths, weight.dtype)
-        tokens = torch.tensor(tokens, device=weight.device)[None]
-        return self.draft(parent_hidden[None], tokens, positions.to(weight.device)[None],
-                          mask.to(weight.device), cache=self.engine.cache)[0]
+        rows = range(self.engine.rows)
+        positions, mask = self.engine.level_batch(
+            [requests[row][0] if row in requests else [] for row in rows], weight.dtype)
+        inputs = torch.zeros(len(rows), positions.shape[1], weight.shape[1], dtype=weight.dtype,
+                             device=weight.device)
+        tokens = torch.zeros(positions.shape, dtype=torch.long)
+        for row, (_, row_tokens, parent_hidden) in requests.items():
+            inputs[row, :len(row_tokens)] = parent_hidden
+            tokens[row, :len(row_tokens)] = torch.tensor(row_tokens)
+        out = self.draft(inputs, tokens.to(weight.device), positions.to(weight.device),
+                         mask.to(weight.device), cache=self.engine.cache)  # (B, n, H)
+        real = [out[row, :len(requests[row][1])] for row in requests]
+        logits = self.draft.logits(torch.cat(real)).float().cpu().split([len(r) for r in real])
+        return {row: (hidden, row_logits)
+                for row, hidden, row_logits in zip(requests, real, logits)}
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, V') draft-vocabulary logits -> (n, V) over the target's, -inf outside."""

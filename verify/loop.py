@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from verify.accept import AcceptanceRule, make_rule
 from verify.features import LAST
-from verify.protocol import DraftContext, Drafter
+from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier, context_window
@@ -118,21 +118,26 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     logits, prompt_features = verifier.prefill_batch(rows)
     first = _first_tokens(logits, params, generator)
     prefill_s = time.perf_counter() - start
+    # a batch drafter drafts every row in step; any other drafter drafts row by row, one fork each
+    batch_drafter = drafter if isinstance(drafter, BatchDrafter) else None
+    row_drafters = [None] * len(rows) if batch_drafter else _fork(drafter, len(rows))
     sequences = []
-    for b, (prompt, row_drafter) in enumerate(zip(rows, _fork(drafter, len(rows)))):
+    for b, (prompt, row_drafter) in enumerate(zip(rows, row_drafters)):
         sequence = _Sequence(prompt, [first[b]], row_drafter, None,
                              GenerationResult(torch.empty(0, dtype=torch.long),
                                               prefill_s=prefill_s))
         # the prompt's last state predicted the first new token
         features.take(sequence, None if prompt_features is None else prompt_features[b], last=1)
         sequences.append(sequence)
+    if batch_drafter is not None:
+        batch_drafter.begin_batch(rows)
     for sequence in sequences:
         if sequence.drafter is not None:
             sequence.drafter.begin(sequence.prompt)
-    active = _drop_finished(verifier, sequences, max_new_tokens, stop)
+    active = _drop_finished(verifier, batch_drafter, sequences, max_new_tokens, stop)
     while active:
-        _step(verifier, active, rule, params, generator, features, pad_rows)
-        active = _drop_finished(verifier, active, max_new_tokens, stop)
+        _step(verifier, batch_drafter, active, rule, params, generator, features, pad_rows)
+        active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
     for sequence in sequences:
         sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
         if keep_states:
@@ -201,12 +206,15 @@ def _fork(drafter: Drafter | None, rows: int) -> list[Drafter | None]:
     return [drafter] + [drafter.fork() for _ in range(rows - 1)]
 
 
-def _drop_finished(verifier: TreeVerifier, active: list[_Sequence], max_new_tokens: int,
+def _drop_finished(verifier: TreeVerifier, batch_drafter: BatchDrafter | None,
+                   active: list[_Sequence], max_new_tokens: int,
                    stop: frozenset[int]) -> list[_Sequence]:
-    """The rows still decoding; finished ones leave the verifier's batch."""
+    """The rows still decoding; finished ones leave the verifier's (and batch drafter's) batch."""
     keep = [i for i, s in enumerate(active) if not s.finished(max_new_tokens, stop)]
     if len(keep) < len(active) and keep:
         verifier.keep_rows(torch.tensor(keep))
+        if batch_drafter is not None:
+            batch_drafter.keep_rows(torch.tensor(keep))
     return [active[i] for i in keep]
 
 
@@ -218,30 +226,30 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     return frozenset(int(i) for i in eos_token_id)
 
 
-def _step(verifier: TreeVerifier, active: list[_Sequence], rule: AcceptanceRule,
-          params: SamplingParams, generator: torch.Generator | None,
+def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: list[_Sequence],
+          rule: AcceptanceRule, params: SamplingParams, generator: torch.Generator | None,
           features: _Features, pad_rows: int = 1) -> None:
     """One target forward for every active row: draft each row's tree, verify them together,
-    accept per row, commit, and tell each drafter."""
-    trees, draft_s = [], []
-    for sequence, cached in zip(active, verifier.lengths.tolist()):
-        start = time.perf_counter()
-        trees.append(_propose(sequence.drafter, sequence.context(), sequence.features, params,
-                              generator, verifier.model, cached))
-        draft_s.append(time.perf_counter() - start)
+    accept per row, commit, and tell the drafters. A batch drafter's time is shared out evenly
+    among the rows, so the rows' draft times add up to the step's either way."""
+    trees, draft_s = _propose(verifier, batch_drafter, active, params, generator)
     start = time.perf_counter()
     batch = TreeBatch.pad(trees, pad_rows)
     logits, tree_features = verifier.verify_batch(batch)
     acceptances = rule.accept_batch(trees, batch, logits, params, generator)
     verifier.commit_batch([acceptance.path for acceptance in acceptances])
     verify_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if batch_drafter is not None:
+        batch_drafter.update_batch(trees, acceptances)
+    update_s = (time.perf_counter() - start) / len(active)
     for row, (sequence, tree, acceptance) in enumerate(zip(active, trees, acceptances)):
         start = time.perf_counter()
         if sequence.drafter is not None:
             sequence.drafter.update(tree, acceptance)
         sequence.result.steps.append(StepStats(
             acceptance.num_accepted, len(tree), tree.depth,
-            draft_s[row] + time.perf_counter() - start, verify_s))
+            draft_s[row] + update_s + time.perf_counter() - start, verify_s))
         sequence.tokens.extend([int(t) for t in tree.tokens[acceptance.path[1:]]]
                                + [acceptance.bonus])
         if tree_features is not None:
@@ -250,19 +258,41 @@ def _step(verifier: TreeVerifier, active: list[_Sequence], rule: AcceptanceRule,
             features.take(sequence, tree_features[row].index_select(0, path))
 
 
-def _propose(drafter, context: torch.Tensor, features: torch.Tensor | None,
-             params: SamplingParams, generator: torch.Generator | None,
-             model: PreTrainedModel, cached: int) -> TokenTree:
-    root_only = TokenTree(context[-1:], torch.tensor([-1]))
-    if drafter is None:
-        return root_only
-    tree = drafter.propose(DraftContext(context, features, params, generator))
+def _propose(verifier: TreeVerifier, batch_drafter: BatchDrafter | None,
+             active: list[_Sequence], params: SamplingParams,
+             generator: torch.Generator | None) -> tuple[list[TokenTree], list[float]]:
+    """Every active row's tree (a lone root without a drafter) and its draft seconds."""
+    contexts = [DraftContext(s.context(), s.features, params, generator) for s in active]
+    if batch_drafter is not None:
+        start = time.perf_counter()
+        proposed = batch_drafter.propose_batch(contexts)
+        share = (time.perf_counter() - start) / len(active)
+        trees = [_checked(tree, ctx.tokens, verifier.model, cached)
+                 for tree, ctx, cached in zip(proposed, contexts, verifier.lengths.tolist())]
+        return trees, [share] * len(active)
+    trees, draft_s = [], []
+    for sequence, ctx, cached in zip(active, contexts, verifier.lengths.tolist()):
+        start = time.perf_counter()
+        if sequence.drafter is None:
+            trees.append(TokenTree(ctx.tokens[-1:], torch.tensor([-1])))
+        else:
+            trees.append(_checked(sequence.drafter.propose(ctx), ctx.tokens, verifier.model,
+                                  cached))
+        draft_s.append(time.perf_counter() - start)
+    return trees, draft_s
+
+
+def _checked(tree: TokenTree, context: torch.Tensor, model: PreTrainedModel,
+             cached: int) -> TokenTree:
+    """A drafter's tree, refused unless rooted at the last token, and cut to the root alone
+    where it would overrun the model's context window (near its end: decode plainly)."""
     if int(tree.tokens[0]) != int(context[-1]):
         raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, "
                          f"not at the last token {int(context[-1])}")
-    # Near the end of the context window there is no room for a tree: decode plainly.
     window = context_window(model)
-    return tree if window is None or tree.depth < window - cached else root_only
+    if window is None or tree.depth < window - cached:
+        return tree
+    return TokenTree(context[-1:], torch.tensor([-1]))
 
 
 def _split_prompts(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | torch.Tensor,

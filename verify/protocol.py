@@ -54,3 +54,24 @@ class Drafter(Protocol):
     def fork(self) -> Drafter:
         """A drafter for another sequence of a batch: the same weights and settings, its own
         per-sequence state (a stateless drafter may return itself)."""
+
+
+@runtime_checkable
+class BatchDrafter(Drafter, Protocol):
+    """A drafter that drafts B sequences together (one draft forward per tree level for all
+    of them) instead of one fork per row. `verify.loop.generate_batch` uses these methods when
+    a drafter has them, for any B."""
+
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        """Forget any previous sequences; B new ones start from these (T_b,) prompts."""
+
+    def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
+        """One tree per sequence, in `begin_batch`'s order (rows that left excluded); tree b's
+        root is ctxs[b].tokens[-1]."""
+
+    def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
+        """`update` for every sequence of the batch."""
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` (long indices, in the new order): finished ones
+        leave the batch."""

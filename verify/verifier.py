@@ -177,25 +177,35 @@ class TreeVerifier:
 def keep_paths(cache: DynamicCache, lengths: torch.Tensor, start: int,
                paths: Sequence[Sequence[int]]) -> None:
     """Move row b's cache entries start + paths[b][k] to slots lengths[b] + k, then trim the
-    cache to the longest row. One sequence uses `keep_entries` (views, no copy when the path
-    is already in place)."""
-    if len(paths) == 1 and int(lengths[0]) == start:
-        keep_entries(cache, start, list(paths[0]))
+    cache to the longest row."""
+    move_entries(cache, lengths, [[start + int(node) for node in path] for path in paths])
+
+
+def move_entries(cache: DynamicCache, lengths: torch.Tensor,
+                 sources: Sequence[Sequence[int]]) -> None:
+    """Move row b's cache slots sources[b][k] to slots lengths[b] + k, then trim the cache to
+    the longest row. One row whose sources all lie at or past its length uses `keep_entries`
+    (views, no copy when they are already in place)."""
+    if len(sources) == 1 and all(slot >= int(lengths[0]) for slot in sources[0]):
+        start = int(lengths[0])
+        keep_entries(cache, start, [slot - start for slot in sources[0]])
         return
-    width = max(len(p) for p in paths)
-    source = torch.full((len(paths), width), start, dtype=torch.long)
-    for row, path in enumerate(paths):
-        source[row, :len(path)] = start + torch.as_tensor(list(path), dtype=torch.long)
-    # Slots past a row's path get stale copies: they lie beyond its new length, hidden.
-    target = lengths[:, None] + torch.arange(width)
-    for layer in _full_attention_layers(cache):
-        heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
-        src = source.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
-        dst = target.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
-        for name in ("keys", "values"):
-            entries = getattr(layer, name)
-            entries.scatter_(-2, dst, entries.gather(-2, src))
-    trim(cache, int((lengths + torch.tensor([len(p) for p in paths])).max()))
+    width = max(len(s) for s in sources)
+    new_lengths = lengths + torch.tensor([len(s) for s in sources], dtype=torch.long)
+    if width:
+        # Rows with fewer sources copy slot 0 onto slots past their new length: stale, hidden.
+        source = torch.zeros((len(sources), width), dtype=torch.long)
+        for row, slots in enumerate(sources):
+            source[row, :len(slots)] = torch.as_tensor(list(slots), dtype=torch.long)
+        target = lengths[:, None] + torch.arange(width)
+        for layer in _full_attention_layers(cache):
+            heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
+            src = source.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
+            dst = target.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
+            for name in ("keys", "values"):
+                entries = getattr(layer, name)
+                entries.scatter_(-2, dst, entries.gather(-2, src))
+    trim(cache, int(new_lengths.max()))
 
 
 def trim(cache: DynamicCache, size: int) -> None:

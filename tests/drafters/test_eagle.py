@@ -16,7 +16,7 @@ from drafters.eagle import (
     save_draft,
 )
 from verify.features import eagle3_layers
-from verify.loop import generate
+from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.target import Target
@@ -55,11 +55,13 @@ def test_draft_shapes(arch, variant, tiny):
 
 def sequential_logits(drafter: EagleDrafter, ctx: DraftContext, path_tokens: list[int]):
     """Draft logits (V,) after the root and `path_tokens`, fed one node at a time."""
-    hidden, logits = drafter._catch_up(ctx)
+    hidden, logits = drafter._catch_up([ctx])
+    hidden, logits = hidden[0], logits[0]
     for depth in range(1, len(path_tokens) + 1):
         path = list(range(depth + 1))  # a chain: node d is the d-th path token
-        out = drafter._forward_level([path], [path_tokens[depth - 1]], hidden[None])
-        hidden, logits = out[0], drafter.draft.logits(out[0]).float()
+        out, level_logits = drafter._forward_rows(
+            {0: ([path], [path_tokens[depth - 1]], hidden[None])})[0]
+        hidden, logits = out[0], level_logits[0]
     drafter.engine.rollback()
     return logits
 
@@ -84,6 +86,69 @@ def test_tree_levels_equal_drafting_each_path_alone(variant, tiny):
         path = tree.ancestor_mask()[node].nonzero().flatten().tolist()[1:]
         expected = sequential_logits(drafter, ctx, tree.tokens[path].tolist())
         assert tree.tokens[kids].tolist() == expected.topk(len(kids)).indices.tolist()
+
+
+BATCH_TREES = {"static": TreeTopology.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0],
+                                                    [0, 0, 0]]),
+               "dynamic": DynamicTree(depth=3, top_k=3, total_tokens=6)}
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", BATCH_TREES, ids=list(BATCH_TREES))
+def test_a_batch_drafts_each_rows_own_tree(variant, tree, tiny):
+    # Four sequences of different lengths that accept different numbers of tokens per step
+    # (so catch-ups of different sizes, stale cache slots, one row leaving): the batch's trees
+    # are the ones each row's own drafter proposes alone. A row seeing another's or a stale
+    # slot, or a wrong position, would change its draft logits and so its top-k children.
+    target = tiny("llama")
+    layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
+    draft = EagleDraft(target.model, layers, vocab_ids=torch.arange(0, 256, 2),
+                       layout=default_layout(variant))
+    batch, alone = EagleDrafter(draft, BATCH_TREES[tree]), [EagleDrafter(draft, BATCH_TREES[tree])
+                                                            for _ in range(4)]
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 256, (40,), generator=generator) for _ in range(4)]
+    feats = [features(target, sequence, draft.feature_layers) for sequence in sequences]
+    lengths = [7, 3, 12, 5]  # tokens decided so far (the prompt and the first token)
+    batch.begin_batch([s[:n - 1] for s, n in zip(sequences, lengths)])
+    for single, sequence, n in zip(alone, sequences, lengths):
+        single.begin(sequence[:n - 1])
+    rows, cached = [0, 1, 2, 3], [0] * 4  # cached[b]: positions whose features were handed over
+    for step, accepted in enumerate([[0, 0, 0, 0], [2, 0, 1, 3], [1, 3, 0, 2], [0, 2, 1, 1]]):
+        if step == 2:  # row 1 finishes
+            rows.remove(1)
+            batch.keep_rows(torch.tensor([0, 2, 3]))
+        ctxs = []
+        for row in rows:
+            lengths[row] += accepted[row] + (step > 0)
+            ctxs.append(DraftContext(sequences[row][:lengths[row]],
+                                     feats[row][cached[row]:lengths[row] - 1], SamplingParams()))
+            cached[row] = lengths[row] - 1
+        together = batch.propose_batch(ctxs)
+        for row, ctx, tree_together in zip(rows, ctxs, together):
+            tree_alone = alone[row].propose(ctx)
+            assert torch.equal(tree_together.tokens, tree_alone.tokens), (step, row)
+            assert torch.equal(tree_together.parents, tree_alone.parents), (step, row)
+            assert len(tree_alone) > 3
+
+
+def test_generate_batch_drafts_every_row_in_one_call(tiny, conf):
+    # a batch drafter is asked once per step for all rows, never row by row
+    target = tiny("llama")
+    drafter = build_drafter(conf("drafter", "eagle"), conf("tree", "eagle2"), target)
+    calls = []
+    batch_propose = drafter.propose_batch
+    drafter.propose_batch = lambda ctxs: calls.append(len(ctxs)) or batch_propose(ctxs)
+
+    def alone(ctx):
+        raise AssertionError("a batch drafter was asked for one row's tree")
+
+    drafter.propose = alone
+    prompts = [PROMPT, PROMPT[:6], PROMPT[2:]]
+    results = generate_batch(target.model, prompts, 12, drafter=drafter)
+    assert calls and calls[0] == 3 and len(calls) == max(len(r.steps) for r in results)
+    for prompt, result in zip(prompts, results):
+        assert torch.equal(result.tokens, generate(target.model, prompt, 12).tokens)
 
 
 @pytest.mark.parametrize("tree", [TreeTopology.from_choices([[0], [1], [0, 0], [1, 0]]),

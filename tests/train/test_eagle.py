@@ -67,11 +67,11 @@ def test_unrolled_steps_equal_drafting_the_chain(arch, variant):
         root = j - step
         ctx = DraftContext(TOKENS[:root + 2], features[:root + 1], SamplingParams())
         with torch.no_grad():
-            hidden, _ = drafter._catch_up(ctx)
+            hidden = drafter._catch_up([ctx])[0][0]
             for depth in range(1, step + 1):
                 token = int(TOKENS[root + 1 + depth])
-                hidden = drafter._forward_level([list(range(depth + 1))], [token],
-                                                hidden[None])[0]
+                request = ([list(range(depth + 1))], [token], hidden[None])
+                hidden = drafter._forward_rows({0: request})[0][0][0]
         drafter.engine.reset()
         # float rounding differs between the two shapes of forward; a wrong mask is off by O(1)
         torch.testing.assert_close(unrolled[step][0, j], hidden, atol=1e-4, rtol=1e-3)
