@@ -16,10 +16,10 @@ from transformers import PretrainedConfig
 from verify.files import write_atomically
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, warp
-from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
+from verify.tree import TreeBuilder, TreeError, TreeTopology
 
 __all__ = ["CONFIG_FILE", "DraftContext", "Drafter", "Steps", "add_children", "check_depth",
-           "fill_by_levels", "fill_steps", "node_path", "propose_children", "read_config",
+           "fill_steps", "node_path", "propose_children", "read_config",
            "relay", "run_lockstep", "run_steps", "save_module", "shallow_config",
            "typed_config"]
 
@@ -90,25 +90,15 @@ def check_depth(topology: TreeTopology, max_depth: int | None, drafter: str) -> 
 Steps = Generator[Any, Any, Any]
 
 
-def fill_by_levels(topology: TreeTopology, root: int, root_logits: torch.Tensor,
-                   forward_level: Callable[[TreeBuilder, list[int]], torch.Tensor],
-                   depth_limit: int, params: SamplingParams,
-                   generator: torch.Generator | None) -> TokenTree:
-    """Fill a static topology level by level, for drafters that run a model per level.
-
-    root_logits (V,): the draft's prediction after the root. forward_level(builder, nodes)
-    runs the draft over tree `nodes` (the newest level's nodes that have children in the
-    topology) and returns their logits (len(nodes), V). Levels past `depth_limit` are left
-    out (a draft model near the end of its position range).
-    """
-    steps = fill_steps(topology, root, root_logits, depth_limit, params, generator)
-    return run_steps(steps, lambda request: forward_level(*request))
-
-
 def fill_steps(topology: TreeTopology, root: int, root_logits: torch.Tensor, depth_limit: int,
                params: SamplingParams, generator: torch.Generator | None) -> Steps:
-    """`fill_by_levels` as steps (see `run_steps`): yields (builder, nodes) per level, takes
-    their (len(nodes), V) logits, returns the TokenTree."""
+    """Steps filling a static topology level by level, for drafters that run a model per level.
+
+    root_logits (V,): the draft's prediction after the root. Each level yields (builder,
+    nodes): the tree so far and its newest level's nodes that have children in the topology;
+    the answer is their draft logits (len(nodes), V). Returns the TokenTree. Levels past
+    `depth_limit` are left out (a draft model near the end of its position range).
+    """
     builder = TreeBuilder(root)
     placed = {0: 0}  # topology node -> tree node
     logits = {0: root_logits}  # tree node -> (V,) draft logits after its path

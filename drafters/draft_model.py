@@ -24,7 +24,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from drafters.base import check_depth, fill_by_levels, node_path, shallow_config, typed_config
+from drafters.base import (
+    Steps,
+    check_depth,
+    fill_steps,
+    node_path,
+    relay,
+    run_lockstep,
+    shallow_config,
+    typed_config,
+)
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
@@ -34,7 +43,7 @@ from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
-from verify.verifier import cached_forward, context_window
+from verify.verifier import batched_forward, context_window
 
 VOCAB_FILE = "draft_vocab.safetensors"  # a distilled draft's vocab_ids (V',), EAGLE-3's d2t
 INFO_FILE = "treedraft.json"  # a distilled draft's settings and the target it was distilled from
@@ -71,33 +80,68 @@ class DraftModelDrafter:
 
     def begin(self, prompt: torch.Tensor) -> None:
         """Drop the cache: a new sequence starts (the prompt is fed on the first proposal)."""
-        self.engine.reset()
-        self.cached = torch.empty(0, dtype=torch.long)
-        self.last_tree: TokenTree | None = None
+        self.begin_batch([prompt])
 
-    @torch.no_grad()
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        """B new sequences, drafted together by `propose_batch`."""
+        self.engine.reset(len(prompts))
+        self.cached_rows = [torch.empty(0, dtype=torch.long) for _ in prompts]
+        self.last_trees: list[TokenTree | None] = [None] * len(prompts)
+
+    @property
+    def cached(self) -> torch.Tensor:
+        """(T,) the tokens the draft's cache holds (committed), for one sequence."""
+        if len(self.cached_rows) != 1:
+            raise ValueError(f"`cached` is for one sequence; this drafter has "
+                             f"{len(self.cached_rows)}")
+        return self.cached_rows[0]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` of the batch (finished ones leave)."""
+        self.engine.keep_rows(rows)
+        self.cached_rows = [self.cached_rows[row] for row in rows.tolist()]
+        self.last_trees = [self.last_trees[row] for row in rows.tolist()]
+
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree rooted at ctx.tokens[-1]; fewer nodes where the draft distribution has too
         few tokens with mass."""
+        if self.engine.rows != 1:
+            raise ValueError(f"{self.name} holds a batch of {self.engine.rows} sequences: use "
+                             "propose_batch, or begin() for one sequence")
+        return self.propose_batch([ctx])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
+        """One tree per sequence of the batch (ctxs in `begin_batch`'s order), every tree
+        level of every row through one draft forward."""
+        if len(ctxs) != self.engine.rows:
+            raise ValueError(f"{len(ctxs)} contexts for {self.engine.rows} sequences")
         self.engine.rollback()  # a tree never followed by update() must not linger
-        root_logits = self._catch_up(ctx.tokens)  # (V',)
-        root = int(ctx.tokens[-1])
-        if isinstance(self.tree, DynamicTree):
-            self.last_tree = self._grow_dynamic(root, root_logits, ctx.params)
-        else:
-            self.last_tree = fill_by_levels(self.tree, root, self._full_logits(root_logits),
-                                            self._forward_level, self._depth_limit(),
-                                            ctx.params, ctx.generator)
-        return self.last_tree
+        root_logits = self._catch_up([ctx.tokens for ctx in ctxs])  # (B, V')
+        steps = {}
+        for row, ctx in enumerate(ctxs):
+            root = int(ctx.tokens[-1])
+            if isinstance(self.tree, DynamicTree):
+                steps[row] = self._dynamic_steps(row, root, root_logits[row], ctx.params)
+            else:
+                steps[row] = self._static_steps(row, root, root_logits[row], ctx)
+        trees = run_lockstep(steps, self._feed_rows)
+        self.last_trees = [trees[row] for row in range(len(ctxs))]
+        return list(self.last_trees)
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         """Keep the draft's entries of the accepted path; crop the rest of the tree."""
-        if tree is not self.last_tree:  # the loop decoded without our tree (context's end)
-            self.engine.rollback()
-            return
-        committed = self.engine.commit(acceptance.path)
-        accepted = tree.tokens[acceptance.path[1:1 + committed]]
-        self.cached = torch.cat([self.cached, accepted])
+        self.update_batch([tree], [acceptance])
+
+    def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
+        """Keep each row's draft entries of its accepted path; crop the rest of the trees. A
+        row decoded without our tree (the context's end) keeps nothing of it."""
+        paths = [acceptance.path if tree is ours else [0]
+                 for tree, ours, acceptance in zip(trees, self.last_trees, acceptances)]
+        committed = self.engine.commit_batch(paths)
+        for row, (tree, path, count) in enumerate(zip(trees, paths, committed)):
+            self.cached_rows[row] = torch.cat([self.cached_rows[row],
+                                               tree.tokens[path[1:1 + count]]])
 
     def fork(self) -> DraftModelDrafter:
         """The same draft model, its own cache."""
@@ -105,69 +149,90 @@ class DraftModelDrafter:
         twin.begin(torch.empty(0, dtype=torch.long))
         return twin
 
-    def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Cache the (T,) committed tokens; returns the draft logits (V',) after the last one."""
-        tokens = tokens.cpu()
+    def _catch_up(self, contexts: list[torch.Tensor]) -> torch.Tensor:
+        """Cache each row's (T_b,) committed tokens, all rows in one forward; returns the
+        draft logits (B, V') after each row's last token."""
+        contexts = [tokens.cpu() for tokens in contexts]
         # Keep the common prefix (the cache may be ahead after a new sequence), but always
         # feed at least the root: its logits are the first level's distribution.
-        keep = min(_common_prefix(self.cached, tokens), len(tokens) - 1)
-        self.engine.crop(keep)
-        self.cached = tokens[:keep]  # in step with the cache, should the forward fail
-        logits = self._forward(tokens[keep:], torch.arange(keep, len(tokens)), None,
-                               keep_last=True)
-        self.engine.extend(len(tokens) - keep)
-        self.cached = tokens.clone()
-        return logits[-1]
+        keeps = [min(_common_prefix(cached, tokens), len(tokens) - 1)
+                 for cached, tokens in zip(self.cached_rows, contexts)]
+        self.engine.crop_rows(keeps)
+        # in step with the cache, should the forward fail
+        self.cached_rows = [tokens[:keep] for tokens, keep in zip(contexts, keeps)]
+        counts = [len(tokens) - keep for tokens, keep in zip(contexts, keeps)]
+        positions, mask = self.engine.chains(counts, self.model.dtype)
+        fed = torch.zeros(positions.shape, dtype=torch.long)
+        for row, (tokens, keep) in enumerate(zip(contexts, keeps)):
+            fed[row, :len(tokens) - keep] = tokens[keep:]
+        last = torch.tensor(counts) - 1
+        keep_columns = torch.unique(last)  # only these positions go through the LM head
+        logits, _ = batched_forward(self.model, self.engine.cache, fed, positions, mask,
+                                    logits_to_keep=keep_columns)
+        self.engine.commit_chains(counts)
+        self.cached_rows = [tokens.clone() for tokens in contexts]
+        column = torch.searchsorted(keep_columns, last).to(logits.device)
+        return logits[torch.arange(len(contexts), device=logits.device), column].cpu()
 
-    def _depth_limit(self) -> int:
+    def _depth_limit(self, row: int) -> int:
         """The tree's depth, less near the end of the draft model's position range (a node at
         depth d sits at position T - 1 + d; GPT-2's position table would overflow)."""
         max_positions = context_window(self.model)
         if max_positions is None:
             return self.tree.depth
-        return min(self.tree.depth, max_positions - len(self.cached))
+        return min(self.tree.depth, max_positions - len(self.cached_rows[row]))
 
-    def _forward_level(self, builder: TreeBuilder, nodes: list[int]) -> torch.Tensor:
-        """Feed static-tree `nodes` (the newest level with children) through the cache;
-        returns their logits (n, V) over the target's vocabulary."""
-        paths = [node_path(builder.parents, node) for node in nodes]
-        tokens = [builder.tokens[node] for node in nodes]
-        return self._full_logits(self._feed(paths, tokens))
-
-    def _grow_dynamic(self, root: int, root_logits: torch.Tensor,
-                      params: SamplingParams) -> TokenTree:
-        """EAGLE-2's tree over draft-vocabulary indices, mapped back to target ids. The fed
-        candidates are renamed to their ids in the kept tree, so `update` commits as for a
-        static tree; a shorter depth near the end of the position range."""
+    def _dynamic_steps(self, row: int, root: int, root_logits: torch.Tensor,
+                       params: SamplingParams) -> Steps:
+        """Steps growing EAGLE-2's tree over draft-vocabulary indices, mapped back to target
+        ids. The fed candidates are renamed to their ids in the kept tree, so `update` commits
+        as for a static tree; a shorter depth near the end of the position range."""
         to_target = target_ids(self.vocab_ids, self.target_vocab_size)
 
-        def expand(candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
-            tokens = [int(to_target[candidates.tokens[n]]) for n in nodes]
-            logits = self._feed([candidates.path(n) for n in nodes], tokens)
+        def ask(request: tuple[CandidateTree, list[int]]) -> Steps:
+            candidates, nodes = request
+            logits = yield ([candidates.path(n) for n in nodes],
+                            [int(to_target[candidates.tokens[n]]) for n in nodes])
             return draft_log_probs(logits, params)
 
         policy = self.tree
-        if self._depth_limit() < policy.depth:
-            policy = replace(policy, depth=max(1, self._depth_limit()))
-        candidates = policy.search(root, draft_log_probs(root_logits[None], params)[0], expand)
+        if self._depth_limit(row) < policy.depth:
+            policy = replace(policy, depth=max(1, self._depth_limit(row)))
+        search = policy.search_steps(root, draft_log_probs(root_logits[None], params)[0])
+        candidates = yield from relay(search, ask)
         kept = policy.rerank(candidates)
-        self.engine.renumber({candidate: node for node, candidate in enumerate(kept)})
+        self.engine.renumber({candidate: node for node, candidate in enumerate(kept)}, row)
         tree = candidates.subtree(kept)
         tree.tokens[1:] = to_target[tree.tokens[1:]]
         return tree
 
-    def _feed(self, paths: list[list[int]], tokens: list[int]) -> torch.Tensor:
-        """One tree level through the cache: the nodes ending `paths` (root first) with their
-        `tokens` -> their draft logits (n, V')."""
-        positions, mask = self.engine.level(paths, self.model.dtype)
-        return self._forward(torch.tensor(tokens), positions, mask)
+    def _static_steps(self, row: int, root: int, root_logits: torch.Tensor,
+                      ctx: DraftContext) -> Steps:
+        """Steps (drafters.base) filling the static topology below `root`."""
+        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
+            builder, nodes = request
+            logits = yield ([node_path(builder.parents, node) for node in nodes],
+                            [builder.tokens[node] for node in nodes])
+            return self._full_logits(logits)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                 attention_mask: torch.Tensor | None, keep_last: bool = False) -> torch.Tensor:
-        """(n,) tokens at (n,) positions appended to the cache -> float logits (n or 1, V')."""
-        logits, _ = cached_forward(self.model, self.engine.cache, tokens, positions,
-                                   attention_mask, logits_to_keep=1 if keep_last else 0)
-        return logits
+        fill = fill_steps(self.tree, root, self._full_logits(root_logits),
+                          self._depth_limit(row), ctx.params, ctx.generator)
+        return (yield from relay(fill, ask))
+
+    def _feed_rows(self, requests: dict[int, tuple[list[list[int]], list[int]]]
+                   ) -> dict[int, torch.Tensor]:
+        """One tree level of every asking row through the cache, in one forward. requests[b]:
+        the paths (root first) of row b's level's nodes and their tokens. Returns per row the
+        nodes' float CPU draft logits (n_b, V'). Rows not asking feed a padding node."""
+        positions, mask = self.engine.level_batch(
+            [requests[row][0] if row in requests else [] for row in range(self.engine.rows)],
+            self.model.dtype)
+        tokens = torch.zeros(positions.shape, dtype=torch.long)
+        for row, (_, row_tokens) in requests.items():
+            tokens[row, :len(row_tokens)] = torch.tensor(row_tokens)
+        logits, _ = batched_forward(self.model, self.engine.cache, tokens, positions, mask)
+        return {row: logits[row, :len(row_tokens)].cpu()
+                for row, (_, row_tokens) in requests.items()}
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V') draft logits -> (..., V) over the target's vocabulary, -inf outside."""

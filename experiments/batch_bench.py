@@ -72,7 +72,8 @@ def treedraft_batched(target: Target, drafter: Drafter | None) -> BatchMethod:
         results = generate_batch(target.model, prompts, max_new_tokens, drafter=drafter,
                                  eos_token_id=target.eos_token_ids)
         # Every row took part in each step of the row that ran longest: its verify times are
-        # the batch's. Drafting runs row by row, so the rows' draft times add up.
+        # the batch's. Each row's draft time is its own (a fork per row) or its share of the
+        # batch's (a batch drafter), so the rows' draft times add up either way.
         longest = max(results, key=lambda r: len(r.steps))
         return {"tokens": [r.tokens.tolist() for r in results],
                 "steps": len(longest.steps),

@@ -105,6 +105,39 @@ def test_committing_a_dynamic_trees_path_equals_re_running_it(self_draft, accept
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tree", ["tree8", "eagle2"])
+def test_a_batch_drafts_each_rows_own_tree(self_draft, topology, tree):
+    # Four sequences of different lengths accept paths of different lengths (the root alone,
+    # inner nodes, a leaf never fed) and one leaves: the batch's trees and committed cache
+    # lengths are what each row's own drafter gets alone.
+    policy = DynamicTree(depth=4, top_k=3, total_tokens=6) if tree == "eagle2" else topology(tree)
+    batch = DraftModelDrafter(self_draft, policy)
+    alone = [DraftModelDrafter(self_draft, policy) for _ in range(4)]
+    contexts = [CONTEXT, CONTEXT[:4], torch.cat([CONTEXT, CONTEXT]), CONTEXT[2:]]
+    batch.begin_batch(contexts)
+    rows = [0, 1, 2, 3]
+    for step, depths in enumerate([[0, 2, 1, 4], [3, 0, 2, 1], [1, 9, 0, 3]]):
+        if step == 2:  # row 1 finishes
+            rows.remove(1)
+            batch.keep_rows(torch.tensor([0, 2, 3]))
+        together = batch.propose_batch([context(contexts[row]) for row in rows])
+        trees, acceptances = [], []
+        for row, ours in zip(rows, together):
+            theirs = alone[row].propose(context(contexts[row]))
+            assert torch.equal(ours.tokens, theirs.tokens), (step, row)
+            assert torch.equal(ours.parents, theirs.parents), (step, row)
+            path = [0]  # down the last children, as deep as asked
+            while len(path) <= depths[row] and ours.children(path[-1]):
+                path.append(ours.children(path[-1])[-1])
+            acceptance = Acceptance(path, bonus=5)
+            alone[row].update(theirs, acceptance)
+            trees.append(ours)
+            acceptances.append(acceptance)
+            contexts[row] = torch.cat([contexts[row], ours.tokens[path[1:]], torch.tensor([5])])
+        batch.update_batch(trees, acceptances)
+        assert batch.engine.lengths.tolist() == [alone[row].engine.length for row in rows]
+
+
 def test_proposing_twice_on_one_context_gives_one_tree(self_draft, topology):
     drafter = DraftModelDrafter(self_draft, topology("tree8"))
     first, second = (drafter.propose(context(CONTEXT)) for _ in range(2))

@@ -166,8 +166,8 @@ def test_a_distilled_draft_proposes_its_vocabulary_only_and_decodes_exactly(trai
     assert isinstance(drafter, DraftModelDrafter)
     assert torch.equal(drafter.vocab_ids, read_vocab(run / "checkpoint"))
     proposed = []
-    propose = drafter.propose
-    drafter.propose = lambda ctx: proposed.append(propose(ctx)) or proposed[-1]
+    propose = drafter.propose_batch  # the loop drafts through it, also for one sequence
+    drafter.propose_batch = lambda ctxs: proposed.extend(propose(ctxs)) or proposed[-len(ctxs):]
     result = generate(target.model, TOKENS, 40, drafter=drafter)
     assert torch.equal(result.tokens, generate(target.model, TOKENS, 40).tokens)
     drafted = torch.cat([t.tokens[1:] for t in proposed])
