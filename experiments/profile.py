@@ -3,6 +3,7 @@
     python -m experiments.profile 'sizes=[1,2,4,8,16]' context_len=256 repeats=10
     python -m experiments.profile 'attn_implementations=[sdpa_gqa,sdpa,eager]'
     python -m experiments.profile 'packings=[null,auto]'   # pre-packed weights, before/after
+    python -m experiments.profile products=true   # + the weight products alone, by kernel
 
 For each n, a chain of n tokens is verified after `context_len` cached tokens (sizes take
 turns, medians over `repeats`), and the step is cut into its parts:
@@ -18,6 +19,14 @@ With several attention implementations or packings (target.packed_rows, verify/p
 packed target pads each tree to the next packed row count, and the rows show that padded
 step), each gets its own rows. Prints a table, writes JSON
 and a PNG (stacked parts by n).
+
+With `products=true` a second table times the target's weight products alone (every linear
+layer's weight times n rows, in model order, outside the model) under each matrix-product
+kernel this torch build has: `F.linear` as the model runs it, MKL's packed GEMM
+(verify/packed.py) and oneDNN's packed linear. The fastest kernel at each n bounds what any
+choice of kernel can give: a step cannot cost less than t(1) - products(1) + products(n), as
+the rest of the forward (attention, norms) does not get cheaper with n. So `bound` is the
+smallest t(n)/t(1) a better kernel could reach on this machine.
 """
 
 from __future__ import annotations
@@ -31,14 +40,16 @@ from pathlib import Path
 
 import hydra
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from transformers import PreTrainedModel
 
 from experiments.common import save_figure, single_thread, write_report
 from experiments.tree_search import measure_verify_cost
 from verify.accept import make_rule
 from verify.loop import generate
-from verify.packed import ladder_width, packed_rows
+from verify.packed import ladder_width, packed_rows, packing_unavailable
 from verify.sampling import SamplingParams
 from verify.target import load_target_from_config
 from verify.tree import TokenTree, TreeTopology
@@ -204,6 +215,82 @@ def profile(cfg: DictConfig) -> list[dict]:
     return rows
 
 
+def product_kernels(model: PreTrainedModel) -> list[str]:
+    """The matrix-product kernels `product_times` can time on `model` with this torch build."""
+    kernels = ["linear"]
+    if packing_unavailable(model) is None:
+        kernels.append("mkl_packed")
+        if torch.backends.mkldnn.is_available():
+            kernels.append("onednn_packed")
+    return kernels
+
+
+def _products(kernel: str, weights: list[torch.Tensor], n: int):
+    """A function running every (out, in) weight's product with n rows under `kernel`, in
+    order, and returning the (n, out) results (the weights packed for n rows first where the
+    kernel packs). Every kernel gets the same rows."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = {width: torch.randn(n, width, generator=generator).to(weights[0].dtype)
+              for width in sorted({w.shape[1] for w in weights})}
+    if kernel == "linear":
+        calls = [(F.linear, (inputs[w.shape[1]], w)) for w in weights]
+    elif kernel == "mkl_packed":
+        calls = [(torch.ops.mkl._mkl_linear,
+                  (inputs[w.shape[1]], torch.ops.mkl._mkl_reorder_linear_weight(w, n), w, None,
+                   n)) for w in weights]
+    elif kernel == "onednn_packed":
+        calls = [(torch.ops.mkldnn._linear_pointwise,
+                  (inputs[w.shape[1]], torch.ops.mkldnn._reorder_linear_weight(w, n), None,
+                   "none", [], "")) for w in weights]
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}")
+
+    def run() -> list[torch.Tensor]:
+        return [op(*args) for op, args in calls]
+    return run
+
+
+@torch.no_grad()
+def product_times(model: PreTrainedModel, sizes: list[int], repeats: int) -> list[dict]:
+    """One row per n: ms (medians over `repeats`) of all the model's weight products with n
+    rows, per kernel of `product_kernels`, and the fastest."""
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)]
+    rows = []
+    for n in sizes:
+        row = {"n": n}
+        for kernel in product_kernels(model):
+            run = _products(kernel, weights, n)
+            times = []
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                run()
+                if i:  # the first run pays one-off costs
+                    times.append(time.perf_counter() - start)
+            row[kernel] = 1000 * statistics.median(times)
+            del run  # one kernel's packed copies in memory at a time
+        row["best"] = min(row[k] for k in product_kernels(model))
+        rows.append(row)
+    return rows
+
+
+def product_bounds(products: list[dict], t1_ms: float) -> list[dict]:
+    """`products` rows with `bound`: the smallest t(n)/t(1) the fastest kernel allows, with
+    t(1) = t1_ms, the measured one-token step."""
+    one = next(r["best"] for r in products if r["n"] == 1)
+    return [{**r, "bound": (t1_ms - one + r["best"]) / t1_ms} for r in products]
+
+
+def format_products(products: list[dict]) -> str:
+    kernels = [k for k in ("linear", "mkl_packed", "onednn_packed") if k in products[0]]
+    lines = ["| n | " + " | ".join(kernels) + " | fastest | bound on t(n) / t(1) |",
+             "|---" * (len(kernels) + 3) + "|"]
+    for r in products:
+        cells = " | ".join(f"{r[k]:.2f}" for k in kernels)
+        lines.append(f"| {r['n']} | {cells} | {r['best']:.2f} | {r['bound']:.2f} |")
+    return ("\n".join(lines) + "\n\nThe weight products alone (every linear layer, LM head "
+            "included), ms, medians; bound = (t(1) - fastest(1) + fastest(n)) / t(1).")
+
+
 def format_table(rows: list[dict]) -> str:
     columns = ["inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy",
                "accept_sampling", "commit", "loop", "forward", "step_greedy", "verify"]
@@ -252,6 +339,12 @@ def main(cfg: DictConfig) -> None:
     rows = profile(cfg)
     print(format_table(rows))
     stem = f"{cfg.target.name}-profile-{cfg.target.dtype}"
+    if cfg.products:
+        target = load_target_from_config(OmegaConf.merge(cfg.target, {"packed_rows": None}))
+        products = product_bounds(product_times(target.model, sorted(set(cfg.sizes)),
+                                                cfg.repeats), rows[0]["verify"])
+        print("\n" + format_products(products))
+        print(f"JSON: {write_report(Path(cfg.out_dir), stem + '-products', products, cfg)}")
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(f"\nJSON: {path}")
     if cfg.plot:

@@ -1,10 +1,24 @@
 """The step profile: every part of a verification step timed, by n, on a tiny target."""
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
+from torch import nn
 
 from experiments.common import CONF_DIR
-from experiments.profile import MODEL_PARTS, PARTS, format_table, plot, profile
+from experiments.profile import (
+    MODEL_PARTS,
+    PARTS,
+    _products,
+    format_products,
+    format_table,
+    plot,
+    product_bounds,
+    product_kernels,
+    product_times,
+    profile,
+)
+from verify.target import load_target
 
 
 def profile_config(*overrides):
@@ -44,3 +58,20 @@ def test_packings_get_their_own_rows_and_the_packed_step_is_padded():
 def test_sizes_must_include_the_plain_step():
     with pytest.raises(ValueError, match="include 1"):
         profile(profile_config("sizes=[2,4]"))
+
+
+def test_the_weight_products_are_timed_by_kernel_and_bound_the_step_ratio():
+    model = load_target(tiny="llama").model
+    kernels = product_kernels(model)
+    rows = product_bounds(product_times(model, [1, 4], repeats=2), t1_ms=10.0)
+    for r in rows:
+        assert all(r[k] > 0 for k in kernels) and r["best"] == min(r[k] for k in kernels)
+    assert rows[0]["bound"] == pytest.approx(1.0)
+    assert rows[1]["bound"] == pytest.approx((10.0 - rows[0]["best"] + rows[1]["best"]) / 10)
+    assert "| 4 |" in format_products(rows)
+    # every kernel timed computes the model's own products
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)]
+    expected = _products("linear", weights, 4)()
+    for kernel in kernels:
+        for ours, theirs in zip(_products(kernel, weights, 4)(), expected, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
