@@ -347,7 +347,22 @@ def load_draft_model(path: str | Path, target: Target
     vocab_ids = read_vocab(path)
     if vocab_ids is not None:
         model.set_output_embeddings(copy_linear(model.get_output_embeddings(), vocab_ids))
-    return model.to(target.model.device).eval(), vocab_ids
+    model = model.to(target.model.device).eval()
+    share_token_table(model, target.model)
+    return model, vocab_ids
+
+
+def share_token_table(draft: PreTrainedModel, target: PreTrainedModel) -> bool:
+    """Point the draft's token embedding at the target's tensor when it holds the same values
+    (a distilled draft trains with the target's frozen table): one copy in memory instead of
+    two, 108 MiB on the default target. Returns whether it did."""
+    ours, theirs = draft.get_input_embeddings(), target.get_input_embeddings()
+    if ours.weight.shape != theirs.weight.shape or ours.weight.dtype != theirs.weight.dtype:
+        return False
+    if not torch.equal(ours.weight, theirs.weight.to(ours.weight.device)):
+        return False
+    ours.weight = theirs.weight
+    return True
 
 
 def read_vocab(folder: str | Path) -> torch.Tensor | None:

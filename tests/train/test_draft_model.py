@@ -18,6 +18,7 @@ from drafters.draft_model import (
     DraftModelConfig,
     DraftModelDrafter,
     draft_model_config,
+    load_draft_model,
     read_vocab,
     save_draft_model,
     truncated_copy,
@@ -172,6 +173,19 @@ def test_a_distilled_draft_proposes_its_vocabulary_only_and_decodes_exactly(trai
     assert torch.equal(result.tokens, generate(target.model, TOKENS, 40).tokens)
     drafted = torch.cat([t.tokens[1:] for t in proposed])
     assert len(drafted) > 0 and torch.isin(drafted, drafter.vocab_ids).all()
+
+
+def test_a_loaded_draft_shares_the_targets_token_table(trained):
+    # trained with the target's frozen table: loaded beside the target, one copy in memory
+    run, _ = trained
+    target = load_target(tiny="llama")
+    model, _ = load_draft_model(run / "checkpoint", target)
+    table = target.model.get_input_embeddings().weight
+    assert model.get_input_embeddings().weight.data_ptr() == table.data_ptr()
+    other = load_target(tiny="llama", seed=1)  # another table: the draft keeps its own
+    model, _ = load_draft_model(run / "checkpoint", other)
+    assert model.get_input_embeddings().weight.data_ptr() != other.model.get_input_embeddings(
+    ).weight.data_ptr()
 
 
 def test_a_full_vocabulary_draft_assists_hugging_face_generate(tmp_path):
