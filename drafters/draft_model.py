@@ -138,7 +138,7 @@ class DraftModelDrafter:
         row decoded without our tree (the context's end) keeps nothing of it."""
         paths = [acceptance.path if tree is ours else [0]
                  for tree, ours, acceptance in zip(trees, self.last_trees, acceptances)]
-        committed = self.engine.commit_batch(paths)
+        committed = self.engine.commit(paths)
         for row, (tree, path, count) in enumerate(zip(trees, paths, committed)):
             self.cached_rows[row] = torch.cat([self.cached_rows[row],
                                                tree.tokens[path[1:1 + count]]])
@@ -224,7 +224,7 @@ class DraftModelDrafter:
         """One tree level of every asking row through the cache, in one forward. requests[b]:
         the paths (root first) of row b's level's nodes and their tokens. Returns per row the
         nodes' float CPU draft logits (n_b, V'). Rows not asking feed a padding node."""
-        positions, mask = self.engine.level_batch(
+        positions, mask = self.engine.level(
             [requests[row][0] if row in requests else [] for row in range(self.engine.rows)],
             self.model.dtype)
         tokens = torch.zeros(positions.shape, dtype=torch.long)

@@ -365,7 +365,7 @@ class EagleDrafter:
         a padding node."""
         weight = self.draft.lm_head.weight
         rows = range(self.engine.rows)
-        positions, mask = self.engine.level_batch(
+        positions, mask = self.engine.level(
             [requests[row][0] if row in requests else [] for row in rows], weight.dtype)
         inputs = torch.zeros(len(rows), positions.shape[1], weight.shape[1], dtype=weight.dtype,
                              device=weight.device)

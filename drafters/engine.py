@@ -3,16 +3,15 @@
 The draft model and EAGLE both keep a cache of committed entries (one per decided position)
 and, while proposing, append tree levels to it: each level is a set of tree nodes fed at once,
 each node attending to every committed entry and to its own fed ancestors (a tree mask, as the
-verifier's). After the target has spoken, `commit` keeps the fed entries of the accepted path
-and crops the rest (the draft model: those entries are exactly what re-running the accepted
-tokens would compute), or `rollback` drops the whole tree (EAGLE: the target's real features
-of the accepted path replace the draft's guesses, so it re-runs them anyway).
+verifier's). After the target has spoken, `commit` keeps the fed entries of the accepted
+paths and crops the rest (the draft model: those entries are exactly what re-running the
+accepted tokens would compute), or `rollback` drops the whole trees (EAGLE: the target's
+real features of the accepted path replace the draft's guesses, so it re-runs them anyway).
 
 The engine holds B sequences (rows) that draft together, one forward per tree level for all
 of them, with the verifier's layout (verify/verifier.py): row b's committed entries sit at
 slots 0 .. lengths[b] - 1; slots past them are stale or hold the row's fed nodes, and every
-mask hides the stale ones. The single-row methods (`length`, `crop`, `extend`, `level`,
-`commit`, `renumber`) are the B = 1 case.
+mask hides the stale ones. One sequence is the batch of one.
 
 Geometry: a tree's root is its row's last committed entry, at position lengths[b] - 1; a node
 at depth d sits at position lengths[b] - 1 + d.
@@ -74,10 +73,6 @@ class DraftEngine:
             trim(self.cache, longest)
         self.fed = [{} for _ in range(self.rows)]
 
-    def crop(self, length: int) -> None:
-        """Keep the first `length` committed entries only (B = 1; drops any tree too)."""
-        self.crop_rows([length])
-
     def crop_rows(self, lengths: Sequence[int]) -> None:
         """Keep row b's first lengths[b] committed entries only (drops every tree too)."""
         lengths = torch.as_tensor(list(lengths), dtype=torch.long)
@@ -98,13 +93,6 @@ class DraftEngine:
             self.cache.batch_select_indices(rows.to(self.cache.layers[0].keys.device))
         self.lengths = self.lengths[rows]
         self._trim()
-
-    def extend(self, count: int) -> None:
-        """Mark `count` entries just appended by a causal forward as committed (B = 1)."""
-        if self.fed[0]:
-            raise RuntimeError("committed entries cannot follow a tree: rollback or commit first")
-        self.lengths = self.lengths + count
-        self.forwards += 1
 
     def chains(self, counts: Sequence[int], dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -133,13 +121,7 @@ class DraftEngine:
         move_entries(self.cache, self.lengths, [range(start, start + int(k)) for k in counts])
         self.lengths = self.lengths + torch.as_tensor(list(counts), dtype=torch.long)
 
-    def level(self, paths: list[list[int]], dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`level_batch` for one row: positions (n,) and mask (1, 1, n, cached + n)."""
-        positions, mask = self.level_batch([paths], dtype)
-        return positions[0], mask
-
-    def level_batch(self, paths: Sequence[Sequence[list[int]]], dtype: torch.dtype
+    def level(self, paths: Sequence[Sequence[list[int]]], dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Register, per row b, the nodes ending paths[b] (each root..node, as tree node ids) as
         its next fed level, padded to n = max count; returns their (B, n) positions and the
@@ -173,11 +155,7 @@ class DraftEngine:
         self.fed[row] = {new_ids[node]: slot for node, slot in self.fed[row].items()
                          if node in new_ids}
 
-    def commit(self, path: list[int]) -> int:
-        """`commit_batch` for one row; returns how many entries became committed."""
-        return self.commit_batch([path])[0]
-
-    def commit_batch(self, paths: Sequence[Sequence[int]]) -> list[int]:
+    def commit(self, paths: Sequence[Sequence[int]]) -> list[int]:
         """Keep, per row, the fed entries of the accepted paths[b] (root first; the root is
         committed already) and drop the rest of the trees; returns how many entries each row
         committed. A path's fed nodes are a prefix of it: a node is fed only after its parent."""

@@ -267,6 +267,9 @@ def _propose(verifier: TreeVerifier, batch_drafter: BatchDrafter | None,
         start = time.perf_counter()
         proposed = batch_drafter.propose_batch(contexts)
         share = (time.perf_counter() - start) / len(active)
+        if len(proposed) != len(active):
+            raise ValueError(f"propose_batch returned {len(proposed)} trees for "
+                             f"{len(active)} sequences")
         trees = [_checked(tree, ctx.tokens, verifier.model, cached)
                  for tree, ctx, cached in zip(proposed, contexts, verifier.lengths.tolist())]
         return trees, [share] * len(active)
