@@ -98,14 +98,14 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     Each row gets its own tree, cached length and accepted path; the trees are padded to a
     common size and verified in one target forward. A `BatchDrafter` (EAGLE, the draft model)
     drafts every row's tree at once (`propose_batch`); any other drafter drafts row by row,
-    `drafter.fork()` giving every row after the first its own drafter state. A row that finishes leaves the batch. Every row's output
-    is what decoding its prompt alone gives (greedy: the same tokens; sampling: the same
-    distribution). keep_states returns each new token's last-layer state (self-distillation
-    data) in `GenerationResult.states`. pad_rows: every step's forward runs at least that many
-    tree rows (padding nodes, discarded): one matrix shape for plain and tree steps alike, so
-    a node's numbers cannot depend on its tree's size (a batch-invariant mode for half
-    precision, where kernels for different shapes round differently). Other arguments as in
-    `generate`.
+    `drafter.fork()` giving every row after the first its own drafter state. A row that
+    finishes leaves the batch. Every row's output is what decoding its prompt alone gives
+    (greedy: the same tokens; sampling: the same distribution). keep_states returns each new
+    token's last-layer state (self-distillation data) in `GenerationResult.states`.
+    pad_rows: every step's forward runs at least that many tree rows (padding nodes,
+    discarded): one matrix shape for plain and tree steps alike, so a node's numbers cannot
+    depend on its tree's size (a batch-invariant mode for half precision, where kernels for
+    different shapes round differently). Other arguments as in `generate`.
     """
     params = SamplingParams(temperature, top_k, top_p)
     rows = [_check_inputs(model, prompt, max_new_tokens)

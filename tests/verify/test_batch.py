@@ -65,6 +65,24 @@ def alone(model, prompts, n, **kwargs):
     return [generate(model, p, n, **kwargs).tokens for p in prompts]
 
 
+def test_a_batch_prefills_each_prompt_exactly_as_alone(model):
+    # each prompt runs alone (no padded forward): its logits, features and cache entries are
+    # bit for bit those of prefilling it alone; slots past a row's prompt hold zeros
+    prompts = prompts_of_lengths(3, 9, 5)
+    batch = TreeVerifier(model, (-1,))
+    logits, features = batch.prefill_batch(prompts)
+    assert batch.lengths.tolist() == [3, 9, 5] and batch.cache_size == 9
+    for row, prompt in enumerate(prompts):
+        single = TreeVerifier(model, (-1,))
+        expected_logits, expected_features = single.prefill(prompt)
+        assert torch.equal(logits[row].cpu(), expected_logits)
+        assert torch.equal(features[row], expected_features)
+        for ours, theirs in zip(batch.cache.layers, single.cache.layers):
+            assert torch.equal(ours.keys[row, :, :len(prompt)], theirs.keys[0])
+            assert torch.equal(ours.values[row, :, :len(prompt)], theirs.values[0])
+            assert not ours.keys[row, :, len(prompt):].any()
+
+
 def test_plain_batch_equals_each_prompt_alone(model):
     prompts = prompts_of_lengths(7, 15, 3, 11)
     batch = generate_batch(model, prompts, 24)
