@@ -161,18 +161,36 @@ class DraftModelDrafter:
         # in step with the cache, should the forward fail
         self.cached_rows = [tokens[:keep] for tokens, keep in zip(contexts, keeps)]
         counts = [len(tokens) - keep for tokens, keep in zip(contexts, keeps)]
-        positions, mask = self.engine.chains(counts, self.model.dtype)
-        fed = torch.zeros(positions.shape, dtype=torch.long)
-        for row, (tokens, keep) in enumerate(zip(contexts, keeps)):
-            fed[row, :len(tokens) - keep] = tokens[keep:]
-        last = torch.tensor(counts) - 1
-        keep_columns = torch.unique(last)  # only these positions go through the LM head
-        logits, _ = batched_forward(self.model, self.engine.cache, fed, positions, mask,
-                                    logits_to_keep=keep_columns)
-        self.engine.commit_chains(counts)
+        if len(contexts) > 1 and self.engine.size == 0:  # the prompts: each row alone
+            logits = self._start_rows(contexts)
+        else:
+            positions, mask = self.engine.chains(counts, self.model.dtype)
+            fed = torch.zeros(positions.shape, dtype=torch.long)
+            for row, (tokens, keep) in enumerate(zip(contexts, keeps)):
+                fed[row, :len(tokens) - keep] = tokens[keep:]
+            last = torch.tensor(counts) - 1
+            keep_columns = torch.unique(last)  # only these positions go through the LM head
+            out, _ = batched_forward(self.model, self.engine.cache, fed, positions, mask,
+                                     logits_to_keep=keep_columns)
+            self.engine.commit_chains(counts)
+            column = torch.searchsorted(keep_columns, last).to(out.device)
+            logits = out[torch.arange(len(contexts), device=out.device), column].cpu()
         self.cached_rows = [tokens.clone() for tokens in contexts]
-        column = torch.searchsorted(keep_columns, last).to(logits.device)
-        return logits[torch.arange(len(contexts), device=logits.device), column].cpu()
+        return logits
+
+    def _start_rows(self, contexts: list[torch.Tensor]) -> torch.Tensor:
+        """The first catch-up of an empty engine, row by row (DraftEngine.start_rows): each
+        row's whole context. Returns the logits (B, V') after each row's last token."""
+        last = []
+
+        def run_row(row: int, cache) -> None:
+            tokens = contexts[row]
+            logits, _ = batched_forward(self.model, cache, tokens[None],
+                                        torch.arange(len(tokens))[None], logits_to_keep=1)
+            last.append(logits[0, -1].cpu())
+
+        self.engine.start_rows([len(tokens) for tokens in contexts], run_row)
+        return torch.stack(last)
 
     def _depth_limit(self, row: int) -> int:
         """The tree's depth, less near the end of the draft model's position range (a node at

@@ -301,19 +301,38 @@ class EagleDrafter:
             starts.append(start)
             counts.append(count)
         self.engine.crop_rows(starts)
-        positions, mask = self.engine.chains(counts, weight.dtype)
-        inputs = torch.zeros(len(ctxs), positions.shape[1], weight.shape[1], dtype=weight.dtype,
-                             device=weight.device)
-        tokens = torch.zeros(positions.shape, dtype=torch.long)
-        for row, (ctx, start, count) in enumerate(zip(ctxs, starts, counts)):
-            inputs[row, :count] = self.draft.fuse_features(ctx.features.to(weight))
-            tokens[row, :count] = ctx.tokens[start + 1:]
-        hidden = self.draft(inputs, tokens.to(weight.device), positions.to(weight.device),
-                            None if mask is None else mask.to(weight.device),
-                            cache=self.engine.cache)  # (B, K, H)
-        self.engine.commit_chains(counts)
-        last = hidden[torch.arange(len(ctxs)), torch.tensor(counts) - 1]
+        if len(ctxs) > 1 and self.engine.size == 0:  # the prompts: each row alone, no padding
+            last = self._start_rows(ctxs, counts)
+        else:
+            positions, mask = self.engine.chains(counts, weight.dtype)
+            inputs = torch.zeros(len(ctxs), positions.shape[1], weight.shape[1],
+                                 dtype=weight.dtype, device=weight.device)
+            tokens = torch.zeros(positions.shape, dtype=torch.long)
+            for row, (ctx, start, count) in enumerate(zip(ctxs, starts, counts)):
+                inputs[row, :count] = self.draft.fuse_features(ctx.features.to(weight))
+                tokens[row, :count] = ctx.tokens[start + 1:]
+            hidden = self.draft(inputs, tokens.to(weight.device), positions.to(weight.device),
+                                None if mask is None else mask.to(weight.device),
+                                cache=self.engine.cache)  # (B, K, H)
+            self.engine.commit_chains(counts)
+            last = hidden[torch.arange(len(ctxs)), torch.tensor(counts) - 1]
         return last, self.draft.logits(last).float().cpu()
+
+    def _start_rows(self, ctxs: list[DraftContext], counts: list[int]) -> torch.Tensor:
+        """The first catch-up of an empty engine, row by row (DraftEngine.start_rows): every
+        position from 0 on. Returns the roots' predicted features (B, H)."""
+        weight = self.draft.lm_head.weight
+        last = []
+
+        def run_row(row: int, cache) -> None:
+            ctx = ctxs[row]
+            inputs = self.draft.fuse_features(ctx.features.to(weight))[None]  # (1, k, H)
+            tokens = ctx.tokens[1:].to(weight.device)[None]
+            positions = torch.arange(counts[row], device=weight.device)[None]
+            last.append(self.draft(inputs, tokens, positions, cache=cache)[0, -1])
+
+        self.engine.start_rows(counts, run_row)
+        return torch.stack(last)
 
     def _static_steps(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
                       ctx: DraftContext) -> Steps:
