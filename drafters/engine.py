@@ -138,7 +138,7 @@ class DraftEngine:
         self.lengths = self.lengths + torch.as_tensor(list(counts), dtype=torch.long)
 
     def level(self, paths: Sequence[Sequence[list[int]]], dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Register, per row b, the nodes ending paths[b] (each root..node, as tree node ids) as
         its next fed level, padded to n = max count; returns their (B, n) positions and the
         additive (B, 1, n, S + n) mask over the S cache slots and the level. A node sees its
