@@ -15,7 +15,7 @@ are no stale slots and the cached sequence is exactly the committed tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -114,16 +114,17 @@ class TreeVerifier:
         ones (15 s of a 25 s batch here)."""
         if self.cache_size:
             raise ValueError("prefill_batch starts new sequences: this verifier already has some")
-        caches, logits, features = [], [], []
-        for prompt in prompts:
-            cache = DynamicCache(config=self.model.config)
+        logits, features = [None] * len(prompts), [None] * len(prompts)
+
+        def run_row(row: int, cache: DynamicCache) -> None:
+            prompt = prompts[row]
             row_logits, row_features = batched_forward(
                 self.model, cache, prompt[None], torch.arange(len(prompt))[None],
                 logits_to_keep=1, feature_layers=self.feature_layers)
-            caches.append(cache)
-            logits.append(row_logits[0, -1])
-            features.append(None if row_features is None else row_features[0])
-        self.cache = stack_caches(caches, self.model.config)
+            logits[row] = row_logits[0, -1]
+            features[row] = None if row_features is None else row_features[0]
+
+        self.cache = cache_rows_alone(self.model.config, len(prompts), run_row)
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         return torch.stack(logits), None if features[0] is None else features
 
@@ -210,10 +211,17 @@ def move_entries(cache: DynamicCache, lengths: torch.Tensor,
     trim(cache, int(new_lengths.max()))
 
 
-def stack_caches(caches: Sequence[DynamicCache], config) -> DynamicCache:
-    """One B-row cache from B one-row caches of different lengths: row b keeps its entries at
-    slots 0 .. len_b - 1, and zeros fill the slots past them (stale: every mask hides them)."""
-    if len(caches) == 1:
+def cache_rows_alone(config, rows: int, run_row: Callable[[int, DynamicCache], None]
+                     ) -> DynamicCache:
+    """One `rows`-row cache built row by row: run_row(b, cache) appends row b's entries to a
+    one-row cache of its own (a forward without padding), then the caches are stacked. Row b
+    keeps its entries at slots 0 .. len_b - 1; zeros fill the slots past them (stale: every
+    mask hides them)."""
+    caches = []
+    for row in range(rows):
+        caches.append(DynamicCache(config=config))
+        run_row(row, caches[-1])
+    if rows == 1:
         return caches[0]
     stacked = DynamicCache(config=config)
     longest = max(cache.get_seq_length() for cache in caches)
