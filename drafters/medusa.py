@@ -182,25 +182,40 @@ class MedusaDrafter:
     def begin(self, prompt: torch.Tensor) -> None:
         """Nothing to reset: the heads only look at the latest hidden state."""
 
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        """Nothing to reset either."""
+
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         """Nothing to learn: the next hidden state carries the accepted path."""
+
+    def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
+        """Nothing to learn for any row."""
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """No per-row state to drop."""
 
     def fork(self) -> MedusaDrafter:
         """Stateless between steps: every sequence can share this one."""
         return self
 
-    @torch.no_grad()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where a head's
         distribution has too few tokens with mass."""
-        if ctx.features is None:
+        return self.propose_batch([ctx])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
+        """One tree per row from one pass of the heads over the B rows' states: each head's
+        vocabulary projection reads its weights once for the batch, not once per row."""
+        if any(ctx.features is None for ctx in ctxs):
             raise ValueError("the Medusa drafter needs the target's last hidden state "
                              "(ctx.features): the loop computes the drafter's feature_layers, "
                              "as verify.loop.generate does")
-        hidden = ctx.features[-1].to(self.heads.head_lm(0).weight)  # (H,)
-        logits = self.heads(hidden, num_heads=self.topology.depth)  # (depth, V')
-        logits = self.heads.to_target_vocab(logits.float().cpu())  # (depth, V)
-        return self._fill(int(ctx.tokens[-1]), logits, ctx)
+        weight = self.heads.head_lm(0).weight
+        hidden = torch.stack([ctx.features[-1].to(weight) for ctx in ctxs])  # (B, H)
+        logits = self.heads(hidden, num_heads=self.topology.depth)  # (depth, B, V')
+        logits = self.heads.to_target_vocab(logits.float().cpu())  # (depth, B, V)
+        return [self._fill(int(ctx.tokens[-1]), logits[:, b], ctx) for b, ctx in enumerate(ctxs)]
 
     def _fill(self, root: int, logits: torch.Tensor, ctx: DraftContext) -> TokenTree:
         """Place each topology node's children, parents first; (K, V) logits per depth."""

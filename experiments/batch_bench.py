@@ -33,7 +33,7 @@ from drafters import build_drafter
 from experiments.bench import contenders
 from experiments.common import pick_questions, save_figure, single_thread, write_report
 from verify.loop import generate_batch, until_eos
-from verify.protocol import Drafter
+from verify.protocol import BatchDrafter, Drafter
 from verify.target import Target, load_target_from_config
 
 BASELINE = "hf_greedy"
@@ -85,13 +85,40 @@ def treedraft_batched(target: Target, drafter: Drafter | None) -> BatchMethod:
     return run
 
 
+class RowByRow:
+    """A drafter with its batch methods hidden: `generate_batch` then drafts row by row, one
+    `fork()` per row, as it does for a drafter that has none (row_by_row=true: what drafting
+    the rows together buys, measured beside it)."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.feature_layers = drafter.feature_layers
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.drafter.begin(prompt)
+
+    def propose(self, ctx):
+        return self.drafter.propose(ctx)
+
+    def update(self, tree, acceptance) -> None:
+        self.drafter.update(tree, acceptance)
+
+    def fork(self) -> RowByRow:
+        return RowByRow(self.drafter.fork())
+
+
 def build_batch_methods(cfg: DictConfig, target: Target) -> dict[str, BatchMethod]:
+    """hf_greedy, plain_loop, then each contender (and, with row_by_row, each batch drafter
+    once more drafting row by row)."""
     methods = {BASELINE: hf_batched(target), REFERENCE: treedraft_batched(target, None)}
     for contender in contenders(cfg):
         if contender.rule not in (None, "greedy"):
             raise ValueError(f"{contender.name}: the batch benchmark is greedy only")
         drafter = build_drafter(contender.drafter, contender.tree, target)
         methods[contender.name] = treedraft_batched(target, drafter)
+        if cfg.row_by_row and isinstance(drafter, BatchDrafter):
+            methods[f"{contender.name} (row by row)"] = treedraft_batched(target,
+                                                                         RowByRow(drafter))
     return methods
 
 

@@ -96,8 +96,8 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     (left or right padding). A (B, T) tensor without a mask is refused when it holds the pad
     token (pad_token_id, else the model's): padding read as text would change the output.
     Each row gets its own tree, cached length and accepted path; the trees are padded to a
-    common size and verified in one target forward. A `BatchDrafter` (EAGLE, the draft model)
-    drafts every row's tree at once (`propose_batch`); any other drafter drafts row by row,
+    common size and verified in one target forward. A `BatchDrafter` (EAGLE, the draft model,
+    Medusa) drafts every row's tree at once (`propose_batch`); any other drafter drafts row by row,
     `drafter.fork()` giving every row after the first its own drafter state. A row that
     finishes leaves the batch. Every row's output is what decoding its prompt alone gives
     (greedy: the same tokens; sampling: the same distribution). keep_states returns each new

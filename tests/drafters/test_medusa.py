@@ -9,7 +9,7 @@ from torch import nn
 
 from drafters import build_drafter
 from drafters.medusa import MedusaDrafter, MedusaHeads, load_heads, save_heads
-from verify.loop import generate
+from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams, warp
 from verify.target import Target, build_tiny_model
@@ -243,3 +243,39 @@ def test_a_draft_vocabulary_must_be_sorted_ids_of_the_target(tiny):
         MedusaHeads(_lm_head(tiny("llama")), 1, 1, vocab_ids=torch.tensor([5, 3]))
     with pytest.raises(ValueError, match="below the target's vocabulary size 256"):
         MedusaHeads(_lm_head(tiny("llama")), 1, 1, vocab_ids=torch.tensor([5, 300]))
+
+
+def test_a_batch_drafts_each_rows_own_tree_in_one_call(tiny, topology):
+    # propose_batch runs the heads once over the B rows' states; each row's tree must be the one
+    # it gets alone, greedy and sampled (the rows draw from the generator in order, as alone)
+    target = tiny("llama")
+    drafter = MedusaDrafter(_perturbed(MedusaHeads(_lm_head(target), 4, 1), scale=0.5),
+                            topology("tree8"))
+    prompts = [PROMPT, PROMPT[:6], PROMPT[3:]]
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=20)):
+        def contexts(seed):
+            generator = torch.Generator().manual_seed(seed)
+            return [DraftContext(p, _hidden(target, p), params, generator) for p in prompts]
+
+        together = drafter.propose_batch(contexts(0))
+        alone_ctxs = contexts(0)
+        alone = [drafter.propose(ctx) for ctx in alone_ctxs]
+        assert len({tuple(tree.tokens.tolist()) for tree in alone}) == 3  # rows differ
+        for tree_together, tree_alone in zip(together, alone):
+            assert torch.equal(tree_together.tokens, tree_alone.tokens)
+            assert torch.equal(tree_together.parents, tree_alone.parents)
+            assert len(tree_alone) == 9
+
+
+def test_generate_batch_drafts_every_medusa_row_in_one_call(tiny, topology):
+    target = tiny("gpt2")
+    drafter = MedusaDrafter(_perturbed(MedusaHeads(_lm_head(target), 4, 1), seed=1),
+                            topology("tree8"))
+    calls = []
+    batch_propose = drafter.propose_batch
+    drafter.propose_batch = lambda ctxs: calls.append(len(ctxs)) or batch_propose(ctxs)
+    prompts = [PROMPT, PROMPT[:6], PROMPT[2:]]
+    results = generate_batch(target.model, prompts, 20, drafter=drafter)
+    assert calls[0] == 3 and len(calls) == max(len(r.steps) for r in results)
+    for prompt, result in zip(prompts, results):
+        assert torch.equal(result.tokens, generate(target.model, prompt, 20).tokens)

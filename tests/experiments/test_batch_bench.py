@@ -4,9 +4,12 @@ figures add up, and settings it cannot honour are refused."""
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.batch_bench import check_sizes, format_table, plot, run_batches
+from drafters import build_drafter
+from experiments.batch_bench import RowByRow, check_sizes, format_table, plot, run_batches
 from experiments.common import CONF_DIR
 from verify.loop import until_eos
+from verify.protocol import BatchDrafter, Drafter
+from verify.target import load_target_from_config
 
 
 def batch_config(*overrides):
@@ -31,6 +34,27 @@ def test_every_batch_size_decodes_every_prompt_as_alone(tmp_path):
     table = format_table(summary)
     assert "| 4 | draft_model/chain4 |" in table
     assert plot(summary, tmp_path / "b.png").stat().st_size > 0
+
+
+def test_row_by_row_times_each_batch_drafter_again_drafting_alone():
+    summary = run_batches(batch_config("compare=[prompt_lookup:tree8]", "batch_sizes=[1,2]",
+                                       "row_by_row=true"))
+    methods = summary["sizes"][2]
+    # prompt lookup has no batch methods: it drafts row by row already, and is not doubled
+    assert list(methods) == ["hf_greedy", "plain_loop", "draft_model/chain4",
+                             "draft_model/chain4 (row by row)", "prompt_lookup/tree8"]
+    together, alone = methods["draft_model/chain4"], methods["draft_model/chain4 (row by row)"]
+    assert alone["identical"] == together["identical"] == 1.0
+    assert alone["tau"] == together["tau"]  # the same trees, drafted another way
+
+
+def test_a_row_by_row_drafter_hides_the_batch_methods():
+    cfg = batch_config()
+    drafter = build_drafter(cfg.drafter, cfg.tree, load_target_from_config(cfg.target))
+    assert isinstance(drafter, BatchDrafter)
+    wrapped = RowByRow(drafter)
+    assert isinstance(wrapped, Drafter) and not isinstance(wrapped, BatchDrafter)
+    assert isinstance(wrapped.fork(), RowByRow) and wrapped.fork().drafter is not drafter
 
 
 def test_settings_it_cannot_honour_are_refused():
