@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
-from verify.verifier import cache_rows_alone, move_entries, trim
+from verify.cache import cache_rows_alone, move_entries, new_cache, trim
 
 
 class DraftEngine:
@@ -39,7 +39,7 @@ class DraftEngine:
 
     def reset(self, rows: int = 1) -> None:
         """Forget everything: `rows` new sequences start."""
-        self.cache = DynamicCache(config=self.config)
+        self.cache = new_cache(self.config)
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self.fed: list[dict[int, int]] = [{} for _ in range(rows)]
         self._block_start = 0  # where the last `chains` block begins

@@ -48,12 +48,13 @@ from transformers import PreTrainedModel
 from experiments.common import save_figure, single_thread, write_report
 from experiments.tree_search import measure_verify_cost
 from verify.accept import make_rule
+from verify.cache import keep_entries
 from verify.loop import generate
 from verify.packed import ladder_width, packed_rows, packing_unavailable
 from verify.sampling import SamplingParams
 from verify.target import load_target_from_config
 from verify.tree import TokenTree, TreeTopology
-from verify.verifier import TreeVerifier, keep_entries
+from verify.verifier import TreeVerifier
 
 MODEL_PARTS = ("embedding", "attention", "mlp", "lm_head")
 PARTS = ("inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy", "accept_sampling",

@@ -10,17 +10,18 @@ Row b's committed tokens sit at cache slots 0 .. lengths[b] - 1. Slots beyond ar
 shorter prompt's padding, room left by a longer row) and every mask hides them. After
 acceptance each row's path moves down to follow its committed tokens and the cache is trimmed
 to the longest row, so memory stays bounded and positions stay contiguous. With B = 1 there
-are no stale slots and the cached sequence is exactly the committed tokens.
+are no stale slots and the cached sequence is exactly the committed tokens. The layout and the
+moves on it live in verify/cache.py (the draft engine's cache is laid out the same way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
+from verify.cache import cache_rows_alone, keep_paths, new_cache, trim
 from verify.features import num_layers, resolve_layers, select_features
 from verify.packed import ladder_width, packed_rows
 from verify.tree import TokenTree, TreeBatch
@@ -52,7 +53,7 @@ class TreeVerifier:
     def __init__(self, model: PreTrainedModel, feature_layers: tuple[int, ...] = ()):
         self.model = model
         self.feature_layers = resolve_layers(feature_layers, num_layers(model.config))
-        self.cache = DynamicCache(config=model.config)
+        self.cache = new_cache(model.config)
         self.lengths = torch.zeros(1, dtype=torch.long)  # (B,) committed tokens per row
         self._tree_start = 0  # cache slot where the last verified trees begin
 
@@ -175,96 +176,6 @@ class TreeVerifier:
     def _forward(self, tokens, positions, attention_mask, logits_to_keep=0):
         return batched_forward(self.model, self.cache, tokens, positions, attention_mask,
                                logits_to_keep, self.feature_layers)
-
-
-def keep_paths(cache: DynamicCache, lengths: torch.Tensor, start: int,
-               paths: Sequence[Sequence[int]]) -> None:
-    """Move row b's cache entries start + paths[b][k] to slots lengths[b] + k, then trim the
-    cache to the longest row."""
-    move_entries(cache, lengths, [[start + int(node) for node in path] for path in paths])
-
-
-def move_entries(cache: DynamicCache, lengths: torch.Tensor,
-                 sources: Sequence[Sequence[int]]) -> None:
-    """Move row b's cache slots sources[b][k] to slots lengths[b] + k, then trim the cache to
-    the longest row. One row whose sources all lie at or past its length uses `keep_entries`
-    (views, no copy when they are already in place)."""
-    if len(sources) == 1 and all(slot >= int(lengths[0]) for slot in sources[0]):
-        start = int(lengths[0])
-        keep_entries(cache, start, [slot - start for slot in sources[0]])
-        return
-    width = max(len(s) for s in sources)
-    new_lengths = lengths + torch.tensor([len(s) for s in sources], dtype=torch.long)
-    if width:
-        # Rows with fewer sources copy slot 0 onto slots past their new length: stale, hidden.
-        source = torch.zeros((len(sources), width), dtype=torch.long)
-        for row, slots in enumerate(sources):
-            source[row, :len(slots)] = torch.as_tensor(list(slots), dtype=torch.long)
-        target = lengths[:, None] + torch.arange(width)
-        for layer in _full_attention_layers(cache):
-            heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
-            src = source.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
-            dst = target.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
-            for name in ("keys", "values"):
-                entries = getattr(layer, name)
-                entries.scatter_(-2, dst, entries.gather(-2, src))
-    trim(cache, int(new_lengths.max()))
-
-
-def cache_rows_alone(config, rows: int, run_row: Callable[[int, DynamicCache], None]
-                     ) -> DynamicCache:
-    """One `rows`-row cache built row by row: run_row(b, cache) appends row b's entries to a
-    one-row cache of its own (a forward without padding), then the caches are stacked. Row b
-    keeps its entries at slots 0 .. len_b - 1; zeros fill the slots past them (stale: every
-    mask hides them)."""
-    caches = []
-    for row in range(rows):
-        caches.append(DynamicCache(config=config))
-        run_row(row, caches[-1])
-    if rows == 1:
-        return caches[0]
-    stacked = DynamicCache(config=config)
-    longest = max(cache.get_seq_length() for cache in caches)
-    for index, layers in enumerate(zip(*(_full_attention_layers(c) for c in caches))):
-        keys, values = ([torch.nn.functional.pad(getattr(layer, name),
-                                                 (0, 0, 0, longest - layer.keys.shape[-2]))
-                         for layer in layers] for name in ("keys", "values"))
-        stacked.update(torch.cat(keys), torch.cat(values), index)
-    return stacked
-
-
-def trim(cache: DynamicCache, size: int) -> None:
-    """Drop every cache slot from `size` on (a view: the next forward's concatenation copies)."""
-    for layer in _full_attention_layers(cache):
-        layer.keys = layer.keys[..., :size, :]
-        layer.values = layer.values[..., :size, :]
-
-
-def keep_entries(cache: DynamicCache, start: int, keep: list[int]) -> None:
-    """Compact a one-row `cache` to its first `start` entries followed by entries
-    start + keep[i].
-
-    A `keep` that is a prefix of the order (chains, the root alone) is already in place;
-    otherwise its entries move down. Either way each layer becomes a view: the next forward's
-    concatenation copies it anyway, so no extra full copy happens here.
-    """
-    index = torch.tensor(keep, dtype=torch.long) + start
-    in_place = list(keep) == list(range(len(keep)))
-    for layer in _full_attention_layers(cache):
-        if not in_place:
-            moved = index.to(layer.keys.device)
-            new_length = start + len(keep)
-            layer.keys[..., start:new_length, :] = layer.keys.index_select(-2, moved)
-            layer.values[..., start:new_length, :] = layer.values.index_select(-2, moved)
-    trim(cache, start + len(keep))
-
-
-def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise NotImplementedError(
-                f"cache compaction supports full-attention layers, not {type(layer).__name__}")
-    return cache.layers
 
 
 def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,

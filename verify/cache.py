@@ -1,0 +1,171 @@
+"""The KV cache layout the verifier and the draft engine share, and the moves on it.
+
+A cache holds B rows; row b's committed entries sit at slots 0 .. lengths[b] - 1 and slots past
+them are stale (every mask hides them). After acceptance, each row's accepted entries move down
+to follow its committed ones (`move_entries`), and the cache is trimmed to the longest row.
+
+Layers grow into preallocated room (`GrowingLayer`): transformers' `DynamicLayer` concatenates
+the whole cache with each step's few new entries, a copy of every cached key and value per
+layer per step. At 16 rows of up to 800 tokens that was ~600 MB of copying a step on the
+default target; writing the new entries into room that is already there costs their own size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+MIN_ROOM = 256  # slots of room a layer allocates beyond what it needs, at least
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer whose `keys` and `values` (B, H, S, D) are views of a
+    larger buffer: an update writes its entries after the S in use and widens the views.
+
+    The buffer is reallocated (and the entries in use copied once) only when it is full, when
+    B or H change, or when `keys` is no longer a view of it (transformers' own
+    `batch_select_indices` makes a copy); room grows by half of what is needed, so copies are
+    rare. Trimming stays a view, and in-place moves on the views write into the buffer."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_room: torch.Tensor | None = None
+        self._value_room: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        used = self.get_seq_length()
+        need = used + key_states.shape[-2]
+        if not self._fits(key_states, used, need):
+            self._grow(key_states, value_states, used, need)
+        self._key_room[..., used:need, :] = key_states
+        self._value_room[..., used:need, :] = value_states
+        self.keys = self._key_room[..., :need, :]
+        self.values = self._value_room[..., :need, :]
+        return self.keys, self.values
+
+    def _fits(self, key_states: torch.Tensor, used: int, need: int) -> bool:
+        room = self._key_room
+        if room is None or room.shape[:2] != key_states.shape[:2] or room.shape[-2] < need:
+            return False
+        # the entries in use must be the buffer's own (not a copy made elsewhere)
+        return used == 0 or all(
+            view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
+            for view, buffer in ((self.keys, room), (self.values, self._value_room)))
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, used: int,
+              need: int) -> None:
+        capacity = need + max(MIN_ROOM, need // 2)
+        rows, heads = key_states.shape[:2]
+        rooms = []
+        for states, kept in ((key_states, self.keys), (value_states, self.values)):
+            room = states.new_zeros((rows, heads, capacity, states.shape[-1]))
+            if used:
+                room[..., :used, :] = kept
+            rooms.append(room)
+        self._key_room, self._value_room = rooms
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """A cache for a model of `config` whose full-attention layers are `GrowingLayer`s (any
+    other kind, e.g. sliding-window, as transformers builds it)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
+    return cache
+
+
+def full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, refused unless every one holds full attention (compaction moves
+    entries by slot, which a sliding window or a recurrent state does not keep)."""
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
+            raise NotImplementedError(
+                f"cache compaction supports full-attention layers, not {type(layer).__name__}")
+    return cache.layers
+
+
+def trim(cache: DynamicCache, size: int) -> None:
+    """Drop every cache slot from `size` on (a view: nothing is copied)."""
+    for layer in full_attention_layers(cache):
+        layer.keys = layer.keys[..., :size, :]
+        layer.values = layer.values[..., :size, :]
+
+
+def keep_entries(cache: DynamicCache, start: int, keep: list[int]) -> None:
+    """Compact a one-row `cache` to its first `start` entries followed by entries
+    start + keep[i].
+
+    A `keep` that is a prefix of the order (chains, the root alone) is already in place;
+    otherwise its entries move down, in place. Either way each layer becomes a view.
+    """
+    index = torch.tensor(keep, dtype=torch.long) + start
+    in_place = list(keep) == list(range(len(keep)))
+    for layer in full_attention_layers(cache):
+        if not in_place:
+            moved = index.to(layer.keys.device)
+            new_length = start + len(keep)
+            layer.keys[..., start:new_length, :] = layer.keys.index_select(-2, moved)
+            layer.values[..., start:new_length, :] = layer.values.index_select(-2, moved)
+    trim(cache, start + len(keep))
+
+
+def keep_paths(cache: DynamicCache, lengths: torch.Tensor, start: int,
+               paths: Sequence[Sequence[int]]) -> None:
+    """Move row b's cache entries start + paths[b][k] to slots lengths[b] + k, then trim the
+    cache to the longest row."""
+    move_entries(cache, lengths, [[start + int(node) for node in path] for path in paths])
+
+
+def move_entries(cache: DynamicCache, lengths: torch.Tensor,
+                 sources: Sequence[Sequence[int]]) -> None:
+    """Move row b's cache slots sources[b][k] to slots lengths[b] + k, then trim the cache to
+    the longest row. One row whose sources all lie at or past its length uses `keep_entries`
+    (no copy when they are already in place)."""
+    if len(sources) == 1 and all(slot >= int(lengths[0]) for slot in sources[0]):
+        start = int(lengths[0])
+        keep_entries(cache, start, [slot - start for slot in sources[0]])
+        return
+    width = max(len(s) for s in sources)
+    new_lengths = lengths + torch.tensor([len(s) for s in sources], dtype=torch.long)
+    if width:
+        # Rows with fewer sources copy slot 0 onto slots past their new length: stale, hidden.
+        source = torch.zeros((len(sources), width), dtype=torch.long)
+        for row, slots in enumerate(sources):
+            source[row, :len(slots)] = torch.as_tensor(list(slots), dtype=torch.long)
+        target = lengths[:, None] + torch.arange(width)
+        for layer in full_attention_layers(cache):
+            heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
+            src = source.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
+            dst = target.to(layer.keys.device)[:, None, :, None].expand(-1, heads, -1, dim)
+            for name in ("keys", "values"):
+                entries = getattr(layer, name)
+                entries.scatter_(-2, dst, entries.gather(-2, src))
+    trim(cache, int(new_lengths.max()))
+
+
+def cache_rows_alone(config: PretrainedConfig, rows: int,
+                     run_row: Callable[[int, DynamicCache], None]) -> DynamicCache:
+    """One `rows`-row cache built row by row: run_row(b, cache) appends row b's entries to a
+    one-row cache of its own (a forward without padding), then the caches are stacked. Row b
+    keeps its entries at slots 0 .. len_b - 1; zeros fill the slots past them (stale: every
+    mask hides them)."""
+    caches = []
+    for row in range(rows):
+        caches.append(new_cache(config))
+        run_row(row, caches[-1])
+    if rows == 1:
+        return caches[0]
+    stacked = new_cache(config)
+    longest = max(cache.get_seq_length() for cache in caches)
+    for index, layers in enumerate(zip(*(full_attention_layers(c) for c in caches))):
+        keys, values = ([torch.nn.functional.pad(getattr(layer, name),
+                                                 (0, 0, 0, longest - layer.keys.shape[-2]))
+                         for layer in layers] for name in ("keys", "values"))
+        stacked.update(torch.cat(keys), torch.cat(values), index)
+    return stacked
