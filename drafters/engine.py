@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
-from verify.cache import cache_rows_alone, move_entries, new_cache, trim
+from verify.cache import allocated_bytes, cache_rows_alone, move_entries, new_cache, trim
 
 
 class DraftEngine:
@@ -61,10 +61,8 @@ class DraftEngine:
         return self.cache.get_seq_length()
 
     def cache_bytes(self) -> int:
-        """Bytes the draft's keys and values take now (committed and fed entries)."""
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                   if isinstance(t, torch.Tensor))
+        """Bytes of key and value memory the draft's cache holds now (its layers' whole room)."""
+        return allocated_bytes(self.cache)
 
     def _trim(self) -> None:
         """Drop the slots past the longest row and forget every tree."""

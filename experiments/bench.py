@@ -113,8 +113,7 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
             record["draft_weights_mb"] = weights / 2**20
         if engine is not None:
             record["draft_forwards"] = engine.forwards - before
-            # the whole context's entries at the end: the draft cache's peak, give or take
-            # one tree level
+            # the memory the draft cache holds at the end (its layers' room): its peak
             record["draft_cache_mb"] = engine.cache_bytes() / 2**20
         return record
     return run

@@ -71,6 +71,14 @@ class GrowingLayer(DynamicLayer):
         self._key_room, self._value_room = rooms
 
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of key and value memory this layer holds: its whole room, used or not."""
+        tensors = ((self._key_room, self._value_room) if self.is_initialized
+                   and self._key_room is not None else ())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def new_cache(config: PretrainedConfig) -> DynamicCache:
     """A cache for a model of `config` whose full-attention layers are `GrowingLayer`s (any
     other kind, e.g. sliding-window, as transformers builds it)."""
@@ -78,6 +86,19 @@ def new_cache(config: PretrainedConfig) -> DynamicCache:
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer
                     for layer in cache.layers]
     return cache
+
+
+def allocated_bytes(cache: DynamicCache) -> int:
+    """Bytes of key and value memory `cache` holds (a growing layer's whole room)."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            total += layer.allocated_bytes
+        else:
+            total += sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None),
+                                                                getattr(layer, "values", None))
+                         if isinstance(t, torch.Tensor))
+    return total
 
 
 def full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:

@@ -52,6 +52,8 @@ def test_an_update_writes_into_the_room_instead_of_copying_the_cache():
     layer = GrowingLayer()
     layer.update(*_states(2, 100, 0))
     room = layer.keys.data_ptr()
+    # keys and values of 2 rows x 2 heads x 4 floats, for 100 entries plus MIN_ROOM's 256
+    assert layer.allocated_bytes == 2 * (2 * 2 * (100 + 256) * 4) * 4
     for step in range(20):
         keys, _ = layer.update(*_states(2, 3, step + 1))
         assert keys.data_ptr() == room  # the cache in use stayed where it was
