@@ -30,8 +30,9 @@ class GrowingLayer(DynamicLayer):
     `batch_select_indices` makes a copy); room grows by half of what is needed, so copies are
     rare. Trimming stays a view, and in-place moves on the views write into the buffer."""
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                            *args, **kwargs) -> None:
+        super().lazy_initialization(key_states, value_states, *args, **kwargs)
         self._key_room: torch.Tensor | None = None
         self._value_room: torch.Tensor | None = None
 
