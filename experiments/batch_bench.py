@@ -32,9 +32,11 @@ from tqdm import tqdm
 from drafters import build_drafter
 from experiments.bench import contenders
 from experiments.common import pick_questions, save_figure, single_thread, write_report
+from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
-from verify.protocol import BatchDrafter, Drafter
+from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.target import Target, load_target_from_config
+from verify.tree import TokenTree
 
 BASELINE = "hf_greedy"
 REFERENCE = "plain_loop"  # at B = 1: each prompt decoded alone
@@ -97,10 +99,10 @@ class RowByRow:
     def begin(self, prompt: torch.Tensor) -> None:
         self.drafter.begin(prompt)
 
-    def propose(self, ctx):
+    def propose(self, ctx: DraftContext) -> TokenTree:
         return self.drafter.propose(ctx)
 
-    def update(self, tree, acceptance) -> None:
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
         self.drafter.update(tree, acceptance)
 
     def fork(self) -> RowByRow:
