@@ -28,7 +28,10 @@ class GrowingLayer(DynamicLayer):
     The buffer is reallocated (and the entries in use copied once) only when it is full, when
     B or H change, or when `keys` is no longer a view of it (transformers' own
     `batch_select_indices` makes a copy); room grows by half of what is needed, so copies are
-    rare. Trimming stays a view, and in-place moves on the views write into the buffer."""
+    rare. Trimming stays a view, and in-place moves on the views write into the buffer.
+    Inference only (the verifier and the draft engine run under no_grad): writing into the
+    room in place would overwrite what autograd saved for a backward pass, so training
+    (train/eagle.py's unrolled steps) keeps transformers' concatenating layers."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
                             *args, **kwargs) -> None:
