@@ -55,8 +55,9 @@ class GrowingLayer(DynamicLayer):
 
     def _fits(self, key_states: torch.Tensor, used: int, need: int) -> bool:
         room = self._key_room
-        if room is None or room.shape[:2] != key_states.shape[:2] or room.shape[-2] < need:
-            return False
+        if (room is None or room.shape[:2] != key_states.shape[:2] or room.shape[-2] < need
+                or room.dtype != key_states.dtype or room.device != key_states.device):
+            return False  # (a copy into a room of another dtype would cast silently)
         # the entries in use must be the buffer's own (not a copy made elsewhere)
         return used == 0 or all(
             view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
@@ -73,7 +74,6 @@ class GrowingLayer(DynamicLayer):
                 room[..., :used, :] = kept
             rooms.append(room)
         self._key_room, self._value_room = rooms
-
 
     @property
     def allocated_bytes(self) -> int:

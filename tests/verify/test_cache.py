@@ -70,3 +70,12 @@ def test_a_model_cache_grows_its_full_attention_layers_and_trims_as_views():
     before = cache.layers[0].keys.data_ptr()
     trim(cache, 6)
     assert cache.get_seq_length() == 6 and cache.layers[0].keys.data_ptr() == before
+
+
+def test_states_of_another_dtype_get_a_room_of_their_own():
+    # writing them into the old room would round them to its dtype without a word
+    layer = GrowingLayer()
+    layer.update(*_states(1, 5, 0))
+    keys, values = (t.double() + 1e-12 for t in _states(1, 2, 1))
+    out_keys, _ = layer.update(keys, values)
+    assert out_keys.dtype == torch.float64 and torch.equal(out_keys[..., 5:, :], keys)
