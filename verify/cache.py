@@ -78,9 +78,9 @@ class GrowingLayer(DynamicLayer):
     @property
     def allocated_bytes(self) -> int:
         """Bytes of key and value memory this layer holds: its whole room, used or not."""
-        tensors = ((self._key_room, self._value_room) if self.is_initialized
-                   and self._key_room is not None else ())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        if not self.is_initialized:
+            return 0
+        return _bytes(self._key_room, self._value_room)
 
 
 def new_cache(config: PretrainedConfig) -> DynamicCache:
@@ -94,15 +94,13 @@ def new_cache(config: PretrainedConfig) -> DynamicCache:
 
 def allocated_bytes(cache: DynamicCache) -> int:
     """Bytes of key and value memory `cache` holds (a growing layer's whole room)."""
-    total = 0
-    for layer in cache.layers:
-        if isinstance(layer, GrowingLayer):
-            total += layer.allocated_bytes
-        else:
-            total += sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None),
-                                                                getattr(layer, "values", None))
-                         if isinstance(t, torch.Tensor))
-    return total
+    return sum(layer.allocated_bytes if isinstance(layer, GrowingLayer)
+               else _bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
+               for layer in cache.layers)
+
+
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
