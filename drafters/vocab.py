@@ -39,6 +39,15 @@ def most_frequent_tokens(sequences: Iterable[torch.Tensor], size: int | None
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
+def coverage(vocab_ids: torch.Tensor | None, sequences: Iterable[torch.Tensor]) -> float:
+    """Share of the tokens of `sequences` inside the draft vocabulary (1.0 without one): a
+    ceiling on the draft's top-1, since a token outside it is never proposed."""
+    tokens = torch.cat([torch.as_tensor(s).reshape(-1) for s in sequences])
+    if vocab_ids is None or len(tokens) == 0:
+        return 1.0
+    return float(torch.isin(tokens, vocab_ids.to(tokens.device)).float().mean())
+
+
 def draft_index(vocab_ids: torch.Tensor | None, target_vocab_size: int) -> torch.Tensor:
     """(V,) position of each target token in the draft vocabulary (t2d); -1 where it has
     none. Without a draft vocabulary every token is its own index."""

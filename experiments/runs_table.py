@@ -80,6 +80,11 @@ def fill_absent(run: dict, absent: list[str]) -> dict:
     return run
 
 
+# Figures only newer evaluations record: (row key, column title, format).
+OPTIONAL_COLUMNS = [("coverage", "draft vocabulary coverage", "{:.3f}"),
+                    ("draft_ms", "ms per draft forward", "{:.1f}")]
+
+
 def table_rows(runs: list[dict], x: str, series: str | None) -> list[dict]:
     """One row per run, ordered by series then x: the swept values and the run's figures."""
     rows = []
@@ -92,6 +97,9 @@ def table_rows(runs: list[dict], x: str, series: str | None) -> list[dict]:
             "tau": decoding["tau"], "identical": decoding["identical"],
             "prompts": decoding["prompts"], "tree": decoding["tree"],
             "steps": config_value(run, "optim.max_steps"), "eval": run["eval"],
+            # recorded by newer evaluations only: shown when every run of the table has them
+            "coverage": accuracy.get("vocab_coverage"),
+            "draft_ms": decoding.get("draft_ms_per_forward"),
         })
     return sorted(rows, key=lambda r: (str(r["series"]), _sortable(r["x"])))
 
@@ -103,13 +111,17 @@ def _sortable(value):
 def format_table(rows: list[dict], x: str, series: str | None) -> str:
     depths = max(len(r["top1"]) for r in rows)
     label = rows[0]["label"]
+    extras = [(key, title, fmt) for key, title, fmt in OPTIONAL_COLUMNS
+              if all(r[key] is not None for r in rows)]
     head = ([series] if series else []) + [x, "steps"] + [
-        f"top-1 {label} {d + 1}" for d in range(depths)] + ["tau", "identical"]
+        f"top-1 {label} {d + 1}" for d in range(depths)] + ["tau", "identical"] + [
+        title for _, title, _ in extras]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         cells = ([str(r["series"])] if series else []) + [str(r["x"]), str(r["steps"])]
         cells += [f"{v:.3f}" for v in r["top1"]] + ["-"] * (depths - len(r["top1"]))
         cells += [f"{r['tau']:.2f}", f"{r['identical']}/{r['prompts']}"]
+        cells += [fmt.format(r[key]) for key, _, fmt in extras]
         lines.append("| " + " | ".join(cells) + " |")
     trees = sorted({r["tree"] for r in rows})
     lines += ["", f"tau: held-out prompts decoded with {'; '.join(trees)}."]

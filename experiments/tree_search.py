@@ -15,8 +15,10 @@ time (verify.tree_builder.choose_budget), and writes that tree as a conf/tree YA
 
 mode=dynamic: a dynamic tree has no such table, so each budget's tau and draft time are
 measured by decoding held-out training prompts (experiments.tree_search_dynamic), and t(n) is
-timed for n = budget + 1; the budget with the most predicted tokens/s is written as a conf/tree
-YAML (depth, top_k, total_tokens).
+timed for n = budget + 1; the tree with the most predicted tokens/s is written as a conf/tree
+YAML (depth, top_k, total_tokens). depth and top_k may be lists (`depth=[2,3,5]
+top_k=[2,4,8]`): every budget is then decoded on every shape, taking turns on each prompt
+against one timing of t(n), and the best shape is chosen with the budget.
 
 Either mode prints (and writes as JSON) the table behind the choice.
 """
@@ -37,14 +39,15 @@ from transformers import PreTrainedModel
 from drafters.dynamic_tree import DynamicTree
 from experiments.common import read_json_file, save_figure, single_thread, write_report
 from experiments.tree_search_dynamic import (
-    budget_drafters,
     budget_rows,
-    check_budgets,
-    decode_budgets,
+    candidate_trees,
+    decode_trees,
     describe_machine,
     format_budget_table,
     heldout_prompts,
     measurement_note,
+    tree_drafters,
+    tree_shapes,
     write_dynamic_tree_config,
 )
 from verify.target import load_target_from_config
@@ -163,22 +166,24 @@ def search(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:
 
 
 def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
-    """Measure tau and draft time per budget by decoding, and t(budget + 1) and t(1) on the
-    configured target; returns the chosen tree, the budget table and what it was measured on."""
-    budgets = check_budgets(list(cfg.budgets), cfg.depth, cfg.top_k)
+    """Measure tau and draft time per tree (every budget on every (depth, top_k) shape asked)
+    by decoding, and t(budget + 1) and t(1) on the configured target; returns the chosen tree,
+    the table and what it was measured on."""
+    shapes = tree_shapes(cfg.depth, cfg.top_k)
+    trees = candidate_trees(list(cfg.budgets), shapes)
     target = load_target_from_config(cfg.target)
-    drafters = budget_drafters(cfg.drafter, budgets, cfg.depth, cfg.top_k, target, cfg.seed)
+    drafters = tree_drafters(cfg.drafter, trees, target, cfg.seed)
     prompts = heldout_prompts(cfg.data, target, cfg.num_prompts)
     with single_thread() if cfg.target.tiny else nullcontext():
-        cost = measure_verify_cost(target.model, [1] + [b + 1 for b in budgets],
-                                   cfg.context_len, cfg.repeats)
+        sizes = sorted({1} | {tree.total_tokens + 1 for tree in trees})
+        cost = measure_verify_cost(target.model, sizes, cfg.context_len, cfg.repeats)
         # First calls pay one-off costs (allocations, kernel selection): keep them out.
-        decode_budgets(target, drafters, prompts[:1], min(cfg.max_new_tokens, 16))
-        results = decode_budgets(target, drafters, prompts, cfg.max_new_tokens)
+        decode_trees(target, drafters, prompts[:1], min(cfg.max_new_tokens, 16))
+        results = decode_trees(target, drafters, prompts, cfg.max_new_tokens)
         machine = describe_machine(target.model)
     rows = budget_rows(cost, results)
-    chosen = next(r["total_tokens"] for r in rows if r["chosen"])
-    return (DynamicTree(cfg.depth, cfg.top_k, chosen), rows,
+    best = next(r for r in rows if r["chosen"])
+    return (DynamicTree(best["depth"], best["top_k"], best["total_tokens"]), rows,
             measurement_note(cfg, machine, rows))
 
 
@@ -189,16 +194,26 @@ def plot_budgets(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    budgets = [r["n"] - 1 for r in rows]
-    taus = [r.get("tau", r.get("expected_tokens")) for r in rows]
-    t1 = next(r["t_s"] for r in rows if r["n"] == 1)
+    plain = next(r for r in rows if r["n"] == 1)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(budgets, taus, marker="o", label="tau")
-    left.plot(budgets, [r["t_s"] / t1 for r in rows], marker="s", label="t(n) / t(1)")
+    # One line per (depth, top_k) shape of a dynamic search; a static search has one line.
+    shapes = list(dict.fromkeys((r.get("depth"), r.get("top_k")) for r in rows if r is not plain))
+    for depth, top_k in shapes:
+        line = [plain] + [r for r in rows if r is not plain
+                          and (r.get("depth"), r.get("top_k")) == (depth, top_k)]
+        name = "" if len(shapes) == 1 else f", depth {depth}, top-k {top_k}"
+        budgets = [r["n"] - 1 for r in line]
+        left.plot(budgets, [r.get("tau", r.get("expected_tokens")) for r in line], marker="o",
+                  label=f"tau{name}")
+        right.plot(budgets, [r["predicted_speedup"] for r in line], marker="o",
+                   label=name.removeprefix(", ") or None)
+    sizes = sorted({r["n"] for r in rows})
+    t_of = {r["n"]: r["t_s"] for r in rows}
+    left.plot([n - 1 for n in sizes], [t_of[n] / plain["t_s"] for n in sizes], marker="s",
+              color="black", label="t(n) / t(1)")
     left.set(xlabel="draft nodes verified (n - 1)", ylabel="tokens per step / relative cost")
-    left.legend()
-    right.plot(budgets, [r["predicted_speedup"] for r in rows], marker="o")
-    chosen = [(b, r["predicted_speedup"]) for b, r in zip(budgets, rows) if r["chosen"]]
+    left.legend(fontsize=8)
+    chosen = [(r["n"] - 1, r["predicted_speedup"]) for r in rows if r["chosen"]]
     if chosen:
         right.scatter(*zip(*chosen), color="red", zorder=3, label="chosen")
         right.legend()

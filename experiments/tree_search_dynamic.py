@@ -1,11 +1,12 @@
-"""EAGLE-2's node budget (`total_tokens`) from measured decoding and verification cost.
+"""EAGLE-2's tree (`total_tokens`, and `depth` and `top_k` when several are given) from
+measured decoding and verification cost.
 
 A dynamic tree has no accuracy table to predict its acceptance from: what a budget buys is
 measured by decoding held-out training prompts greedily with the drafter on
-DynamicTree(depth, top_k, total_tokens=budget). With tau the tokens per target forward, t(n)
-the measured time of verifying n tokens and d the draft time per step, a budget is predicted
-to run at tau / (t(budget + 1) + d) tokens/s; plain decoding runs at 1 / t(1).
-`experiments.tree_search mode=dynamic` puts the pieces here together.
+DynamicTree(depth, top_k, total_tokens=budget), for every tree shape (depth, top_k) asked. With
+tau the tokens per target forward, t(n) the measured time of verifying n tokens and d the draft
+time per step, a tree is predicted to run at tau / (t(budget + 1) + d) tokens/s; plain decoding
+runs at 1 / t(1). `experiments.tree_search mode=dynamic` puts the pieces here together.
 """
 
 from __future__ import annotations
@@ -31,32 +32,53 @@ from verify.tree import TreeError
 
 @dataclass(frozen=True)
 class BudgetCost:
-    """One budget's measurements: tau (tokens per target forward, bonus included), verify_s
-    = t(budget + 1) and draft_s, the mean drafting seconds per step."""
+    """One tree's measurements: tau (tokens per target forward, bonus included), verify_s
+    = t(budget + 1) and draft_s, the mean drafting seconds per step; depth and top_k are the
+    tree's shape (0 for plain decoding)."""
 
     budget: int
     tau: float
     verify_s: float
     draft_s: float
+    depth: int = 0
+    top_k: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tau / (self.verify_s + self.draft_s)
 
 
-def choose_total_tokens(costs: Sequence[BudgetCost]) -> int:
-    """The budget with the most predicted tokens/s; ties go to the smaller budget."""
+def best_cost(costs: Sequence[BudgetCost]) -> BudgetCost:
+    """The tree with the most predicted tokens/s; ties go to the smaller budget, then the
+    shallower and narrower shape (the cheaper to draft)."""
     if not costs:
         raise ValueError("no budget measured")
-    return max(sorted(costs, key=lambda c: c.budget), key=lambda c: c.tokens_per_s).budget
+    return max(sorted(costs, key=lambda c: (c.budget, c.depth, c.top_k)),
+               key=lambda c: c.tokens_per_s)
+
+
+def tree_shapes(depth: int | Sequence[int], top_k: int | Sequence[int]) -> list[tuple[int, int]]:
+    """Every (depth, top_k) pair of the values given (an integer or a list of them each)."""
+    def values(name: str, given: int | Sequence[int]) -> list[int]:
+        listed = [given] if isinstance(given, int) else list(given)
+        if not listed:
+            raise ValueError(f"{name} must be an integer or a non-empty list of them")
+        return sorted(set(listed))
+
+    return [(d, k) for d in values("depth", depth) for k in values("top_k", top_k)]
+
+
+def candidate_count(depth: int, top_k: int) -> int:
+    """How many candidates `depth` rounds of `top_k` children per frontier node propose."""
+    DynamicTree(depth, top_k, 1)  # refuses a depth or top_k below 1
+    return top_k + (depth - 1) * top_k * top_k
 
 
 def check_budgets(budgets: Sequence[int], depth: int, top_k: int) -> list[int]:
     """The distinct budgets, ascending; each must be an integer from 1 to the number of
     candidates `depth` rounds of `top_k` can propose (more would verify a smaller tree than
     the t(budget + 1) it is charged)."""
-    DynamicTree(depth, top_k, 1)  # refuses a depth or top_k below 1
-    candidates = top_k + (depth - 1) * top_k * top_k
+    candidates = candidate_count(depth, top_k)
     if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                           for b in budgets):
         raise ValueError(f"budgets must be a non-empty list of integers >= 1 (draft nodes per "
@@ -67,20 +89,38 @@ def check_budgets(budgets: Sequence[int], depth: int, top_k: int) -> list[int]:
     return sorted(set(budgets))
 
 
-def budget_drafters(drafter_cfg: Mapping, budgets: Sequence[int], depth: int, top_k: int,
-                    target: Target, seed: int) -> dict[int, Drafter]:
-    """{budget: the configured drafter on DynamicTree(depth, top_k, budget)}.
+def candidate_trees(budgets: Sequence[int], shapes: Sequence[tuple[int, int]]
+                    ) -> list[DynamicTree]:
+    """The distinct trees to measure: each budget on each shape that can fill it.
+
+    A budget of b grows at most b rounds (DynamicTree.search_steps), so a deeper shape is the
+    same tree as depth b and is measured once. A budget no shape can fill is refused; one that
+    only some shapes fill is skipped for the others, and said so."""
+    widest = max(shapes, key=lambda shape: candidate_count(*shape))
+    trees = []
+    for budget in check_budgets(budgets, *widest):
+        fits = [(d, k) for d, k in shapes if budget <= candidate_count(d, k)]
+        if len(fits) < len(shapes):
+            print(f"budget {budget}: skipped for (depth, top_k) "
+                  f"{sorted(set(shapes) - set(fits))}, which propose fewer candidates")
+        trees += [DynamicTree(min(d, budget), k, budget) for d, k in fits]
+    return list(dict.fromkeys(trees))
+
+
+def tree_drafters(drafter_cfg: Mapping, trees: Sequence[DynamicTree], target: Target,
+                  seed: int) -> dict[DynamicTree, Drafter]:
+    """{tree: the configured drafter growing it}.
 
     Raises TreeError for a drafter that cannot grow dynamic trees.
     """
     drafters = {}
-    for budget in budgets:
+    for tree in trees:
         # The same seed for each build: a fresh (untrained) draft is the same draft for every
-        # budget, so the budgets alone differ.
+        # tree, so the trees alone differ.
         torch.manual_seed(seed)
-        tree = {"depth": depth, "top_k": top_k, "total_tokens": budget}
+        policy = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
         try:
-            drafters[budget] = build_drafter(drafter_cfg, tree, target)
+            drafters[tree] = build_drafter(drafter_cfg, policy, target)
         except TreeError as e:
             raise TreeError(f"mode=dynamic measures EAGLE-2 dynamic trees, which drafter="
                             f"{drafter_cfg['name']} cannot grow (use eagle, eagle3 or "
@@ -99,38 +139,41 @@ def heldout_prompts(data: DictConfig, target: Target, count: int) -> list[torch.
     return encode_until(target, texts, count, data.max_prompt_tokens)
 
 
-def decode_budgets(target: Target, drafters: Mapping[int, Drafter], prompts: list[torch.Tensor],
-                   max_new_tokens: int) -> dict[int, GenerationResult]:
-    """{budget: every prompt's greedy decoding merged (tokens concatenated, steps in order)}."""
-    results: dict[int, list[GenerationResult]] = {budget: [] for budget in drafters}
+def decode_trees(target: Target, drafters: Mapping[DynamicTree, Drafter],
+                 prompts: list[torch.Tensor], max_new_tokens: int
+                 ) -> dict[DynamicTree, GenerationResult]:
+    """{tree: every prompt's greedy decoding merged (tokens concatenated, steps in order)}."""
+    results: dict[DynamicTree, list[GenerationResult]] = {tree: [] for tree in drafters}
     for ids in prompts:
-        # Budgets take turns on each prompt, so machine noise hits all alike.
-        for budget, drafter in drafters.items():
-            results[budget].append(generate(target.model, ids, max_new_tokens, drafter=drafter,
-                                            eos_token_id=target.eos_token_ids))
-    return {budget: GenerationResult(torch.cat([r.tokens for r in rs]),
-                                     [s for r in rs for s in r.steps],
-                                     sum(r.prefill_s for r in rs))
-            for budget, rs in results.items()}
+        # Trees take turns on each prompt, so machine noise hits all alike.
+        for tree, drafter in drafters.items():
+            results[tree].append(generate(target.model, ids, max_new_tokens, drafter=drafter,
+                                          eos_token_id=target.eos_token_ids))
+    return {tree: GenerationResult(torch.cat([r.tokens for r in rs]),
+                                   [s for r in rs for s in r.steps],
+                                   sum(r.prefill_s for r in rs))
+            for tree, rs in results.items()}
 
 
-def budget_rows(cost: Mapping[int, float], results: Mapping[int, GenerationResult]
+def budget_rows(cost: Mapping[int, float], results: Mapping[DynamicTree, GenerationResult]
                 ) -> list[dict]:
     """The table behind the choice: plain decoding (total_tokens 0, n 1), then one row per
-    budget with its measured t(budget + 1), draft seconds per step, tau, mean tree size (root
-    included), predicted tokens/s and predicted speedup over plain decoding."""
-    costs = [BudgetCost(budget, result.tau, cost[budget + 1],
-                        result.draft_s / max(len(result.steps), 1))
-             for budget, result in results.items()]
-    chosen = choose_total_tokens(costs)
+    tree (shape and budget) with its measured t(budget + 1), draft seconds per step, tau, mean
+    tree size (root included), predicted tokens/s and predicted speedup over plain decoding."""
+    costs = {tree: BudgetCost(tree.total_tokens, result.tau, cost[tree.total_tokens + 1],
+                              result.draft_s / max(len(result.steps), 1), tree.depth,
+                              tree.top_k)
+             for tree, result in results.items()}
+    chosen = best_cost(list(costs.values()))
     plain = BudgetCost(0, 1.0, cost[1], 0.0)
-    sizes = {budget: _mean_tree_size(result) for budget, result in results.items()}
-    return [{"total_tokens": c.budget, "n": c.budget + 1, "t_s": c.verify_s,
-             "draft_s_per_step": c.draft_s, "tau": c.tau,
-             "mean_tree_size": sizes.get(c.budget, 1.0),  # plain decoding: the root alone
+    sizes = {costs[tree]: _mean_tree_size(result) for tree, result in results.items()}
+    return [{"depth": c.depth or None, "top_k": c.top_k or None, "total_tokens": c.budget,
+             "n": c.budget + 1, "t_s": c.verify_s, "draft_s_per_step": c.draft_s, "tau": c.tau,
+             "mean_tree_size": sizes.get(c, 1.0),  # plain decoding: the root alone
              "predicted_tokens_per_s": c.tokens_per_s,
-             "predicted_speedup": c.tokens_per_s * plain.verify_s, "chosen": c.budget == chosen}
-            for c in [plain, *costs]]
+             "predicted_speedup": c.tokens_per_s * plain.verify_s, "chosen": c == chosen}
+            for c in [plain, *sorted(costs.values(),
+                                     key=lambda c: (c.budget, c.depth, c.top_k))]]
 
 
 def _mean_tree_size(result: GenerationResult) -> float:
@@ -140,12 +183,13 @@ def _mean_tree_size(result: GenerationResult) -> float:
 
 def format_budget_table(rows: list[dict]) -> str:
     """Markdown, one line per row of budget_rows."""
-    lines = ["| total_tokens | t(n) ms | draft ms/step | tau | mean nodes | predicted tokens/s "
-             "| predicted speedup | |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| depth | top_k | total_tokens | t(n) ms | draft ms/step | tau | mean nodes "
+             "| predicted tokens/s | predicted speedup | |", "|---" * 10 + "|"]
     for r in rows:
         note = "plain decoding" if r["total_tokens"] == 0 else ("**chosen**" if r["chosen"]
                                                                   else "")
-        lines.append(f"| {r['total_tokens']} | {1000 * r['t_s']:.1f} | "
+        shape = " | ".join("-" if r[key] is None else str(r[key]) for key in ("depth", "top_k"))
+        lines.append(f"| {shape} | {r['total_tokens']} | {1000 * r['t_s']:.1f} | "
                      f"{1000 * r['draft_s_per_step']:.1f} | {r['tau']:.3f} | "
                      f"{r['mean_tree_size']:.1f} | {r['predicted_tokens_per_s']:.1f} | "
                      f"{r['predicted_speedup']:.2f}x | {note} |")
@@ -180,8 +224,9 @@ def measurement_note(cfg: DictConfig, machine: str, rows: list[dict]) -> str:
     plain, best = rows[0], next(r for r in rows if r["chosen"])
     checkpoint = cfg.drafter.get("checkpoint") or cfg.drafter.get("path")
     weights = f"weights {checkpoint}" if checkpoint else "fresh, untrained weights"
+    trees = sorted({(r["depth"], r["top_k"], r["total_tokens"]) for r in rows[1:]})
     return (f"Measured by experiments.tree_search mode=dynamic on {cfg.target.name} ({machine}): "
-            f"budgets {[r['total_tokens'] for r in rows[1:]]} decoded greedily by drafter "
+            f"trees (depth, top_k, total_tokens) {trees} decoded greedily by drafter "
             f"{cfg.drafter.name} ({weights}) on "
             f"{cfg.num_prompts} held-out training prompts x {cfg.max_new_tokens} tokens. "
             f"Predicted {best['predicted_speedup']:.2f}x plain decoding: tau {best['tau']:.2f}, "

@@ -60,7 +60,10 @@ def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
                  max_new_tokens: int, tree: str) -> dict:
     """Greedy decoding of held-out prompts with a trained drafter: the loop's own tau, and
     whether the output is token for token the target's (Hugging Face greedy `generate`)."""
+    engine = getattr(drafter, "engine", None)  # drafters that run a model count its forwards
+    draft_forwards_before = engine.forwards if engine is not None else 0
     forwards = produced = identical = 0
+    draft_s = 0.0
     for ids in tqdm(prompts, desc="evaluating decoding"):
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=target.eos_token_ids)
@@ -68,5 +71,11 @@ def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
         identical += int(torch.equal(result.tokens, reference.cpu()))
         forwards += len(result.steps)
         produced += result.tau * len(result.steps)
-    return {"tau": produced / max(forwards, 1), "identical": identical, "prompts": len(prompts),
-            "tree": tree}
+        draft_s += result.draft_s
+    results = {"tau": produced / max(forwards, 1), "identical": identical,
+               "prompts": len(prompts), "tree": tree,
+               "draft_ms_per_step": 1e3 * draft_s / max(forwards, 1)}
+    if engine is not None:  # what one draft forward costs: the figure a vocabulary trades
+        draft_forwards = engine.forwards - draft_forwards_before
+        results["draft_ms_per_forward"] = 1e3 * draft_s / max(draft_forwards, 1)
+    return results

@@ -15,6 +15,7 @@ from drafters.eagle import (
     load_draft,
     save_draft,
 )
+from drafters.vocab import coverage
 from verify.features import eagle3_layers
 from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
@@ -163,6 +164,12 @@ def test_a_draft_vocabulary_is_all_it_proposes_and_decoding_stays_exact(tree, ti
     assert len(proposed) > 1 and bool((proposed.tokens[1:] % 2 == 0).all())
     plain = generate(target.model, PROMPT, 24).tokens
     assert torch.equal(generate(target.model, PROMPT, 24, drafter=drafter).tokens, plain)
+
+
+def test_vocabulary_coverage_counts_the_tokens_a_draft_can_propose():
+    even = torch.arange(0, 256, 2)
+    assert coverage(even, [torch.tensor([0, 1, 2]), torch.tensor([3, 4])]) == pytest.approx(0.6)
+    assert coverage(None, [torch.tensor([1, 3])]) == 1.0  # the whole vocabulary
 
 
 def test_missing_features_are_refused(tiny):

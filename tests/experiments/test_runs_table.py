@@ -79,3 +79,21 @@ def test_plot(runs, tmp_path):
     rows = table_rows(find_runs([str(runs)]), "data.sharegpt_tokens", "drafter.name")
     path = plot_runs(rows, "data.sharegpt_tokens", "drafter.name", tmp_path / "p.png")
     assert path.stat().st_size > 1000
+
+
+def test_coverage_and_draft_cost_columns_appear_only_when_every_run_has_them(runs):
+    def add_figures(folder, coverage, draft_ms):
+        path = folder / "eval.json"
+        run = json.loads(path.read_text())
+        run["accuracy"]["vocab_coverage"] = coverage
+        run["decoding"]["draft_ms_per_forward"] = draft_ms
+        path.write_text(json.dumps(run))
+
+    add_figures(runs / "eagle" / "a", 0.91, 3.25)
+    add_figures(runs / "eagle" / "b", 0.97, 6.5)
+    some = table_rows(find_runs([str(runs / "eagle")]), "data.sharegpt_tokens", None)
+    assert "coverage" not in format_table(some, "data.sharegpt_tokens", None)  # c lacks them
+    both = table_rows(find_runs([str(runs / "eagle" / "[ab]")]), "data.sharegpt_tokens", None)
+    table = format_table(both, "data.sharegpt_tokens", None)
+    assert "| draft vocabulary coverage | ms per draft forward |" in table
+    assert "| 50000 | 800 | 0.300 | 0.200 | 1.70 | 8/8 | 0.910 | 3.2 |" in table

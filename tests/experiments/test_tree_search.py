@@ -16,9 +16,11 @@ from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies, measure_verify_cost, time_step
 from experiments.tree_search_dynamic import (
     BudgetCost,
+    best_cost,
+    candidate_trees,
     check_budgets,
-    choose_total_tokens,
     heldout_prompts,
+    tree_shapes,
 )
 from verify.target import build_tiny_model, load_target_from_config
 from verify.tree import TokenTree, TreeError, TreeTopology
@@ -125,8 +127,8 @@ def test_dynamic_mode_end_to_end_on_a_tiny_target(tmp_path, capsys):
         assert 1 < r["mean_tree_size"] <= r["n"]
         assert r["predicted_tokens_per_s"] == pytest.approx(
             r["tau"] / (r["t_s"] + r["draft_s_per_step"]))
-    chosen = choose_total_tokens([BudgetCost(r["total_tokens"], r["tau"], r["t_s"],
-                                             r["draft_s_per_step"]) for r in rows[1:]])
+    chosen = best_cost([BudgetCost(r["total_tokens"], r["tau"], r["t_s"],
+                                   r["draft_s_per_step"]) for r in rows[1:]]).budget
     assert [r["total_tokens"] for r in rows if r["chosen"]] == [chosen]
     written = OmegaConf.load(tmp_path / "tree" / "auto.yaml")
     assert written.name == "eagle2_auto"
@@ -142,11 +144,47 @@ def test_the_best_predicted_tokens_per_second_is_chosen():
     costs = [BudgetCost(4, tau=2.0, verify_s=0.010, draft_s=0.002),   # 166.7 tokens/s
              BudgetCost(8, tau=2.6, verify_s=0.012, draft_s=0.003),   # 173.3
              BudgetCost(16, tau=2.8, verify_s=0.020, draft_s=0.004)]  # 116.7
-    assert choose_total_tokens(costs) == 8
+    assert best_cost(costs).budget == 8
     # a cheaper draft step tips the balance towards the bigger tree
-    assert choose_total_tokens(costs[:2] + [BudgetCost(16, 2.8, 0.012, 0.002)]) == 16
-    # ties go to the smaller budget, whatever the order
-    assert choose_total_tokens([BudgetCost(8, 2.0, 0.01, 0.0), BudgetCost(4, 2.0, 0.01, 0.0)]) == 4
+    assert best_cost(costs[:2] + [BudgetCost(16, 2.8, 0.012, 0.002)]).budget == 16
+    # ties go to the smaller budget, whatever the order, then to the smaller shape
+    assert best_cost([BudgetCost(8, 2.0, 0.01, 0.0), BudgetCost(4, 2.0, 0.01, 0.0)]).budget == 4
+    wide, narrow = BudgetCost(4, 2.0, 0.01, 0.0, 3, 8), BudgetCost(4, 2.0, 0.01, 0.0, 3, 4)
+    assert best_cost([wide, narrow]) == narrow
+
+
+def test_tree_shapes_cross_every_depth_with_every_top_k():
+    assert tree_shapes(3, 4) == [(3, 4)]
+    assert tree_shapes([3, 2, 3], [8, 4]) == [(2, 4), (2, 8), (3, 4), (3, 8)]
+    with pytest.raises(ValueError, match="top_k must be an integer or a non-empty list"):
+        tree_shapes(3, [])
+
+
+def test_candidate_trees_measure_each_distinct_tree_once(capsys):
+    trees = candidate_trees([1, 4, 8], tree_shapes([2, 5], [2, 4]))
+    # budget 1 grows one round whatever the depth; depth 5 at budget 4 is depth 4;
+    # depth 2 and top_k 2 propose only 6 candidates, too few for 8
+    assert [(t.depth, t.top_k, t.total_tokens) for t in trees] == [
+        (1, 2, 1), (1, 4, 1), (2, 2, 4), (2, 4, 4), (4, 2, 4), (4, 4, 4),
+        (2, 4, 8), (5, 2, 8), (5, 4, 8)]
+    assert "budget 8: skipped for (depth, top_k) [(2, 2)]" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="budget 21 exceeds the 20 candidates depth 2 and top_k 4"):
+        candidate_trees([21], tree_shapes(2, [2, 4]))
+
+
+def test_dynamic_mode_chooses_the_shape_with_the_budget(tmp_path, capsys):
+    cfg = compose_dynamic(tmp_path, "depth=[1,2]", "top_k=[2,3]", "budgets=[2]")
+    tree_search.main(cfg)
+    rows = json.loads((tmp_path / "tiny-llama-eagle2_auto.json").read_text())["rows"]
+    measured = [(r["depth"], r["top_k"], r["total_tokens"]) for r in rows[1:]]
+    assert measured == [(1, 2, 2), (1, 3, 2), (2, 2, 2), (2, 3, 2)]
+    assert (rows[0]["depth"], rows[0]["top_k"]) == (None, None)  # plain decoding
+    best = next(r for r in rows if r["chosen"])
+    assert best["predicted_tokens_per_s"] == max(r["predicted_tokens_per_s"] for r in rows[1:])
+    written = OmegaConf.load(tmp_path / "tree" / "auto.yaml")
+    assert tree_policy(written) == DynamicTree(best["depth"], best["top_k"], 2)
+    assert "| - | - | 0 |" in capsys.readouterr().out  # the plain row has no shape
+    assert (tmp_path / "tiny-llama-eagle2_auto.png").stat().st_size > 1000
 
 
 def test_dynamic_mode_refuses_a_drafter_without_dynamic_trees(tmp_path):

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from drafters import build_drafter
 from drafters.eagle import WEIGHTS_FILE, EagleDraft, default_layers, eagle_config, save_draft
-from drafters.vocab import most_frequent_tokens
+from drafters.vocab import coverage, most_frequent_tokens
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
 from train.distill import distilled_data
 from train.distributed import DistEnv
@@ -94,6 +94,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: Fea
     """Held-out accuracy by depth, and tau with the saved draft on an EAGLE-2 tree, decoded
     through build_drafter and the loop; eval.json."""
     accuracy = heldout_accuracy(objective, heldout, steps=cfg.eval.depth)
+    accuracy["vocab_coverage"] = coverage(objective.draft.vocab_ids, heldout.learned_tokens())
     tree = {"depth": cfg.eval.depth, "top_k": cfg.eval.tree_top_k,
             "total_tokens": cfg.eval.tree_budget}
     drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
