@@ -30,16 +30,21 @@ from experiments.common import save_figure, write_report
 
 def find_runs(folders: list[str]) -> list[dict]:
     """Every eval.json under `folders` (the folder itself may be a run; a glob pattern such as
-    `<dir>/*eagle3_ttt` stands for the folders it matches), read whole."""
+    `<dir>/*eagle3_ttt` stands for the folders it matches; an eval.json file stands for that
+    run alone, without the runs in folders below it), read whole."""
     runs = []
     for pattern in folders:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matches or not all(Path(m).is_dir() for m in matches):
+        if not matches or not all(Path(m).is_dir() or _is_eval(Path(m)) for m in matches):
             raise FileNotFoundError(f"runs: no folder {pattern}")
-        for folder in map(Path, matches):
-            runs += [json.loads(path.read_text()) | {"eval": str(path)}
-                     for path in sorted(folder.rglob("eval.json"))]
+        for found in map(Path, matches):
+            paths = [found] if _is_eval(found) else sorted(found.rglob("eval.json"))
+            runs += [json.loads(path.read_text()) | {"eval": str(path)} for path in paths]
     return runs
+
+
+def _is_eval(path: Path) -> bool:
+    return path.name == "eval.json" and path.is_file()
 
 
 def config_value(run: dict, key: str):

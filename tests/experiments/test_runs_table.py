@@ -75,6 +75,13 @@ def test_a_glob_pattern_picks_the_folders_it_matches(runs):
     assert sorted(r["config"]["data"]["sharegpt_tokens"] for r in found) == [50000, 200000, 200000]
 
 
+def test_an_eval_file_names_its_run_alone(runs):
+    write_run(runs / "eagle" / "b" / "sweep", "eagle", 1000, 300, [0.2, 0.1], 1.4)
+    assert len(find_runs([str(runs / "eagle" / "b")])) == 2  # a folder: its runs below too
+    alone = find_runs([str(runs / "eagle" / "b" / "eval.json")])
+    assert [r["config"]["data"]["sharegpt_tokens"] for r in alone] == [200000]
+
+
 def test_plot(runs, tmp_path):
     rows = table_rows(find_runs([str(runs)]), "data.sharegpt_tokens", "drafter.name")
     path = plot_runs(rows, "data.sharegpt_tokens", "drafter.name", tmp_path / "p.png")
