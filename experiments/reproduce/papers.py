@@ -539,30 +539,37 @@ def _fused_features(reports: Path) -> Finding:
 
 
 SCALING_COMMAND = """\
-python train.py drafter=eagle data.sharegpt_tokens=50000 optim.batch_sequences=4 \\
-    optim.max_steps=150
-python train.py drafter=eagle data.sharegpt_tokens=200000 optim.batch_sequences=4 \\
-    optim.max_steps=600
-python train.py drafter=eagle3 drafter.layout=fused_input data.sharegpt_tokens=50000 \\
-    drafter.ttt_steps=3 optim.batch_sequences=4 optim.max_steps=150
-python train.py drafter=eagle3 drafter.layout=fused_input data.sharegpt_tokens=200000 \\
-    drafter.ttt_steps=3 optim.batch_sequences=4 optim.max_steps=600
-python -m experiments.runs_table 'runs=[<the four run folders>]' x=data.sharegpt_tokens \\
-    series=drafter.name name=eagle-vs-eagle3-data out_dir=experiments/reports/reproduce"""
+python train.py -m experiment=eagle_data_scaling    # EAGLE-1: 50k to 1M tokens, 800 steps each
+python train.py -m experiment=eagle3_data_scaling   # EAGLE-3: 50k, 200k, 1M, 400 steps each
+python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct/eagle]' \\
+    x=data.sharegpt_tokens \\
+    'where=["optim.max_steps=800","data.num_prompts=0","drafter.draft_vocab_size=8192"]' \\
+    name=eagle1-data-scaling out_dir=experiments/reports
+python -m experiments.runs_table 'runs=[results/train/smollm2-135m-instruct/eagle3]' \\
+    x=data.sharegpt_tokens 'where=["optim.max_steps=400","drafter.ttt_steps=3"]' \\
+    name=eagle3-data-scaling out_dir=experiments/reports"""
+SCALING_REPORTS = {"eagle": "eagle1-data-scaling.json", "eagle3": "eagle3-data-scaling.json"}
 
 
 def _data_scaling(reports: Path) -> Finding:
-    rows = read_report(reports, "reproduce/eagle-vs-eagle3-data.json",
-                       "run the commands above")["rows"]
-    tau = {(r["series"], r["x"]): r["tau"] for r in rows}
-    sizes = sorted({r["x"] for r in rows})
-    if len(sizes) < 2 or not all((d, x) in tau for d in ("eagle", "eagle3") for x in sizes):
-        raise MissingReport("the saved runs lack a drafter or a data size; run the commands "
-                            "above")
+    curves = {name: {r["x"]: r for r in read_report(reports, file, "run the commands above")[
+        "rows"]} for name, file in SCALING_REPORTS.items()}
+    sizes = sorted(set(curves["eagle"]) & set(curves["eagle3"]))
+    if len(sizes) < 2:
+        raise MissingReport("the saved curves share fewer than two data sizes; run the "
+                            "commands above")
     small, large = sizes[0], sizes[-1]
-    gains = {d: tau[d, large] - tau[d, small] for d in ("eagle", "eagle3")}
-    table = [[d, *(tau[d, x] for x in sizes), f"{gains[d]:+.2f}"] for d in ("eagle", "eagle3")]
-    return Finding(Table(["drafter", *(f"tau, {x:,} tokens" for x in sizes), "gain"], table),
+
+    def later_depths(run: dict) -> float:
+        return statistics.mean(run["top1"][1:])
+
+    gains = {d: c[large]["tau"] - c[small]["tau"] for d, c in curves.items()}
+    table = [[d, *(c[x]["tau"] for x in sizes), f"{gains[d]:+.2f}",
+              f"{c[small]['top1'][0]:.3f} -> {c[large]['top1'][0]:.3f}",
+              f"{later_depths(c[small]):.3f} -> {later_depths(c[large]):.3f}"]
+             for d, c in curves.items()]
+    return Finding(Table(["drafter", *(f"tau, {x:,} tokens" for x in sizes), "tau gain",
+                          "top-1 depth 1", "top-1 depths 2-5"], table),
                    HELD if gains["eagle3"] > gains["eagle"] + TAU_NOISE else NOT_HELD,
                    f"From {small:,} to {large:,} ShareGPT tokens EAGLE-1's tau moves "
                    f"{gains['eagle']:+.2f} and EAGLE-3's {gains['eagle3']:+.2f}.")
@@ -576,12 +583,11 @@ EAGLE3 = Paper(
     published=Table(["setting", "speedup"],
                     [["chat and reasoning models, five tasks (paper)",
                       "up to 6.5x, about 1.4x over EAGLE-2"]]),
-    setup=SETUP + " EAGLE-3 drafts: 50k ShareGPT tokens, 150 steps, batch 4 sequences. The "
-                  "training-time-test and feature runs use EAGLE-3's own draft layer "
-                  "(drafter.layout=eagle3, the default); the data-scaling runs use EAGLE-1's "
-                  "layer on the fused features (drafter.layout=fused_input): they were trained "
-                  "before EAGLE-3's layer was added and not rerun. README, \"Training EAGLE "
-                  "drafters\", compares the two layers.",
+    setup=SETUP + " EAGLE-3 drafts use EAGLE-3's own draft layer (drafter.layout=eagle3, "
+                  "the default). The training-time-test and feature runs: 50k ShareGPT "
+                  "tokens, 150 steps, batch 4 sequences. The data-scaling runs: each drafter's "
+                  "default recipe (EAGLE-1 800 steps, EAGLE-3 400 steps of three unrolled "
+                  "passes; batch 8 sequences) at every data size.",
     claims=(
         Claim("Training-time test makes later draft steps accurate",
               "Training the draft on its own unrolled outputs removes the train/test "
@@ -597,13 +603,14 @@ EAGLE3 = Paper(
         Claim("Data scaling: EAGLE-3 gains more from data than EAGLE-1",
               "EAGLE-1's tau flattens with more data; EAGLE-3's keeps rising.",
               SCALING_COMMAND, _data_scaling,
-              "Four times the data, trained for four times the steps (the same epochs), on "
-              "both drafters alike: a small step on the paper's axis, since 1M tokens and more "
-              "would take hours of CPU here. EAGLE-3's later depths gain more than EAGLE-1's "
-              "and its first depth less, and EAGLE-1 is still far from saturating at 200k "
-              "tokens (experiments/reports/eagle1-data-scaling.json keeps rising to 1M), so "
-              "the regime the paper describes, EAGLE-1 flat while EAGLE-3 climbs, is not "
-              "reached."),
+              "Twenty times the data at a fixed step budget, so the large runs see each "
+              "token fewer times (EAGLE-1 ~3 epochs of 1M, EAGLE-3 ~1.5). Both drafters gain "
+              "alike at every depth: ~+0.1 top-1 at depth 1 and ~+0.07 at depths 2-5 from "
+              "50k to 1M; held-out tau (8 prompts) moves within its noise past 200k for "
+              "both. EAGLE-1 is far from flat here, so the paper's regime, EAGLE-1 saturated "
+              "while EAGLE-3 climbs, begins beyond what this CPU can train (the papers train "
+              "on tens of millions of tokens and more). EAGLE-1 runs are from an earlier session, "
+              "on the same recipe and data."),
         Claim("Fused low, middle and high features beat the last layer alone",
               "EAGLE-3 feeds the draft three target layers fused to one vector.",
               "python train.py -m experiment=eagle3_features drafter.layout=eagle3\n"
