@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from tqdm import tqdm
 
 from drafters import build_drafter
 from drafters.dynamic_tree import DynamicTree
@@ -144,7 +145,7 @@ def decode_trees(target: Target, drafters: Mapping[DynamicTree, Drafter],
                  ) -> dict[DynamicTree, GenerationResult]:
     """{tree: every prompt's greedy decoding merged (tokens concatenated, steps in order)}."""
     results: dict[DynamicTree, list[GenerationResult]] = {tree: [] for tree in drafters}
-    for ids in prompts:
+    for ids in tqdm(prompts, desc=f"decoding {len(drafters)} trees", unit="prompt"):
         # Trees take turns on each prompt, so machine noise hits all alike.
         for tree, drafter in drafters.items():
             results[tree].append(generate(target.model, ids, max_new_tokens, drafter=drafter,
