@@ -170,7 +170,8 @@ def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
     by decoding, and t(budget + 1) and t(1) on the configured target; returns the chosen tree,
     the table and what it was measured on."""
     shapes = tree_shapes(cfg.depth, cfg.top_k)
-    trees = candidate_trees(list(cfg.budgets), shapes)
+    stands_for = candidate_trees(list(cfg.budgets), shapes)
+    trees = list(stands_for)
     target = load_target_from_config(cfg.target)
     drafters = tree_drafters(cfg.drafter, trees, target, cfg.seed)
     prompts = heldout_prompts(cfg.data, target, cfg.num_prompts)
@@ -181,7 +182,7 @@ def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
         decode_trees(target, drafters, prompts[:1], min(cfg.max_new_tokens, 16))
         results = decode_trees(target, drafters, prompts, cfg.max_new_tokens)
         machine = describe_machine(target.model)
-    rows = budget_rows(cost, results)
+    rows = budget_rows(cost, results, stands_for)
     best = next(r for r in rows if r["chosen"])
     return (DynamicTree(best["depth"], best["top_k"], best["total_tokens"]), rows,
             measurement_note(cfg, machine, rows))
@@ -195,28 +196,35 @@ def plot_budgets(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     plain = next(r for r in rows if r["n"] == 1)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    # One line per (depth, top_k) shape of a dynamic search; a static search has one line.
-    shapes = list(dict.fromkeys((r.get("depth"), r.get("top_k")) for r in rows if r is not plain))
-    for depth, top_k in shapes:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # One line per (depth, top_k) shape asked of a dynamic search, colour by top_k and dash by
+    # depth; a static search (rows without shapes) has one line.
+    shapes = sorted({tuple(s) for r in rows for s in r.get("shapes") or []}) or [None]
+    colours = {k: f"C{i}" for i, k in enumerate(sorted({s[1] for s in shapes if s}))}
+    dashes = dict(zip(sorted({s[0] for s in shapes if s}), ["-", "--", ":", "-."] * 4))
+    for shape in shapes:
         line = [plain] + [r for r in rows if r is not plain
-                          and (r.get("depth"), r.get("top_k")) == (depth, top_k)]
-        name = "" if len(shapes) == 1 else f", depth {depth}, top-k {top_k}"
+                          and (shape is None or list(shape) in r["shapes"])]
+        style = {} if shape is None else {"color": colours[shape[1]],
+                                          "linestyle": dashes[shape[0]]}
+        name = "" if len(shapes) == 1 else f"depth {shape[0]}, top-k {shape[1]}"
         budgets = [r["n"] - 1 for r in line]
         left.plot(budgets, [r.get("tau", r.get("expected_tokens")) for r in line], marker="o",
-                  label=f"tau{name}")
+                  label="tau" if len(shapes) == 1 else None, **style)
         right.plot(budgets, [r["predicted_speedup"] for r in line], marker="o",
-                   label=name.removeprefix(", ") or None)
+                   label=name or None, **style)
     sizes = sorted({r["n"] for r in rows})
     t_of = {r["n"]: r["t_s"] for r in rows}
     left.plot([n - 1 for n in sizes], [t_of[n] / plain["t_s"] for n in sizes], marker="s",
               color="black", label="t(n) / t(1)")
     left.set(xlabel="draft nodes verified (n - 1)", ylabel="tokens per step / relative cost")
     left.legend(fontsize=8)
+    if len(shapes) > 1:
+        left.set_title("tau per shape (the right panel's legend)", fontsize=9)
     chosen = [(r["n"] - 1, r["predicted_speedup"]) for r in rows if r["chosen"]]
     if chosen:
         right.scatter(*zip(*chosen), color="red", zorder=3, label="chosen")
-        right.legend()
+        right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     right.axhline(1.0, color="grey", linewidth=0.8)
     right.set(xlabel="draft nodes verified (n - 1)", ylabel="predicted speedup")
     for ax in (left, right):

@@ -91,21 +91,23 @@ def check_budgets(budgets: Sequence[int], depth: int, top_k: int) -> list[int]:
 
 
 def candidate_trees(budgets: Sequence[int], shapes: Sequence[tuple[int, int]]
-                    ) -> list[DynamicTree]:
-    """The distinct trees to measure: each budget on each shape that can fill it.
+                    ) -> dict[DynamicTree, list[tuple[int, int]]]:
+    """The distinct trees to measure, each with the (depth, top_k) shapes asked that it stands
+    for: each budget on each shape that can fill it.
 
     A budget of b grows at most b rounds (DynamicTree.search_steps), so a deeper shape is the
     same tree as depth b and is measured once. A budget no shape can fill is refused; one that
     only some shapes fill is skipped for the others, and said so."""
     widest = max(shapes, key=lambda shape: candidate_count(*shape))
-    trees = []
+    trees: dict[DynamicTree, list[tuple[int, int]]] = {}
     for budget in check_budgets(budgets, *widest):
         fits = [(d, k) for d, k in shapes if budget <= candidate_count(d, k)]
         if len(fits) < len(shapes):
             print(f"budget {budget}: skipped for (depth, top_k) "
                   f"{sorted(set(shapes) - set(fits))}, which propose fewer candidates")
-        trees += [DynamicTree(min(d, budget), k, budget) for d, k in fits]
-    return list(dict.fromkeys(trees))
+        for d, k in fits:
+            trees.setdefault(DynamicTree(min(d, budget), k, budget), []).append((d, k))
+    return trees
 
 
 def tree_drafters(drafter_cfg: Mapping, trees: Sequence[DynamicTree], target: Target,
@@ -156,11 +158,14 @@ def decode_trees(target: Target, drafters: Mapping[DynamicTree, Drafter],
             for tree, rs in results.items()}
 
 
-def budget_rows(cost: Mapping[int, float], results: Mapping[DynamicTree, GenerationResult]
+def budget_rows(cost: Mapping[int, float], results: Mapping[DynamicTree, GenerationResult],
+                stands_for: Mapping[DynamicTree, list[tuple[int, int]]] | None = None
                 ) -> list[dict]:
     """The table behind the choice: plain decoding (total_tokens 0, n 1), then one row per
     tree (shape and budget) with its measured t(budget + 1), draft seconds per step, tau, mean
-    tree size (root included), predicted tokens/s and predicted speedup over plain decoding."""
+    tree size (root included), predicted tokens/s and predicted speedup over plain decoding,
+    and the (depth, top_k) shapes asked that the tree stands for (`stands_for`; the plot draws
+    one line per shape asked)."""
     costs = {tree: BudgetCost(tree.total_tokens, result.tau, cost[tree.total_tokens + 1],
                               result.draft_s / max(len(result.steps), 1), tree.depth,
                               tree.top_k)
@@ -168,7 +173,10 @@ def budget_rows(cost: Mapping[int, float], results: Mapping[DynamicTree, Generat
     chosen = best_cost(list(costs.values()))
     plain = BudgetCost(0, 1.0, cost[1], 0.0)
     sizes = {costs[tree]: _mean_tree_size(result) for tree, result in results.items()}
-    return [{"depth": c.depth or None, "top_k": c.top_k or None, "total_tokens": c.budget,
+    asked = {costs[tree]: [list(shape) for shape in (stands_for or {}).get(
+        tree, [(tree.depth, tree.top_k)])] for tree in results}
+    return [{"depth": c.depth or None, "top_k": c.top_k or None, "shapes": asked.get(c),
+             "total_tokens": c.budget,
              "n": c.budget + 1, "t_s": c.verify_s, "draft_s_per_step": c.draft_s, "tau": c.tau,
              "mean_tree_size": sizes.get(c, 1.0),  # plain decoding: the root alone
              "predicted_tokens_per_s": c.tokens_per_s,

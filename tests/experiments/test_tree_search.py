@@ -167,6 +167,8 @@ def test_candidate_trees_measure_each_distinct_tree_once(capsys):
     assert [(t.depth, t.top_k, t.total_tokens) for t in trees] == [
         (1, 2, 1), (1, 4, 1), (2, 2, 4), (2, 4, 4), (4, 2, 4), (4, 4, 4),
         (2, 4, 8), (5, 2, 8), (5, 4, 8)]
+    assert trees[DynamicTree(1, 4, 1)] == [(2, 4), (5, 4)]  # the shapes asked it stands for
+    assert trees[DynamicTree(4, 2, 4)] == [(5, 2)]
     assert "budget 8: skipped for (depth, top_k) [(2, 2)]" in capsys.readouterr().out
     with pytest.raises(ValueError, match="budget 21 exceeds the 20 candidates depth 2 and top_k 4"):
         candidate_trees([21], tree_shapes(2, [2, 4]))
@@ -179,6 +181,8 @@ def test_dynamic_mode_chooses_the_shape_with_the_budget(tmp_path, capsys):
     measured = [(r["depth"], r["top_k"], r["total_tokens"]) for r in rows[1:]]
     assert measured == [(1, 2, 2), (1, 3, 2), (2, 2, 2), (2, 3, 2)]
     assert (rows[0]["depth"], rows[0]["top_k"]) == (None, None)  # plain decoding
+    # depths 1 and 2 both fit a 2-node budget: each tree stands for its own shape
+    assert [r["shapes"] for r in rows[1:]] == [[[1, 2]], [[1, 3]], [[2, 2]], [[2, 3]]]
     best = next(r for r in rows if r["chosen"])
     assert best["predicted_tokens_per_s"] == max(r["predicted_tokens_per_s"] for r in rows[1:])
     written = OmegaConf.load(tmp_path / "tree" / "auto.yaml")
