@@ -141,6 +141,9 @@ def test_the_run_reports_its_folder_and_how_to_use_it(trained):
     saved = json.loads((run / "eval.json").read_text())
     assert saved["decoding"]["identical"] == saved["decoding"]["prompts"] == 2
     assert 0 <= saved["accuracy"]["top1"][0] <= saved["accuracy"]["top5"][0] <= 1
+    # a reduced vocabulary covers part of the held-out answers, and caps top-1 there
+    assert saved["accuracy"]["top1"][0] <= saved["accuracy"]["vocab_coverage"] < 1
+    assert saved["decoding"]["draft_ms_per_forward"] > 0
 
 
 def test_the_saved_folder_loads_as_a_plain_hugging_face_model(trained):
@@ -192,6 +195,7 @@ def test_a_full_vocabulary_draft_assists_hugging_face_generate(tmp_path):
     results = run_training(_cfg(tmp_path, "drafter.draft_vocab_size=null"))
     folder = tmp_path / "run" / "checkpoint"
     assert read_vocab(folder) is None and results["decoding"]["identical"] == 2
+    assert results["accuracy"]["vocab_coverage"] == 1.0
     target = load_target(tiny="llama")
     assistant = AutoModelForCausalLM.from_pretrained(folder)
     assisted = hf_generate(target, TOKENS, 24, assistant_model=assistant)

@@ -33,7 +33,7 @@ from drafters.draft_model import (
     read_vocab,
     save_draft_model,
 )
-from drafters.vocab import most_frequent_tokens
+from drafters.vocab import coverage, most_frequent_tokens
 from train.checkpoint import (
     check_resumable,
     find_checkpoint,
@@ -95,7 +95,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                 cfg.logger.log_every, save, cfg.save_every, label="depth")
     if not env.is_main:
         return {}
-    results = evaluate(cfg, target, objective, heldout, out_dir)
+    results = evaluate(cfg, target, objective, heldout, out_dir, vocab)
     return finish_run(logger, results, _flat(results))
 
 
@@ -133,10 +133,12 @@ def load_weights(folder: Path, draft: torch.nn.Module, vocab: torch.Tensor | Non
 
 
 def evaluate(cfg: DictConfig, target: Target, objective: DistillLoss, heldout: FeatureSet,
-             out_dir: Path) -> dict:
-    """Held-out top-1 / top-5 agreement with the target's next token, and tau with the saved
-    draft on a chain of cfg.eval.chain, decoded through build_drafter and the loop; eval.json."""
+             out_dir: Path, vocab: torch.Tensor | None = None) -> dict:
+    """Held-out top-1 / top-5 agreement with the target's next token (and the share of its
+    tokens inside the draft vocabulary `vocab`), and tau with the saved draft on a chain of
+    cfg.eval.chain, decoded through build_drafter and the loop; eval.json."""
     accuracy = heldout_accuracy(objective, heldout)
+    accuracy["vocab_coverage"] = coverage(vocab, heldout.learned_tokens())
     chain = {"choices": [list(c) for c in TreeTopology.chain(cfg.eval.chain).choices]}
     drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
                    "path": str(out_dir / CHECKPOINT_DIR)}
