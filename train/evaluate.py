@@ -58,8 +58,9 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, answers: list[Answer
 
 def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
                  max_new_tokens: int, tree: str) -> dict:
-    """Greedy decoding of held-out prompts with a trained drafter: the loop's own tau, and
-    whether the output is token for token the target's (Hugging Face greedy `generate`)."""
+    """Greedy decoding of held-out prompts with a trained drafter: the loop's own tau, whether
+    the output is token for token the target's (Hugging Face greedy `generate`), the drafting
+    time per step and, for a drafter running a DraftEngine, per draft forward."""
     engine = getattr(drafter, "engine", None)  # drafters that run a model count its forwards
     draft_forwards_before = engine.forwards if engine is not None else 0
     forwards = produced = identical = 0
