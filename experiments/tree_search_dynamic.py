@@ -166,23 +166,26 @@ def budget_rows(cost: Mapping[int, float], results: Mapping[DynamicTree, Generat
     tree size (root included), predicted tokens/s and predicted speedup over plain decoding,
     and the (depth, top_k) shapes asked that the tree stands for (`stands_for`; the plot draws
     one line per shape asked)."""
-    costs = {tree: BudgetCost(tree.total_tokens, result.tau, cost[tree.total_tokens + 1],
-                              result.draft_s / max(len(result.steps), 1), tree.depth,
-                              tree.top_k)
-             for tree, result in results.items()}
+    trees = sorted(results, key=lambda t: (t.total_tokens, t.depth, t.top_k))
+    costs = {tree: BudgetCost(tree.total_tokens, results[tree].tau, cost[tree.total_tokens + 1],
+                              results[tree].draft_s / max(len(results[tree].steps), 1),
+                              tree.depth, tree.top_k)
+             for tree in trees}
     chosen = best_cost(list(costs.values()))
     plain = BudgetCost(0, 1.0, cost[1], 0.0)
-    sizes = {costs[tree]: _mean_tree_size(result) for tree, result in results.items()}
-    asked = {costs[tree]: [list(shape) for shape in (stands_for or {}).get(
-        tree, [(tree.depth, tree.top_k)])] for tree in results}
-    return [{"depth": c.depth or None, "top_k": c.top_k or None, "shapes": asked.get(c),
-             "total_tokens": c.budget,
-             "n": c.budget + 1, "t_s": c.verify_s, "draft_s_per_step": c.draft_s, "tau": c.tau,
-             "mean_tree_size": sizes.get(c, 1.0),  # plain decoding: the root alone
-             "predicted_tokens_per_s": c.tokens_per_s,
-             "predicted_speedup": c.tokens_per_s * plain.verify_s, "chosen": c == chosen}
-            for c in [plain, *sorted(costs.values(),
-                                     key=lambda c: (c.budget, c.depth, c.top_k))]]
+
+    def row(c: BudgetCost, shapes: list[list[int]] | None, mean_size: float) -> dict:
+        return {"depth": c.depth or None, "top_k": c.top_k or None, "shapes": shapes,
+                "total_tokens": c.budget, "n": c.budget + 1, "t_s": c.verify_s,
+                "draft_s_per_step": c.draft_s, "tau": c.tau, "mean_tree_size": mean_size,
+                "predicted_tokens_per_s": c.tokens_per_s,
+                "predicted_speedup": c.tokens_per_s * plain.verify_s, "chosen": c == chosen}
+
+    asked = stands_for or {}
+    return [row(plain, None, 1.0)] + [  # plain decoding: the root alone, no shape
+        row(costs[tree], [list(shape) for shape in asked.get(tree, [(tree.depth, tree.top_k)])],
+            _mean_tree_size(results[tree]))
+        for tree in trees]
 
 
 def _mean_tree_size(result: GenerationResult) -> float:
