@@ -84,7 +84,8 @@ def hf_method(target: Target, params: SamplingParams, **generate_kwargs) -> Meth
 
     def run(ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
         torch.manual_seed(seed)
-        return {"new_tokens": len(hf_generate(target, ids, max_new_tokens, **generate_kwargs))}
+        tokens = hf_generate(target, ids, max_new_tokens, **generate_kwargs)
+        return {"new_tokens": len(tokens), "tokens": tokens.tolist()}
     return run
 
 
@@ -107,8 +108,8 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
                               temperature=params.temperature, top_k=params.top_k,
                               top_p=params.top_p, eos_token_id=target.eos_token_ids,
                               generator=generator, rule=rule, pad_rows=pad_rows)
-        record = {"new_tokens": len(result.tokens), "steps": [vars(s) for s in result.steps],
-                  "prefill_s": result.prefill_s}
+        record = {"new_tokens": len(result.tokens), "tokens": result.tokens.tolist(),
+                  "steps": [vars(s) for s in result.steps], "prefill_s": result.prefill_s}
         if drafter is not None:
             record["draft_weights_mb"] = weights / 2**20
         if engine is not None:
@@ -255,7 +256,11 @@ def run_benchmark(cfg: DictConfig) -> dict:
     prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
                for q in questions]
     records = time_methods(methods, prompts, cfg)
-    return summarise(records, baseline_name(sampling_params(cfg)))
+    params = sampling_params(cfg)
+    baseline = baseline_name(params)
+    # greedy: every method's output must be the baseline's, token for token; sampled outputs
+    # differ by design (their distribution is the correctness command's test)
+    return summarise(records, baseline, reference=baseline if params.greedy else None)
 
 
 class Prompt(NamedTuple):

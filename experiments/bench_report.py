@@ -8,10 +8,12 @@ from pathlib import Path
 from experiments.common import save_figure
 
 
-def summarise(records: dict[str, list[dict]], baseline: str) -> dict:
+def summarise(records: dict[str, list[dict]], baseline: str,
+              reference: str | None = None) -> dict:
     """Per method: tokens/s overall and per category, speedup against `baseline` (ratio of
     tokens/s on the same prompts), and for tree methods tau, acceptance per depth and where a
-    step's time goes."""
+    step's time goes. With a `reference` method (greedy runs), "identical": the share of
+    prompts whose new tokens equal the reference's on the same prompt and run."""
     speeds = {name: _tokens_per_second(recs) for name, recs in records.items()}
     methods = {}
     for name, recs in records.items():
@@ -26,6 +28,8 @@ def summarise(records: dict[str, list[dict]], baseline: str) -> dict:
             summary.update(_step_figures(steps))
             summary.update(_time_per_step(recs, summary))
         summary.update(_draft_memory(recs))
+        if reference is not None:
+            summary["identical"] = _identical(recs, records[reference])
         methods[name] = summary
     runs = sorted({r.get("repeat", 0) for r in records[baseline]})
     if len(runs) > 1:
@@ -50,6 +54,16 @@ def _add_spread(methods: dict, records: dict[str, list[dict]], baseline: str,
         summary["speedup_runs"] = per_run
         summary["speedup_median"] = statistics.median(per_run)
         summary["speedup_range"] = [min(per_run), max(per_run)]
+
+
+def _identical(records: list[dict], reference: list[dict]) -> float:
+    """The share of `records` whose tokens equal the `reference` record of the same prompt
+    (question_id) and run (repeat)."""
+    def key(record: dict) -> tuple:
+        return record.get("repeat", 0), record["question_id"]
+
+    expected = {key(r): r["tokens"] for r in reference}
+    return sum(r["tokens"] == expected[key(r)] for r in records) / len(records)
 
 
 def _tokens_per_second(records: list[dict]) -> dict[str, float]:
@@ -111,13 +125,15 @@ def _time_per_step(records: list[dict], figures: dict) -> dict:
 def format_tables(summary: dict) -> str:
     """Two markdown tables: methods overall, and speedup per category."""
     methods = summary["methods"]
+    checked = all("identical" in m for m in methods.values())  # greedy runs say so per method
     runs = summary.get("repeats", 1)
     spread = (f" Speedup: all {runs} runs pooled; median [min, max] of the runs' own "
               "speedups beside it." if runs > 1 else "")
     lines = [f"Baseline: {summary['baseline']}, {summary['prompts']} prompts.{spread}", "",
              "| method | tokens/s | speedup | tau | accept rate by depth | draft ms/step | "
-             "verify ms/step | other ms/step | ms/draft fwd | draft MiB (weights, KV) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "verify ms/step | other ms/step | ms/draft fwd | draft MiB (weights, KV) |"
+             + (" identical to the baseline |" if checked else ""),
+             "|---" * (10 + checked) + "|"]
     lines += [_method_row(name, m) for name, m in methods.items()]
     categories = [c for c in methods[summary["baseline"]]["speedup"] if c != "overall"]
     lines += ["", "| category | " + " | ".join(methods) + " |",
@@ -129,7 +145,7 @@ def format_tables(summary: dict) -> str:
 
 
 TABLE_COLUMNS = ["method", "tokens_per_s", "speedup", "tau", "accept_depth1", "draft_ms_per_step",
-                 "verify_ms_per_step", "other_ms_per_step", "draft_weights_mb"]
+                 "verify_ms_per_step", "other_ms_per_step", "draft_weights_mb", "identical"]
 
 
 def method_table(summary: dict) -> list[list]:
@@ -140,7 +156,8 @@ def method_table(summary: dict) -> list[list]:
         rates = m.get("acceptance_per_depth") or [None]
         rows.append([name, m["tokens_per_s"]["overall"], m["speedup"]["overall"], m.get("tau"),
                      rates[0], m.get("draft_ms_per_step"), m.get("verify_ms_per_step"),
-                     m.get("other_ms_per_step"), m.get("draft_weights_mb")])
+                     m.get("other_ms_per_step"), m.get("draft_weights_mb"),
+                     m.get("identical")])
     return rows
 
 
@@ -159,8 +176,9 @@ def _method_row(name: str, m: dict) -> str:
         speedup += f" ({m['speedup_median']:.2f}x [{low:.2f}, {high:.2f}])"
     memory = ("-" if "draft_weights_mb" not in m else
               f"{m['draft_weights_mb']:.1f}, {cell('draft_cache_mb', '.1f')}")
+    same = "" if "identical" not in m else f" {m['identical']:.0%} |"
     return (f"| {name} | {m['tokens_per_s']['overall']:.1f} | {speedup} | "
-            f"{cell('tau', '.2f')} | {rates} | {times} | {memory} |")
+            f"{cell('tau', '.2f')} | {rates} | {times} | {memory} |{same}")
 
 
 def plot_speedups(summary: dict, path: Path) -> Path:

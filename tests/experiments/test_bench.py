@@ -85,6 +85,26 @@ def test_tables_and_plot(tmp_path):
     assert path.stat().st_size > 1000
 
 
+def test_greedy_output_is_checked_against_the_reference_prompt_by_prompt():
+    def rec(question, tokens, repeat=0):
+        return {"category": "qa", "new_tokens": len(tokens), "seconds": 1.0,
+                "question_id": question, "repeat": repeat, "tokens": tokens}
+
+    records = {"base": [rec("a", [1, 2, 3]), rec("b", [4, 5]), rec("a", [1, 2, 3], 1)],
+               # same tokens for a, a token changed for b, a cut short in run 1
+               "tree": [rec("a", [1, 2, 3]), rec("b", [4, 6]), rec("a", [1, 2], 1)],
+               "same": [rec("b", [4, 5]), rec("a", [1, 2, 3]), rec("a", [1, 2, 3], 1)]}
+    summary = summarise(records, "base", reference="base")
+    assert summary["methods"]["tree"]["identical"] == pytest.approx(1 / 3)
+    assert summary["methods"]["same"]["identical"] == 1.0  # matched by prompt, not by order
+    assert summary["methods"]["base"]["identical"] == 1.0
+    table = format_tables(summary)
+    assert "identical to the baseline |" in table and table.count("|---") == 11 + 4
+    assert "| - | 33% |" in table
+    assert "identical" not in summarise(records, "base")["methods"]["tree"]
+    assert "identical" not in format_tables(summarise(records, "base"))
+
+
 def test_plot_with_many_methods(tmp_path):
     records = {"base": RECORDS["base"], **{f"tree{i}": RECORDS["tree"] for i in range(12)}}
     path = plot_speedups(summarise(records, "base"), tmp_path / "speedup.png")
@@ -165,6 +185,8 @@ def test_drafters_compared_on_a_tiny_target(tmp_path):
         assert 0 < m["prefill_ms_per_step"] <= m["other_ms_per_step"]
     assert "ms_per_draft_forward" not in methods["plain_loop"]
     assert "| plain_loop |" in format_tables(summary)
+    # greedy: every method wrote Hugging Face greedy's tokens on every prompt
+    assert all(m["identical"] == 1.0 for m in methods.values())
 
 
 def test_end_to_end_on_a_tiny_target():
@@ -224,6 +246,7 @@ def test_a_sampled_benchmark_on_a_tiny_target(tmp_path):
     assert methods["eagle/eagle2"]["draft_cache_mb"] > 0
     assert methods["prompt_lookup/tree8"]["draft_weights_mb"] == 0
     assert "draft_weights_mb" not in methods["plain_loop"]
+    assert not any("identical" in m for m in methods.values())  # sampled: no token check
     env = report["environment"]
     assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1
     assert env["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", env["git_commit"])
