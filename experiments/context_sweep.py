@@ -12,8 +12,9 @@ tiny test models) gets seeded random tokens instead, and the report says so.
 
 At each length the methods of `experiments.bench` (its config: drafter, tree, compare, peers,
 temperature) run on the same prompts, and t(n) of one verification step is timed with that many
-cached tokens for each n in `sizes`. Prints a table, writes JSON and a PNG (speedup and tau
-against length; t(n) / t(1) against length).
+cached tokens for each n in `sizes`. Greedy runs also give each method's share of prompts
+whose output is Hugging Face greedy's token for token. Prints a table, writes JSON and a PNG
+(speedup and tau against length; t(n) / t(1) against length).
 """
 
 from __future__ import annotations
@@ -90,12 +91,14 @@ def sweep(cfg: DictConfig) -> tuple[list[dict], str]:
     check_lengths(lengths, sizes, cfg.max_new_tokens, context_window(target.model))
     methods = build_methods(cfg, target, drafters)
     prompts, source = context_prompts(target, lengths, cfg.num_prompts, cfg.seed)
-    baseline = baseline_name(sampling_params(cfg))
+    params = sampling_params(cfg)
+    baseline = baseline_name(params)
+    reference = baseline if params.greedy else None  # greedy: outputs checked as in the bench
     rows = []
     with single_thread() if cfg.target.tiny else nullcontext():
         for length in lengths:
             records = time_methods(methods, prompts[length], cfg, desc=f"{length} tokens")
-            summary = summarise(records, baseline)
+            summary = summarise(records, baseline, reference)
             cost = measure_verify_cost(target.model, sizes, length, cfg.cost_repeats)
             rows += [_row(length, name, figures, cost)
                      for name, figures in summary["methods"].items()]
@@ -107,22 +110,24 @@ def _row(length: int, name: str, figures: dict, cost: dict[int, float]) -> dict:
             "tokens_per_s": figures["tokens_per_s"]["overall"],
             "speedup": figures["speedup"]["overall"], "tau": figures.get("tau"),
             "acceptance_per_depth": figures.get("acceptance_per_depth"),
+            "identical": figures.get("identical"),
             "t_ms": {n: 1000 * t for n, t in cost.items()}}
 
 
 def format_table(rows: list[dict]) -> str:
     sizes = sorted(rows[0]["t_ms"])
-    lines = ["| length | method | tokens/s | speedup | tau | " +
+    lines = ["| length | method | tokens/s | speedup | tau | identical | " +
              " | ".join(f"t({n}) ms" for n in sizes) + " |",
-             "|---" * (5 + len(sizes)) + "|"]
+             "|---" * (6 + len(sizes)) + "|"]
     shown: set[int] = set()
     for r in rows:
         costs = (" | ".join(f"{r['t_ms'][n]:.1f}" for n in sizes) if r["length"] not in shown
                  else " | ".join("" for _ in sizes))  # t(n) once per length
         shown.add(r["length"])
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        same = "-" if r.get("identical") is None else f"{r['identical']:.0%}"
         lines.append(f"| {r['length']} | {r['method']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {tau} | {costs} |")
+                     f"{r['speedup']:.2f}x | {tau} | {same} | {costs} |")
     return "\n".join(lines)
 
 

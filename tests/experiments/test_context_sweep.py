@@ -33,8 +33,10 @@ def test_the_sweep_times_every_method_at_every_length(tmp_path):
     for r in rows:
         assert r["speedup"] > 0 and set(r["t_ms"]) == {1, 3} and min(r["t_ms"].values()) > 0
     assert rows[1]["tau"] == 1.0 and rows[0]["tau"] is None  # plain loop; HF has no steps
+    assert all(r["identical"] == 1.0 for r in rows)  # greedy: Hugging Face's tokens, each length
     table = format_table(rows)
     assert "| 24 | prompt_lookup/chain4 |" in table and "t(3) ms" in table
+    assert "| identical |" in table and "| 100% |" in table
     assert plot(rows, tmp_path / "c.png", "hf_greedy").stat().st_size > 1000
 
 
