@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from drafters import draft_model, eagle, medusa, prompt_lookup
+from drafters import draft_model, eagle, hybrid, medusa, prompt_lookup, suffix
+from drafters.adaptive import measured_cost
 from drafters.dynamic_tree import DynamicTree
 from verify.protocol import Drafter
 from verify.target import Target
@@ -26,7 +27,10 @@ DRAFTERS: dict[str, DrafterBuilder] = {
     "eagle3": eagle.from_config,
     "medusa": medusa.from_config,
     "prompt_lookup": prompt_lookup.from_config,
+    "suffix": suffix.from_config,
 }
+# Combinators build their members through build_drafter, from the raw tree config.
+COMBINATORS = {"hybrid": hybrid.from_config}
 
 
 def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Drafter:
@@ -36,8 +40,13 @@ def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Dr
     Raises ValueError for an unknown name and TreeError for a tree the drafter cannot fill.
     """
     name = drafter_cfg["name"]
+    tree_cfg = measured_cost(tree_cfg, target.model)  # once, before any member is built
+    if name in COMBINATORS:
+        return COMBINATORS[name](drafter_cfg, tree_cfg, tree_policy(tree_cfg), target,
+                                 build_drafter)
     if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; known drafters: {sorted(DRAFTERS)}")
+        raise ValueError(f"unknown drafter {name!r}; known drafters: "
+                         f"{sorted([*DRAFTERS, *COMBINATORS])}")
     return DRAFTERS[name](drafter_cfg, tree_policy(tree_cfg), target)
 
 
@@ -45,6 +54,9 @@ def tree_policy(tree_cfg: Mapping) -> TreePolicy:
     """A static topology for a config with `choices`, a DynamicTree for one with
     `total_tokens`."""
     if "choices" in tree_cfg:
+        if tree_cfg.get("cost"):
+            raise TreeError("a static tree has no node scores to size by cost: give `cost` to "
+                            "a dynamic tree (depth, top_k, total_tokens)")
         return TreeTopology.from_choices(tree_cfg["choices"])
     if "total_tokens" in tree_cfg:
         return DynamicTree.from_config(tree_cfg)

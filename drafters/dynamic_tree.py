@@ -25,11 +25,13 @@ are no longer distributed as q, and the residual (p - q)+ it samples from would 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from drafters.adaptive import StepCost, best_size, step_cost
 from drafters.base import Steps, run_steps
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree
@@ -75,7 +77,10 @@ class CandidateTree:
         under ancestors (ascending indices put parents before children)."""
         index = {node: i for i, node in enumerate(kept)}
         parents = [-1] + [index[self.parents[node]] for node in kept[1:]]
-        return TokenTree(torch.tensor([self.tokens[n] for n in kept]), torch.tensor(parents))
+        # exp(cumulative log-probability): the draft's estimate that the whole path is accepted
+        scores = torch.tensor([self.scores[n] for n in kept], dtype=torch.float64).exp()
+        return TokenTree(torch.tensor([self.tokens[n] for n in kept]), torch.tensor(parents),
+                         scores=scores)
 
 
 # (candidates, nodes to expand) -> (len(nodes), V) draft log-probabilities of their children.
@@ -85,11 +90,15 @@ Expand = Callable[[CandidateTree, list[int]], torch.Tensor]
 @dataclass(frozen=True)
 class DynamicTree:
     """EAGLE-2's tree policy: depth rounds of expansion, top_k children per expanded node,
-    total_tokens draft nodes kept (root not counted)."""
+    total_tokens draft nodes kept (root not counted). With a measured `cost`, each step keeps
+    only the nodes that pay for their verification (drafters.adaptive), and a round of
+    expansion runs only while its best candidate's chance of acceptance times t(1) exceeds a
+    draft forward's cost."""
 
     depth: int
     top_k: int
     total_tokens: int
+    cost: StepCost | None = None
 
     def __post_init__(self) -> None:
         for name in ("depth", "top_k", "total_tokens"):
@@ -99,8 +108,10 @@ class DynamicTree:
 
     @staticmethod
     def from_config(cfg: Mapping) -> DynamicTree:
-        """conf/tree/eagle2.yaml: keys depth, top_k, total_tokens."""
-        return DynamicTree(int(cfg["depth"]), int(cfg["top_k"]), int(cfg["total_tokens"]))
+        """conf/tree/eagle2.yaml: keys depth, top_k, total_tokens, and optionally cost (see
+        drafters.adaptive.step_cost: a per-step size from this machine's measured t(n))."""
+        return DynamicTree(int(cfg["depth"]), int(cfg["top_k"]), int(cfg["total_tokens"]),
+                           step_cost(cfg.get("cost")))
 
     def grow(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> TokenTree:
         """The draft tree below `root`, given the draft log-probabilities (V,) after it."""
@@ -127,7 +138,7 @@ class DynamicTree:
         level = self._add_children(candidates, [0], root_logprobs[None])
         for _ in range(1, min(self.depth, self.total_tokens)):
             frontier = self._frontier(candidates, level)
-            if not frontier:
+            if not frontier or not self._round_pays(candidates, frontier):
                 break
             logprobs = yield candidates, frontier
             if logprobs.dim() != 2 or logprobs.shape[0] != len(frontier):
@@ -144,15 +155,28 @@ class DynamicTree:
         """
         scores = torch.tensor(candidates.scores[1:], dtype=torch.float64)
         order = scores.sort(descending=True, stable=True).indices + 1
-        kept = {0}
+        kept, ranked = {0}, []
         for node in order.tolist():
-            if len(kept) > self.total_tokens:
+            if len(ranked) == self.total_tokens:
                 break
             # Only an `expand` returning positive "log-probabilities" could rank a child above
             # its parent; skipping such a child keeps the result a tree whatever the input.
             if candidates.parents[node] in kept:
                 kept.add(node)
-        return sorted(kept)
+                ranked.append(node)
+        if self.cost is not None:
+            forwards = max(candidates.depth(n) for n in range(len(candidates)))
+            worth = [math.exp(candidates.scores[n]) for n in ranked]
+            ranked = ranked[:best_size(worth, self.cost, forwards)]
+        return sorted([0, *ranked])
+
+    def _round_pays(self, candidates: CandidateTree, frontier: list[int]) -> bool:
+        """Whether another draft forward can pay: its best candidate's chance of acceptance
+        times a plain step's cost must exceed the forward's (always, without a cost)."""
+        if self.cost is None:
+            return True
+        best = max(candidates.scores[n] for n in frontier)
+        return math.exp(best) * self.cost.t(1) > self.cost.draft_ms
 
     def _frontier(self, candidates: CandidateTree, level: list[int]) -> list[int]:
         """The top_k of the newest round's candidates by cumulative score, ascending."""

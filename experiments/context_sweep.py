@@ -36,8 +36,8 @@ from experiments.bench import (
 )
 from experiments.bench_report import summarise
 from experiments.common import save_figure, single_thread, write_report
-from experiments.tree_search import measure_verify_cost
 from train.conversations import read_conversations, tokenize_conversation
+from verify.costs import measure_verify_cost
 from verify.target import Target, load_target_from_config
 from verify.verifier import context_window
 

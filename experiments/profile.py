@@ -46,9 +46,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from experiments.common import save_figure, single_thread, write_report
-from experiments.tree_search import measure_verify_cost
 from verify.accept import make_rule
 from verify.cache import keep_entries
+from verify.costs import measure_verify_cost
 from verify.loop import generate
 from verify.packed import ladder_width, packed_rows, packing_unavailable
 from verify.sampling import SamplingParams

@@ -89,7 +89,8 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
                    rule: str | AcceptanceRule | None = None,
                    eos_token_id: int | Sequence[int] | None = None,
                    generator: torch.Generator | None = None,
-                   keep_states: bool = False, pad_rows: int = 1) -> list[GenerationResult]:
+                   keep_states: bool = False, pad_rows: int = 1,
+                   max_batch_for_speculation: int | None = None) -> list[GenerationResult]:
     """Decode B prompts together; one result per prompt, in order.
 
     prompts: a list of (T_b,) tensors, or a (B, T) tensor with its (B, T) attention_mask
@@ -105,8 +106,15 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     pad_rows: every step's forward runs at least that many tree rows (padding nodes,
     discarded): one matrix shape for plain and tree steps alike, so a node's numbers cannot
     depend on its tree's size (a batch-invariant mode for half precision, where kernels for
-    different shapes round differently). Other arguments as in `generate`.
+    different shapes round differently).
+    max_batch_for_speculation: while more rows than this are active, steps decode plainly (no
+    drafting: a wide batch already fills the matrix products, and trees only add work; this
+    CPU's measured crossover is B = 4); checked every step, so drafting resumes as rows
+    finish. None: always draft. Other arguments as in `generate`.
     """
+    if max_batch_for_speculation is not None and max_batch_for_speculation < 0:
+        raise ValueError(f"max_batch_for_speculation must be >= 0 or None, got "
+                         f"{max_batch_for_speculation}")
     params = SamplingParams(temperature, top_k, top_p)
     rows = [_check_inputs(model, prompt, max_new_tokens)
             for prompt in _split_prompts(model, prompts, attention_mask, pad_token_id)]
@@ -137,7 +145,9 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
             sequence.drafter.begin(sequence.prompt)
     active = _drop_finished(verifier, batch_drafter, sequences, max_new_tokens, stop)
     while active:
-        _step(verifier, batch_drafter, active, rule, params, generator, features, pad_rows)
+        drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
+        _step(verifier, batch_drafter if drafting else None, active, rule, params, generator,
+              features, pad_rows, drafting)
         active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
     for sequence in sequences:
         sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
@@ -172,7 +182,11 @@ class _Features:
         if rows is None:
             return
         if self.drafter_width:
-            sequence.features = rows[:, :self.drafter_width]
+            rows_for_drafter = rows[:, :self.drafter_width]
+            if sequence.features is not None and not sequence.features_seen:
+                # a step without drafting: the drafter gets these rows too, in order
+                rows_for_drafter = torch.cat([sequence.features, rows_for_drafter])
+            sequence.features, sequence.features_seen = rows_for_drafter, False
         if self.keep_states:
             kept = rows[:, self.drafter_width:]
             sequence.states.append(kept if last is None else kept[-last:])
@@ -189,6 +203,7 @@ class _Sequence:
     features: torch.Tensor | None
     result: GenerationResult
     states: list[torch.Tensor] = field(default_factory=list)  # keep_states: one part per step
+    features_seen: bool = False  # whether the drafter has proposed from `features` yet
 
     def context(self) -> torch.Tensor:
         return torch.cat([self.prompt, torch.tensor(self.tokens, dtype=torch.long)])
@@ -229,11 +244,16 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: list[_Sequence],
           rule: AcceptanceRule, params: SamplingParams, generator: torch.Generator | None,
-          features: _Features, pad_rows: int = 1) -> None:
+          features: _Features, pad_rows: int = 1, drafting: bool = True) -> None:
     """One target forward for every active row: draft each row's tree, verify them together,
     accept per row, commit, and tell the drafters. A batch drafter's time is shared out evenly
-    among the rows, so the rows' draft times add up to the step's either way."""
-    trees, draft_s = _propose(verifier, batch_drafter, active, params, generator)
+    among the rows, so the rows' draft times add up to the step's either way. Without
+    `drafting`, every tree is its root alone and no drafter is asked or told anything."""
+    if drafting:
+        trees, draft_s = _propose(verifier, batch_drafter, active, params, generator)
+    else:
+        trees = [TokenTree(torch.tensor(s.tokens[-1:]), torch.tensor([-1])) for s in active]
+        draft_s = [0.0] * len(active)
     start = time.perf_counter()
     batch = TreeBatch.pad(trees, pad_rows)
     logits, tree_features = verifier.verify_batch(batch)
@@ -246,7 +266,7 @@ def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: li
     update_s = (time.perf_counter() - start) / len(active)
     for row, (sequence, tree, acceptance) in enumerate(zip(active, trees, acceptances)):
         start = time.perf_counter()
-        if sequence.drafter is not None:
+        if sequence.drafter is not None and drafting:
             sequence.drafter.update(tree, acceptance)
         sequence.result.steps.append(StepStats(
             acceptance.num_accepted, len(tree), tree.depth,
@@ -264,6 +284,8 @@ def _propose(verifier: TreeVerifier, batch_drafter: BatchDrafter | None,
              generator: torch.Generator | None) -> tuple[list[TokenTree], list[float]]:
     """Every active row's tree (a lone root without a drafter) and its draft seconds."""
     contexts = [DraftContext(s.context(), s.features, params, generator) for s in active]
+    for sequence in active:
+        sequence.features_seen = True
     if batch_drafter is not None:
         start = time.perf_counter()
         proposed = batch_drafter.propose_batch(contexts)

@@ -72,11 +72,15 @@ class TokenTree:
     draft_probs: optional (N, V) float; row u is the draft distribution from which u's children
                  were drawn (in order, without replacement). None means the children were chosen
                  deterministically, which exact sampling treats as one-hot proposals.
+    scores:      optional (N,) float, the drafter's estimate that each node's whole path is
+                 accepted (root 1.0; a child never above its parent). Only tree policies read
+                 them (a hybrid drafter's merge, a cost-sized cut); acceptance never does.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
     depths: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +111,8 @@ class TokenTree:
             seen.add(key)
         if self.draft_probs is not None and self.draft_probs.shape[0] != n:
             raise TreeError(f"draft_probs has {self.draft_probs.shape[0]} rows for {n} nodes")
+        if self.scores is not None and self.scores.shape != (n,):
+            raise TreeError(f"scores has shape {tuple(self.scores.shape)} for {n} nodes")
 
     # -- construction -------------------------------------------------------------------------
 
@@ -126,6 +132,24 @@ class TokenTree:
         if len(tokens) != topology.size - 1:
             raise TreeError(f"{len(tokens)} tokens for a topology of {topology.size - 1} nodes")
         return TokenTree(torch.tensor([root, *tokens]), torch.tensor(topology.parents))
+
+    def keep(self, nodes: Sequence[int]) -> TokenTree:
+        """The tree of `nodes` only: ascending ids from the root, closed under ancestors.
+
+        The result carries no draft probabilities: with siblings left out, the kept children
+        are no longer successive draws from q, so they become one-hot proposals, which stay
+        exact whichever children a drafter chose (independently of the target's draws).
+        """
+        nodes = list(nodes)
+        index = {node: i for i, node in enumerate(nodes)}
+        if not nodes or nodes[0] != 0 or nodes != sorted(index):
+            raise TreeError(f"kept nodes must be ascending from the root 0, got {nodes}")
+        missing = [n for n in nodes[1:] if int(self.parents[n]) not in index]
+        if missing:
+            raise TreeError(f"kept nodes {missing} lack their parents")
+        parents = [-1] + [index[int(self.parents[n])] for n in nodes[1:]]
+        scores = None if self.scores is None else self.scores[nodes]
+        return TokenTree(self.tokens[nodes], torch.tensor(parents), scores=scores)
 
     # -- derived views --------------------------------------------------------------------------
 

@@ -24,9 +24,13 @@ class Row:
     overrides: dict = field(default_factory=dict)
     accepts: bool = True
     dynamic: bool = False  # grows EAGLE-2 dynamic trees too
+    own_trees: tuple[str, ...] = ()  # a drafter that grows only its own kind of tree
+    label: str = ""  # the test id, where one config appears in several rows
 
     @property
     def trees(self) -> list[str]:
+        if self.own_trees:
+            return list(self.own_trees)
         return STATIC_TREES + (["eagle2"] if self.dynamic else [])
 
 
@@ -36,8 +40,17 @@ DRAFTERS = [
     Row("eagle3", accepts=False, dynamic=True),
     Row("medusa", {"num_heads": 5}),  # fresh heads; tree16 is 5 deep
     Row("prompt_lookup", accepts=False),
+    # model-free, from counted continuations; adaptive: sized per step by measured t(n)
+    Row("suffix", accepts=False, own_trees=("suffix", "adaptive")),
+    Row("hybrid", accepts=False, own_trees=("suffix", "adaptive")),  # suffix, then fresh EAGLE
+    Row("hybrid", {"policy": "merge"}, accepts=False, own_trees=("suffix",), label="hybrid_merge"),
 ]
 CASES = [(row, tree) for row in DRAFTERS for tree in row.trees]
+# A tiny model's step takes microseconds, whose measured t(n) is noise: the cost-sized tree
+# gets a hand-set, nearly flat one instead (trees of up to 16 nodes pay).
+TREE_OVERRIDES = {"adaptive": {"cost": {"measure": False,
+                                        "t_ms": {1: 10.0, 2: 10.2, 8: 10.8, 16: 11.5, 32: 30.0}}}}
+CASE_IDS = [f"{row.label or row.config}-{tree}" for row, tree in CASES]
 ARCHS = ["llama", "gpt2"]
 NEW_TOKENS = 80
 # Repetitive, so prompt lookup finds matches; chosen so that no greedy step of the tiny targets
@@ -48,17 +61,21 @@ BATCH = [PROMPT, PROMPT[:9], PROMPT[3:], torch.cat([PROMPT, torch.tensor([42, 44
 BATCH_TOKENS = 40
 
 
+def tree_config(conf, tree: str):
+    return OmegaConf.merge(conf("tree", tree), TREE_OVERRIDES.get(tree, {}))
+
+
 @pytest.fixture(scope="module")
 def plain(tiny):
     return {arch: generate(tiny(arch).model, PROMPT, NEW_TOKENS).tokens for arch in ARCHS}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("row, tree", CASES, ids=[f"{r.config}-{t}" for r, t in CASES])
+@pytest.mark.parametrize("row, tree", CASES, ids=CASE_IDS)
 def test_greedy_output_is_plain_decoding(row, tree, arch, tiny, conf, plain):
     target = tiny(arch)
     cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
-    drafter = build_drafter(cfg, conf("tree", tree), target)
+    drafter = build_drafter(cfg, tree_config(conf, tree), target)
     result = generate(target.model, PROMPT, NEW_TOKENS, drafter=drafter)
     assert torch.equal(result.tokens, plain[arch])
     assert max(step.tree_size for step in result.steps) > 1, "the drafter never drafted"
@@ -72,11 +89,11 @@ def plain_batch(tiny):
     return [generate(model, prompt, BATCH_TOKENS).tokens for prompt in BATCH]
 
 
-@pytest.mark.parametrize("row, tree", CASES, ids=[f"{r.config}-{t}" for r, t in CASES])
+@pytest.mark.parametrize("row, tree", CASES, ids=CASE_IDS)
 def test_a_batch_of_four_decodes_each_row_as_alone(row, tree, tiny, conf, plain_batch):
     target = tiny("llama")
     cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
-    drafter = build_drafter(cfg, conf("tree", tree), target)
+    drafter = build_drafter(cfg, tree_config(conf, tree), target)
     results = generate_batch(target.model, BATCH, BATCH_TOKENS, drafter=drafter)
     for result, expected in zip(results, plain_batch):
         assert torch.equal(result.tokens, expected)

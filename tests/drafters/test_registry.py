@@ -4,17 +4,18 @@ protocol; unknown names and trees a drafter cannot fill are refused at construct
 import pytest
 from omegaconf import OmegaConf
 
-from drafters import DRAFTERS, build_drafter
+from drafters import COMBINATORS, DRAFTERS, build_drafter
 from verify.protocol import Drafter
 from verify.tree import TreeError
 
 TINY_OVERRIDES = {"draft_model": {"num_layers": 1}}  # tiny targets have 2 layers
+OWN_TREES = {"suffix": "suffix", "hybrid": "suffix"}  # drafters that grow their own kind
 
 
-@pytest.mark.parametrize("name", sorted(DRAFTERS))
+@pytest.mark.parametrize("name", sorted([*DRAFTERS, *COMBINATORS]))
 def test_each_registered_drafter_builds_from_its_config(name, tiny, conf):
     cfg = OmegaConf.merge(conf("drafter", name), TINY_OVERRIDES.get(name, {}))
-    drafter = build_drafter(cfg, conf("tree", "tree8"), tiny("llama"))
+    drafter = build_drafter(cfg, conf("tree", OWN_TREES.get(name, "tree8")), tiny("llama"))
     assert isinstance(drafter, Drafter)
     assert isinstance(drafter.feature_layers, tuple)  # medusa reads the target's last state
 
@@ -47,3 +48,28 @@ def test_static_tree_drafters_refuse_a_dynamic_tree(name, tiny, conf):
 def test_a_tree_config_of_neither_kind_is_refused(tiny, conf):
     with pytest.raises(TreeError, match="neither `choices`"):
         build_drafter(conf("drafter", "prompt_lookup"), {"name": "odd", "depth": 3}, tiny("llama"))
+
+
+def test_the_suffix_drafter_refuses_a_static_tree(tiny, conf):
+    with pytest.raises(TreeError, match="grows its own trees"):
+        build_drafter(conf("drafter", "suffix"), conf("tree", "chain4"), tiny("llama"))
+
+
+def test_a_cost_on_a_static_tree_is_refused(tiny, conf):
+    tree = OmegaConf.merge(conf("tree", "chain4"), {"cost": {"t_ms": {1: 10, 2: 11}}})
+    with pytest.raises(TreeError, match="static tree has no node scores"):
+        build_drafter(conf("drafter", "prompt_lookup"), tree, tiny("llama"))
+
+
+def test_a_hybrid_with_an_unknown_member_is_refused_with_the_known_names(tiny, conf):
+    cfg = OmegaConf.merge(conf("drafter", "hybrid"), {"members": ["suffix", "nope"]})
+    with pytest.raises(ValueError, match=r"unknown hybrid member 'nope'.*'eagle'.*'suffix'"):
+        build_drafter(cfg, conf("tree", "suffix"), tiny("llama"))
+
+
+def test_hybrid_members_get_their_own_options_and_tree(tiny, conf):
+    drafter = build_drafter(conf("drafter", "hybrid"), conf("tree", "suffix"), tiny("llama"))
+    suffix, eagle = (member.drafter for member in drafter.members)
+    assert suffix.tree.total_tokens == 16  # the shared tree config
+    assert (eagle.tree.depth, eagle.tree.top_k, eagle.tree.total_tokens) == (2, 2, 2)
+    assert drafter.feature_layers == eagle.feature_layers  # the suffix reads none

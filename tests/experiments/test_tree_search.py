@@ -13,7 +13,7 @@ from drafters import tree_policy
 from drafters.dynamic_tree import DynamicTree
 from experiments import tree_search
 from experiments.common import CONF_DIR
-from experiments.tree_search import load_accuracies, measure_verify_cost, time_step
+from experiments.tree_search import load_accuracies
 from experiments.tree_search_dynamic import (
     BudgetCost,
     best_cost,
@@ -22,6 +22,7 @@ from experiments.tree_search_dynamic import (
     heldout_prompts,
     tree_shapes,
 )
+from verify.costs import measure_verify_cost, time_step
 from verify.target import build_tiny_model, load_target_from_config
 from verify.tree import TokenTree, TreeError, TreeTopology
 from verify.tree_builder import build_tree, choose_budget

@@ -1,0 +1,250 @@
+"""Suffix decoding (SuffixDecoding, Oliaro et al. 2024): drafts from counted continuations.
+
+Two suffix tries (drafters.suffix_trie) answer each step: one over the request itself (its
+prompt and the tokens decided so far, extended as they come) and one over earlier requests'
+outputs (shared by every request this drafter and its forks decode). In each, the longest
+suffix of the context that occurred before with a continuation is matched (at most
+`max_match` tokens), and a speculation tree grows greedily below it: the candidate with the
+highest estimated acceptance (the product of its path's continuation shares) joins next,
+while it is at least `min_token_prob`, until the tree holds min(tree.total_tokens,
+max_spec_factor * match length + max_spec_offset) nodes. Longer matches earn larger trees: they
+predict better. The trie whose tree expects more accepted tokens proposes.
+
+No model and no weights; children are chosen deterministically (draft_probs None: one-hot
+proposals), so greedy and sampled decoding stay exact.
+
+Memory and fairness: a request's output joins the shared trie only when the next request
+begins, so no request ever drafts from its own answer; `forget()` empties the shared trie
+(a benchmark calls it between repeats), and `warm` / `load_memory` fill it from other text.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafters.adaptive import cut_to_cost
+from drafters.base import typed_config
+from drafters.dynamic_tree import DynamicTree
+from drafters.suffix_trie import SuffixTrie
+from verify.accept import Acceptance
+from verify.files import read_jsonl, write_json
+from verify.protocol import DraftContext
+from verify.target import Target
+from verify.tree import TokenTree, TreeError
+
+
+@dataclass
+class SuffixConfig:
+    """conf/drafter/suffix.yaml, typed: the only defaults of these keys."""
+
+    name: str = "suffix"
+    max_match: int = 12  # longest context suffix matched
+    max_spec_factor: float = 1.0  # tree nodes <= factor * match length + offset
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # candidates estimated below this are never drafted
+    use_memory: bool = True  # also draft from earlier requests' outputs
+    memory_file: str | None = None  # load the shared trie's documents from this JSON
+    warm_from: str | None = None  # JSONL whose "text" (or "answer") fields warm the shared trie
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A drafted tree and its expected accepted tokens (the sum of its nodes' scores)."""
+
+    tree: TokenTree
+    expected: float
+    match_length: int
+
+
+class SuffixMemory:
+    """The shared trie over earlier outputs, with its documents (to save, reload, forget)."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.documents: list[list[int]] = []
+        self.trie = SuffixTrie(max_depth)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) > 1:  # one token has no continuation to teach
+            self.documents.append([int(t) for t in tokens])
+            self.trie.add_document(tokens)
+
+    def forget(self) -> None:
+        self.documents = []
+        self.trie = SuffixTrie(self.max_depth)
+
+    def save(self, path: str | Path, vocab_size: int) -> None:
+        """Write the documents as JSON (atomically), naming the vocabulary they index."""
+        write_json(Path(path), {"vocab_size": vocab_size, "documents": self.documents})
+
+    def load(self, path: str | Path, vocab_size: int) -> None:
+        """Add the documents of a `save`d file; refuse one made for another vocabulary."""
+        data = json.loads(Path(path).read_text())
+        if data.get("vocab_size") != vocab_size:
+            raise ValueError(f"{path} indexes a vocabulary of {data.get('vocab_size')} tokens, "
+                             f"this target has {vocab_size}: it was saved for another tokenizer")
+        for document in data["documents"]:
+            self.add(document)
+
+
+class _Request:
+    """One request's own trie and how much of its context it has indexed."""
+
+    def __init__(self, prompt: Sequence[int], max_depth: int):
+        self.prompt_length = len(prompt)
+        self.tokens: list[int] = [int(t) for t in prompt]
+        self.trie = SuffixTrie(max_depth)
+        self.trie.extend(self.tokens)
+
+    def sync(self, context: torch.Tensor) -> None:
+        """Index the context's tokens not seen yet (the drafter is told nothing else)."""
+        new = context[len(self.tokens):].tolist()
+        self.tokens.extend(new)
+        self.trie.extend(new)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_length:]
+
+
+class SuffixDrafter:
+    """Proposes the better of the request's and the shared trie's speculations."""
+
+    feature_layers = ()  # reads no target hidden states
+
+    def __init__(self, tree: DynamicTree, config: SuffixConfig = SuffixConfig(),
+                 memory: SuffixMemory | None = None):
+        if not isinstance(tree, DynamicTree):
+            raise TreeError(f"{config.name} grows its own trees: give it a dynamic tree config "
+                            "(depth, top_k, total_tokens: conf/tree/suffix.yaml), not a static "
+                            "topology")
+        if config.max_match < 1 or not 0 < config.min_token_prob <= 1:
+            raise ValueError(f"need max_match >= 1 and 0 < min_token_prob <= 1, got "
+                             f"{config.max_match} and {config.min_token_prob}")
+        self.tree, self.config, self.name = tree, config, config.name
+        self.trie_depth = config.max_match + tree.depth
+        self.memory = memory if memory is not None else SuffixMemory(self.trie_depth)
+        self._open: list[_Request] = []  # this drafter's and its forks' requests, shared
+        self.request: _Request | None = None
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """A new request: finished requests' outputs join the shared trie first."""
+        self._close_finished()
+        self.request = _Request(prompt.tolist(), self.trie_depth)
+        self._open.append(self.request)
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        if self.request is None:
+            raise ValueError(f"{self.name}: call begin() before propose()")
+        self.request.sync(ctx.tokens.cpu())
+        context = self.request.tokens
+        best = self.speculate(self.request.trie, context)
+        if self.config.use_memory and self.memory.trie.tokens:
+            other = self.speculate(self.memory.trie, context)
+            if other.expected > best.expected:
+                best = other
+        self.last = best
+        return best.tree
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """Nothing to learn here: the next proposal indexes the decided tokens itself."""
+
+    def fork(self) -> SuffixDrafter:
+        """Another sequence's drafter: its own request, the same shared trie."""
+        twin = SuffixDrafter(self.tree, self.config, self.memory)
+        twin._open = self._open
+        return twin
+
+    def forget(self) -> None:
+        """Empty the shared trie and every open request (a benchmark's repeats start clean)."""
+        self.memory.forget()
+        self._open.clear()
+        self.request = None
+
+    def speculate(self, trie: SuffixTrie, context: Sequence[int]) -> Speculation:
+        """The speculation tree below the longest match of `context`'s suffix in `trie`."""
+        node, length = trie.match(context, self.config.max_match)
+        size = min(self.tree.total_tokens,
+                   math.floor(self.config.max_spec_factor * length + self.config.max_spec_offset))
+        root = context[-1]
+        if length == 0 or size < 1:
+            return Speculation(TokenTree([root], [-1], scores=torch.ones(1)), 0.0, length)
+        tokens, parents, scores = self._grow(trie, node, root, size)
+        tree = TokenTree(tokens, parents, scores=torch.tensor(scores, dtype=torch.float64))
+        if self.tree.cost is not None:
+            tree = cut_to_cost(tree, self.tree.cost)
+        return Speculation(tree, float(tree.scores[1:].sum()), length)
+
+    def _grow(self, trie: SuffixTrie, match: int, root: int, size: int
+              ) -> tuple[list[int], list[int], list[float]]:
+        """Best-first growth below trie node `match`: at most `size` nodes, top_k children
+        per node, tree.depth levels, none under min_token_prob."""
+        tokens, parents, scores, depths = [root], [-1], [1.0], [0]
+        # (-score, order, trie node, parent, token); the push order breaks ties: shallower
+        # first, then more frequent
+        heap: list[tuple[float, int, int, int, int]] = []
+        order = itertools.count()
+        self._push_children(heap, order, trie, match, 0, 1.0)
+        while heap and len(tokens) <= size:
+            negative, _, node, parent, token = heapq.heappop(heap)
+            if -negative < self.config.min_token_prob:
+                break  # the heap's best is below the floor: so is everything left
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(-negative)
+            depths.append(depths[parent] + 1)
+            if depths[-1] < self.tree.depth:
+                self._push_children(heap, order, trie, node, len(tokens) - 1, -negative)
+        return tokens, parents, scores
+
+    def _push_children(self, heap: list, order: Iterator[int], trie: SuffixTrie, node: int,
+                       parent: int, score: float) -> None:
+        for token, child, share in trie.continuations(node)[: self.tree.top_k]:
+            heapq.heappush(heap, (-score * share, next(order), child, parent, token))
+
+    def save_memory(self, path: str | Path, vocab_size: int) -> None:
+        """Write the shared trie's documents to `path` (reload with memory_file=)."""
+        self.memory.save(path, vocab_size)
+
+    def _close_finished(self) -> None:
+        """Move the outputs of requests that decoded something into the shared trie; a request
+        is finished once any request of its drafter family begins again."""
+        still_open = []
+        for request in self._open:
+            if request.output:
+                self.memory.add(request.output)
+            else:  # a fork's request begun in the same batch: not decoded yet
+                still_open.append(request)
+        self._open[:] = still_open
+
+
+def warm_texts(path: str | Path) -> list[str]:
+    """The "text" (or "answer", "output") field of each row of a JSONL file."""
+    texts = []
+    for number, record in enumerate(read_jsonl(Path(path)), start=1):
+        text = next((record[k] for k in ("text", "answer", "output") if k in record), None)
+        if not isinstance(text, str):
+            raise ValueError(f'{path}: row {number} needs a "text", "answer" or "output" string')
+        texts.append(text)
+    return texts
+
+
+def from_config(cfg: Mapping, tree: DynamicTree, target: Target) -> SuffixDrafter:
+    """conf/drafter/suffix.yaml; the target's tokenizer warms the shared trie from text."""
+    config: SuffixConfig = typed_config(SuffixConfig, cfg, "suffix")
+    drafter = SuffixDrafter(tree, config)
+    vocab_size = target.model.config.vocab_size
+    if config.memory_file:
+        drafter.memory.load(config.memory_file, vocab_size)
+    if config.warm_from:
+        for text in warm_texts(config.warm_from):
+            drafter.memory.add(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return drafter

@@ -1,0 +1,59 @@
+"""The target's measured step cost t(n): one verification step of n tree tokens, timed.
+
+Every cost-aware choice reads it: tree_search's offline budget, the per-step adaptive tree
+(drafters.adaptive), the context sweep and the profile.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from verify.tree import TokenTree, TreeTopology
+from verify.verifier import TreeVerifier, context_window
+
+
+@torch.no_grad()
+def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int], context_len: int = 256,
+                        repeats: int = 5, draft_cost_s: float = 0.0) -> dict[int, float]:
+    """{n: median seconds of one TreeVerifier step verifying n tokens, the root included}.
+
+    The tokens form a chain (one shape is enough: the step's cost depends on n, not on where
+    the branches are) after `context_len` cached tokens drawn from the global RNG. n = 1 is a
+    plain decoding step; draft_cost_s is added to every n > 1, where a drafter has to run.
+    """
+    if not sizes or min(sizes) < 1 or repeats < 1:
+        raise ValueError(f"need token counts >= 1 and repeats >= 1, got sizes {list(sizes)}, "
+                         f"repeats {repeats}")
+    window = context_window(model)
+    if window is not None and context_len + max(sizes) > window:
+        raise ValueError(f"context_len {context_len} + {max(sizes)} tokens exceed the model's "
+                         f"{window} positions")
+    vocab = model.config.vocab_size
+    verifier = TreeVerifier(model)
+    verifier.prefill(torch.randint(vocab, (context_len,)))
+    trees = {n: TokenTree.from_choices(0, TreeTopology.chain(n - 1),
+                                       [i % vocab for i in range(1, n)])
+             for n in sorted(set(sizes))}
+    times: dict[int, list[float]] = {n: [] for n in trees}
+    for i in range(repeats + 1):
+        # Sizes take turns, so machine noise (other processes, clock changes) hits all alike.
+        for n, tree in trees.items():
+            seconds = time_step(verifier, tree)
+            if i:  # the first round pays one-off costs (allocations, kernel selection)
+                times[n].append(seconds)
+    return {n: statistics.median(t) + (draft_cost_s if n > 1 else 0.0) for n, t in times.items()}
+
+
+def time_step(verifier: TreeVerifier, tree: TokenTree) -> float:
+    """Seconds of one `verifier.verify(tree)`; the verifier's cache is left as it was."""
+    start = time.perf_counter()
+    verifier.verify(tree)  # returns CPU logits, so the time includes any device sync
+    seconds = time.perf_counter() - start
+    # Keeping no node drops the tree's keys/values: every step sees the same context.
+    verifier.commit([])
+    return seconds
