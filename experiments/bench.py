@@ -99,9 +99,11 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
     record counts the draft forwards when the drafter runs a DraftEngine."""
     engine = getattr(drafter, "engine", None)
     weights = own_weights_bytes(drafter, target.model) if drafter is not None else 0
+    proposed = getattr(drafter, "proposed", None)  # a hybrid's running count per member
 
     def run(ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
         before = engine.forwards if engine is not None else 0  # a running count: diff it
+        proposed_before = dict(proposed) if proposed is not None else {}
         generator = torch.Generator(target.model.device).manual_seed(seed)
         with attention(target.model, attn_implementation):
             result = generate(target.model, ids, max_new_tokens, drafter=drafter,
@@ -116,7 +118,12 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
             record["draft_forwards"] = engine.forwards - before
             # the memory the draft cache holds at the end (its layers' room): its peak
             record["draft_cache_mb"] = engine.cache_bytes() / 2**20
+        if proposed is not None:
+            record["proposed_by"] = {name: count - proposed_before.get(name, 0)
+                                     for name, count in proposed.items()}
         return record
+    if hasattr(drafter, "forget"):
+        run.forget = drafter.forget  # a drafter with memory: time_methods empties it
     return run
 
 
@@ -260,7 +267,11 @@ def run_benchmark(cfg: DictConfig) -> dict:
     baseline = baseline_name(params)
     # greedy: every method's output must be the baseline's, token for token; sampled outputs
     # differ by design (their distribution is the correctness command's test)
-    return summarise(records, baseline, reference=baseline if params.greedy else None)
+    summary = summarise(records, baseline, reference=baseline if params.greedy else None)
+    note = memory_note(methods, drafters)
+    if note:
+        summary["memory"] = note
+    return summary
 
 
 class Prompt(NamedTuple):
@@ -269,16 +280,24 @@ class Prompt(NamedTuple):
     ids: torch.Tensor  # (T,) token ids
 
 
+MEMORY_PROTOCOL = ("drafters with memory start every repeat empty (after the warm-up too); "
+                   "within a repeat, prompt i drafts from the outputs of prompts 0..i-1 only: "
+                   "an output joins the memory when the next prompt begins")
+
+
 def time_methods(methods: dict[str, Method], prompts: list[Prompt], cfg: DictConfig,
                  desc: str = "bench") -> dict[str, list[dict]]:
     """Run every method on every prompt, `cfg.repeats` times over all prompts, after
-    `cfg.warmup` untimed prompts; returns each method's records, timed."""
+    `cfg.warmup` untimed prompts; returns each method's records, timed. A method with a
+    `forget` (a drafter with memory) is emptied before every repeat (MEMORY_PROTOCOL), so no
+    prompt is ever drafted from its own earlier answer."""
     for prompt in prompts[: cfg.warmup]:  # first calls pay one-off costs; keep them out
         for run in methods.values():
             run(prompt.ids, min(cfg.max_new_tokens, 16), cfg.seed)
     records = defaultdict(list)
     with tqdm(total=cfg.repeats * len(prompts), desc=desc, unit="prompt") as bar:
         for repeat in range(cfg.repeats):
+            forget_memories(methods)
             for index, prompt in enumerate(prompts):
                 # every method samples prompt i of run r from the same seed
                 seed = cfg.seed + repeat * len(prompts) + index
@@ -290,6 +309,28 @@ def time_methods(methods: dict[str, Method], prompts: list[Prompt], cfg: DictCon
                     records[name].append(record)
                 bar.update()
     return records
+
+
+def forget_memories(methods: dict[str, Method]) -> None:
+    """Empty the memory of every method whose drafter keeps one."""
+    for run in methods.values():
+        if hasattr(run, "forget"):
+            run.forget()
+
+
+def memory_note(methods: dict[str, Method], drafters: list[Contender]) -> str | None:
+    """How the drafters with memory were warmed, for the report (None: no such drafter)."""
+    if not any(hasattr(run, "forget") for run in methods.values()):
+        return None
+    warmed = sorted({str(path) for c in drafters for path in _warm_files(c.drafter)})
+    return MEMORY_PROTOCOL + (f"; warmed first from {', '.join(warmed)}" if warmed else "")
+
+
+def _warm_files(drafter_cfg: DictConfig) -> list:
+    """The warm-up files a drafter config (or a hybrid's members) names."""
+    members = [m for m in drafter_cfg.get("members", []) if not isinstance(m, str)]
+    return [cfg[key] for cfg in [drafter_cfg, *members] for key in ("warm_from", "memory_file")
+            if cfg.get(key)]
 
 
 MAX_STEM = 120  # file systems refuse names over 255 bytes; the JSON and PNG add suffixes

@@ -28,6 +28,9 @@ def summarise(records: dict[str, list[dict]], baseline: str,
             summary.update(_step_figures(steps))
             summary.update(_time_per_step(recs, summary))
         summary.update(_draft_memory(recs))
+        proposers = _proposers(recs)
+        if proposers:
+            summary["proposed_by"] = proposers
         if reference is not None:
             summary["identical"] = _identical(recs, records[reference])
         methods[name] = summary
@@ -91,10 +94,23 @@ def _step_figures(steps: list[dict]) -> dict:
         "accepted_histogram": [sum(s["accepted"] == k for s in steps) / len(steps)
                                for k in range(max(s["accepted"] for s in steps) + 1)],
         "mean_tree_size": sum(s["tree_size"] for s in steps) / len(steps),
+        # {nodes: share of steps}, the root counted: how a per-step size policy spent them
+        "tree_size_histogram": {n: sum(s["tree_size"] == n for s in steps) / len(steps)
+                                for n in sorted({s["tree_size"] for s in steps})},
         "draft_s": sum(s["draft_s"] for s in steps),
         "verify_s": sum(s["verify_s"] for s in steps),
         "target_forwards": len(steps),
     }
+
+
+def _proposers(records: list[dict]) -> dict[str, float]:
+    """A combinator's share of steps per member that proposed (or "merged"), pooled."""
+    counts: dict[str, int] = {}
+    for r in records:
+        for name, count in r.get("proposed_by", {}).items():
+            counts[name] = counts.get(name, 0) + count
+    total = sum(counts.values())
+    return {name: count / total for name, count in counts.items()} if total else {}
 
 
 def _draft_memory(records: list[dict]) -> dict:
@@ -135,6 +151,9 @@ def format_tables(summary: dict) -> str:
              + (" identical to the baseline |" if checked else ""),
              "|---" * (10 + checked) + "|"]
     lines += [_method_row(name, m) for name, m in methods.items()]
+    lines += _tree_rows(methods)
+    if summary.get("memory"):
+        lines += ["", f"Memory: {summary['memory']}."]
     categories = [c for c in methods[summary["baseline"]]["speedup"] if c != "overall"]
     lines += ["", "| category | " + " | ".join(methods) + " |",
               "|---" * (len(methods) + 1) + "|"]
@@ -142,6 +161,22 @@ def format_tables(summary: dict) -> str:
         cells = " | ".join(f"{m['speedup'][cat]:.2f}x" for m in methods.values())
         lines.append(f"| {cat} | {cells} |")
     return "\n".join(lines)
+
+
+def _tree_rows(methods: dict) -> list[str]:
+    """A table of the trees verified per step (mean size and the commonest sizes, root
+    counted) and which member proposed, for the methods that draft."""
+    drafting = {n: m for n, m in methods.items() if m.get("mean_tree_size", 1) > 1}
+    if not drafting:
+        return []
+    lines = ["", "| method | mean tree size | commonest sizes (share of steps) | proposed by |",
+             "|---|---|---|---|"]
+    for name, m in drafting.items():
+        sizes = sorted(m["tree_size_histogram"].items(), key=lambda kv: -kv[1])[:4]
+        common = ", ".join(f"{n}: {share:.0%}" for n, share in sizes)
+        who = ", ".join(f"{k} {v:.0%}" for k, v in m.get("proposed_by", {}).items()) or "-"
+        lines.append(f"| {name} | {m['mean_tree_size']:.2f} | {common} | {who} |")
+    return lines
 
 
 TABLE_COLUMNS = ["method", "tokens_per_s", "speedup", "tau", "accept_depth1", "draft_ms_per_step",

@@ -135,7 +135,7 @@ def test_a_compare_entry_loads_its_configs_with_overrides():
     ("eagle", "is not <drafter>:<tree>"),
     (":chain4", "is not <drafter>:<tree>"),
     ("eagel:chain4", "unknown drafter 'eagel'; known: ['draft_model', 'eagle'"),
-    ("eagle:tree9", "unknown tree 'tree9'; known: ['chain1'"),
+    ("eagle:tree9", "unknown tree 'tree9'; known: ['adaptive', 'chain1'"),
     ("eagle:chain4:num_layers=1", "eagle cannot set ['num_layers']"),
     ("eagle:chain4:name=medusa", "eagle cannot set ['name']"),
     ("eagle:chain4:checkpoint", "['checkpoint'] not key=value"),
@@ -332,3 +332,50 @@ def test_the_batch_invariant_mode_applies_to_our_loop_only(monkeypatch):
     seen.clear()
     methods["hf_greedy"](prompt, 6, 0)
     assert {attn for attn, _ in seen} == {"sdpa"}  # the target's own, restored
+
+
+def suffix_bench_config(*overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("bench", ["target=tiny_llama", "drafter=suffix", "tree=suffix",
+                                 "num_prompts=2", "max_new_tokens=24", "peers=[]",
+                                 "logger=none", *overrides])
+
+
+def test_a_repeated_prompt_never_drafts_from_its_own_earlier_answer():
+    from experiments.bench import Prompt, time_methods
+
+    cfg = suffix_bench_config("repeats=3", "warmup=1")
+    target = load_target_from_config(cfg.target)
+    method = build_methods(cfg, target, contenders(cfg))["suffix/suffix"]
+    prompt = Prompt("qa", "q1", torch.tensor([40, 41, 42, 43, 40, 41, 42, 44]))
+    clean = time_methods({"suffix": method}, [prompt], cfg)["suffix"]
+    accepted = [[s["accepted"] for s in r["steps"]] for r in clean]
+    assert accepted[0] == accepted[1] == accepted[2]  # memory emptied before every repeat
+    # the control: the same drafter with its memory kept copies its earlier answer
+    leaky = {"suffix": lambda ids, n, seed: method(ids, n, seed)}  # no `forget`
+    copied = time_methods(leaky, [prompt], cfg)["suffix"]
+    assert len(copied[1]["steps"]) < len(clean[1]["steps"]) / 2
+
+
+def test_the_report_says_how_a_memory_was_warmed():
+    summary = run_benchmark(suffix_bench_config())
+    assert "start every repeat empty" in summary["memory"]
+    assert "Memory: drafters with memory" in format_tables(summary)
+    assert summary["methods"]["suffix/suffix"]["identical"] == 1.0
+    assert "memory" not in run_benchmark(bench_config("num_prompts=1", "max_new_tokens=4",
+                                                      "peers=[]"))
+
+
+def test_tree_sizes_and_proposers_are_reported():
+    records = {"base": [{"category": "qa", "new_tokens": 4, "seconds": 1.0}],
+               "hybrid": [{"category": "qa", "new_tokens": 4, "seconds": 0.5,
+                           "proposed_by": {"suffix": 1, "eagle": 3},
+                           "steps": [step(1, 2), step(0, 1), step(2, 3), step(0, 1)]}]}
+    for s, size in zip(records["hybrid"][0]["steps"], [3, 2, 5, 2]):
+        s["tree_size"] = size
+    hybrid = summarise(records, "base")["methods"]["hybrid"]
+    assert hybrid["proposed_by"] == {"suffix": 0.25, "eagle": 0.75}
+    assert hybrid["tree_size_histogram"] == {2: 0.5, 3: 0.25, 5: 0.25}
+    assert hybrid["mean_tree_size"] == 3.0
+    assert "| hybrid | 3.00 | 2: 50%, 3: 25%, 5: 25% | suffix 25%, eagle 75% |" in \
+        format_tables(summarise(records, "base"))

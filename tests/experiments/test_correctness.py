@@ -74,6 +74,37 @@ def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
     assert exact["tokens_per_step"] >= 1 and rows["typical"]["detail"]["tokens_per_step"] >= 1
 
 
+# A tiny model's step takes microseconds, whose measured t(n) is noise: a hand-set flat cost.
+HAND_SET_COST = ["tree.cost.measure=false", "+tree.cost.t_ms={1:10,2:10.2,8:10.8,16:11.5}"]
+T1 = ["distribution.top_p=1.0"]
+TOP_P_BATCHED = ["distribution.top_p=0.9", "distribution.batch_size=8"]
+# suffix decoding, its hybrid with EAGLE (both policies) and cost-sized trees, at T = 1 and
+# with top_p in batches; the hybrid's suffix member drafts from earlier samples too (its
+# memory): still exact. Each case takes 20-40 s: CI runs three, the rest are marked slow.
+NEW_DRAFTERS = {
+    "suffix": ("suffix", ["tree=suffix", *T1]),
+    "hybrid-merge-top_p-batched": ("hybrid", ["tree=suffix", "drafter.policy=merge",
+                                              *TOP_P_BATCHED]),
+    "eagle-adaptive": ("eagle", ["tree=adaptive", "tree.depth=3", *HAND_SET_COST, *T1]),
+    "suffix-adaptive-top_p-batched": ("suffix", ["tree=adaptive", *HAND_SET_COST,
+                                                 *TOP_P_BATCHED]),
+    "hybrid-pick": ("hybrid", ["tree=suffix", "drafter.threshold=0.5", *T1]),
+}
+SLOW_CASES = {"suffix-adaptive-top_p-batched", "hybrid-pick"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
+                                  if case in SLOW_CASES else case for case in NEW_DRAFTERS])
+def test_new_drafters_sample_exactly_and_the_wrong_rule_is_caught(case):
+    drafter, overrides = NEW_DRAFTERS[case]
+    cfg = correctness_cfg(*overrides, "distribution.samples=2000", drafter=drafter)
+    rows = {row["rule"]: row for row in distribution_rows(cfg)}
+    assert rows["sampling"]["passed"] and rows["sampling"]["value"] >= 0.001, rows["sampling"]
+    assert rows["sampling"]["detail"]["draft_tokens_per_sample"] > 0.5
+    control = rows["wrong-residual (control)"]
+    assert control["passed"] and control["value"] < 0.001, control
+
+
 @pytest.mark.parametrize("drafter, tree", [("draft_model", "tree8"), ("eagle3", "eagle2")])
 def test_batched_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
     # the same test with 8 samples decoded together: per-row trees, the vectorized rule
@@ -85,6 +116,16 @@ def test_batched_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
     assert "in batches of 8" in rows["sampling"]["check"]
     control = rows["wrong-residual (control)"]
     assert control["passed"] and control["value"] < 0.001, control
+
+
+@pytest.mark.parametrize("case", ["suffix", "hybrid-merge-top_p-batched", "eagle-adaptive",
+                                  "hybrid-pick"])
+def test_new_drafters_are_greedy_identical_on_spec_bench_prompts(case):
+    drafter, overrides = NEW_DRAFTERS[case]
+    cfg = correctness_cfg(*overrides, "greedy.num_prompts=2", "greedy.max_new_tokens=24",
+                          "distribution.enabled=false", "chain.enabled=false", drafter=drafter)
+    rows = evaluate(cfg)
+    assert rows[0]["passed"] and rows[0]["value"] == 1.0
 
 
 def test_greedy_rows_on_spec_bench_prompts():

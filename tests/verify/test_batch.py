@@ -283,3 +283,41 @@ def test_padded_rows_change_the_shape_of_every_forward_not_the_output(model, mon
     padded = generate(model, prompt, 20, drafter=lookup_drafter(), pad_rows=8)
     assert torch.equal(padded.tokens, expected)
     assert widths[0] == len(prompt) and set(widths[1:]) == {8}  # prefill, then 8-row steps
+
+
+def test_a_batch_wider_than_the_speculation_limit_decodes_plainly_until_rows_finish(model):
+    prompts = prompts_of_lengths(9, 20, 5, 13)
+    references = {tuple(p.tolist()): t.tolist() for p, t in zip(prompts, alone(model, prompts, 60))}
+    wide = generate_batch(model, prompts, 30, drafter=Scripted(references),
+                          max_batch_for_speculation=3)
+    assert all(step.tree_size == 1 for result in wide for step in result.steps)
+    # two rows stop early (EOS = their 4th token): from then on the other two draft
+    eos = [references[tuple(p.tolist())][3] for p in prompts[:2]]
+    finishing = generate_batch(model, prompts, 30, drafter=Scripted(references),
+                               max_batch_for_speculation=2, eos_token_id=eos)
+    for prompt, result in zip(prompts, finishing):
+        expected = references[tuple(prompt.tolist())][:30]
+        ends = [i for i, token in enumerate(expected) if token in eos]
+        assert result.tokens.tolist() == (expected[:ends[0] + 1] if ends else expected)
+    assert max(s.tree_size for r in finishing[2:] for s in r.steps) > 1
+    with pytest.raises(ValueError, match="max_batch_for_speculation must be >= 0"):
+        generate_batch(model, prompts, 4, max_batch_for_speculation=-1)
+
+
+def test_a_feature_drafter_catches_up_on_the_steps_it_did_not_draft(model):
+    # EAGLE reads the target's features of every decided token: rows of the plain steps
+    # must reach it when drafting resumes, or its catch-up refuses the gap
+    from drafters.dynamic_tree import DynamicTree
+    from drafters.eagle import EagleDraft, EagleDrafter
+
+    prompts = prompts_of_lengths(9, 20, 5, 13)
+    references = alone(model, prompts, 30)
+    eos = [int(references[0][3]), int(references[1][5])]
+    drafter = EagleDrafter(EagleDraft(model, (-1,)), DynamicTree(2, 2, 3))
+    batch = generate_batch(model, prompts, 30, drafter=drafter, eos_token_id=eos,
+                           max_batch_for_speculation=2)
+    for got, reference in zip(batch, references):
+        tokens = reference.tolist()
+        ends = [i for i, token in enumerate(tokens) if token in eos]
+        assert got.tokens.tolist() == (tokens[:ends[0] + 1] if ends else tokens)
+    assert max(s.tree_size for r in batch[2:] for s in r.steps) > 1

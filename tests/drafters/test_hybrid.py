@@ -1,0 +1,115 @@
+"""The hybrid drafter: merging trees, picking a member by score, telling members what was
+accepted on their own trees, and handing a skipped member every feature it missed."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from drafters import build_drafter
+from drafters.hybrid import HybridConfig, HybridDrafter, _follow, merge_trees
+from verify.accept import Acceptance
+from verify.loop import generate
+from verify.protocol import DraftContext
+from verify.sampling import SamplingParams
+from verify.tree import TokenTree, TreeError
+
+GREEDY = SamplingParams(0.0)
+
+
+def scored(tokens, parents, scores=None) -> TokenTree:
+    return TokenTree(tokens, parents, scores=None if scores is None else torch.tensor(scores))
+
+
+def test_merge_shares_prefixes_and_scores_a_node_by_its_best_member():
+    a = scored([1, 2, 3], [-1, 0, 1], [1.0, 0.9, 0.5])
+    b = scored([1, 2, 4, 5], [-1, 0, 1, 0], [1.0, 0.6, 0.4, 0.3])
+    merged = merge_trees([a, b], budget=None)
+    assert merged.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert merged.parents.tolist() == [-1, 0, 1, 1, 0]
+    assert merged.scores.tolist() == pytest.approx([1.0, 0.9, 0.5, 0.4, 0.3])
+    assert merged.draft_probs is None
+
+
+def test_merge_cuts_to_the_budget_best_first_parents_kept():
+    a = scored([1, 2, 3], [-1, 0, 1], [1.0, 0.9, 0.5])
+    b = scored([1, 2, 4, 5], [-1, 0, 1, 0], [1.0, 0.6, 0.4, 0.3])
+    assert merge_trees([a, b], budget=2).tokens.tolist() == [1, 2, 3]
+    unscored = scored([1, 7], [-1, 0])  # a member without scores ranks last
+    assert merge_trees([unscored, a], budget=2).tokens.tolist() == [1, 2, 3]
+    with pytest.raises(TreeError, match="share their root"):
+        merge_trees([a, scored([9], [-1])], None)
+
+
+def test_a_member_is_told_the_accepted_tokens_on_its_own_tree():
+    own = scored([1, 2, 3], [-1, 0, 1])
+    verified = scored([1, 2, 3, 4], [-1, 0, 1, 2])
+    # accepted 2 3 4 with bonus 6: own has 2 3 only, so from its view 4 is the next token
+    assert vars(_follow(own, verified, Acceptance([0, 1, 2, 3], 6))) == {"path": [0, 1, 2],
+                                                                        "bonus": 4}
+    # the bonus 3 was drafted by own too: its path stops before it
+    assert vars(_follow(own, verified, Acceptance([0, 1], 3))) == {"path": [0, 1], "bonus": 3}
+
+
+class Fixed:
+    """A member proposing a fixed tree, recording what it saw."""
+
+    def __init__(self, tree: TokenTree, layers=()):
+        self.tree, self.feature_layers = tree, layers
+        self.seen, self.updates = [], []
+
+    def begin(self, prompt):
+        self.seen.clear()
+
+    def propose(self, ctx):
+        self.seen.append(None if ctx.features is None else ctx.features.clone())
+        return self.tree
+
+    def update(self, tree, acceptance):
+        self.updates.append((tree, acceptance.path))
+
+    def fork(self):
+        return Fixed(self.tree, self.feature_layers)
+
+
+def test_pick_takes_the_first_confident_member_and_skips_the_rest():
+    sure = Fixed(scored([1, 2, 3], [-1, 0, 1], [1.0, 0.9, 0.8]))
+    model = Fixed(scored([1, 5], [-1, 0], [1.0, 0.5]), layers=(-1,))
+    hybrid = HybridDrafter([("suffix", sure), ("eagle", model)], None,
+                           HybridConfig(threshold=1.5))
+    hybrid.set_hidden_size(2)
+    hybrid.begin(torch.tensor([1]))
+    ctx = DraftContext(torch.tensor([1]), torch.ones(1, 2), GREEDY)
+    assert hybrid.propose(ctx) is sure.tree and model.seen == []
+    sure.tree = scored([1, 2], [-1, 0], [1.0, 0.2])  # not confident: the model proposes
+    assert hybrid.propose(DraftContext(torch.tensor([1]), 2 * torch.ones(2, 2), GREEDY)) \
+        is model.tree
+    # the model gets both steps' feature rows, in order: the one it skipped first
+    assert model.seen[0].tolist() == [[1, 1], [2, 2], [2, 2]]
+    assert dict(hybrid.proposed) == {"suffix": 1, "eagle": 1}
+    hybrid.update(model.tree, Acceptance([0, 1], 7))
+    assert model.updates == [(model.tree, [0, 1])]
+    assert sure.updates[0][1] == [0]  # it ran, and its tree had no 5: nothing accepted
+
+
+def test_policies_and_members_are_checked():
+    member = Fixed(scored([1], [-1]))
+    with pytest.raises(ValueError, match="at least two members"):
+        HybridDrafter([("a", member)], None)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        HybridDrafter([("a", member), ("b", member)], None, HybridConfig(policy="vote"))
+
+
+@pytest.mark.parametrize("policy", ["pick", "merge"])
+def test_a_hybrid_decodes_like_plain_decoding_and_counts_its_proposers(policy, tiny, conf):
+    target = tiny("llama")
+    prompt = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 40, 41])
+    plain = generate(target.model, prompt, 40).tokens
+    cfg = OmegaConf.merge(conf("drafter", "hybrid"), {"policy": policy, "threshold": 0.5})
+    hybrid = build_drafter(cfg, conf("tree", "suffix"), target)
+    first = generate(target.model, prompt, 40, drafter=hybrid)
+    second = generate(target.model, prompt, 40, drafter=hybrid)  # memory: its first answer
+    assert torch.equal(first.tokens, plain) and torch.equal(second.tokens, plain)
+    assert second.tau > first.tau  # the suffix member copies the earlier answer
+    assert sum(hybrid.proposed.values()) == len(first.steps) + len(second.steps)
+    if policy == "pick":
+        assert hybrid.proposed["suffix"] > 0 and hybrid.proposed["eagle"] > 0
