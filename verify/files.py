@@ -19,11 +19,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The repository's own data/ folder: found from this file, so it holds wherever the clone lives.
 REPO_DATA = Path(__file__).resolve().parents[1] / "data"
@@ -95,6 +97,19 @@ def save_tensors_atomically(tensors: dict, path: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+def read_or_rebuild(path: Path, read: Callable[[Path], T], rebuild: Callable[[], None]) -> T:
+    """read(path) of a cached shard; one that cannot be read (cut short by a disk, a copy, a
+    crash outside our atomic writes) is removed, rebuilt once by rebuild() and read again:
+    a corrupt cache heals instead of failing every run."""
+    try:
+        return read(path)
+    except (UnreadableFileError, KeyError) as error:
+        log.warning("cached shard %s is unreadable (%s): removed, rebuilding it", path, error)
+        path.unlink(missing_ok=True)
+    rebuild()
+    return read(path)
 
 
 class UnreadableFileError(ValueError):
