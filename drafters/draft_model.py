@@ -21,24 +21,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from drafters.base import (
     Steps,
     check_depth,
+    check_target,
     fill_steps,
     node_path,
+    read_config,
     relay,
     run_lockstep,
     shallow_config,
+    target_record,
     typed_config,
 )
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
-from verify.files import write_atomically
+from verify.files import load_tensors, write_atomically
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.target import Target
@@ -328,6 +331,7 @@ class DraftModelConfig:
     architecture: dict[str, int] | None = None  # fresh: overrides of the target's config
     draft_vocab_size: int | None = 8192  # the head's rows; null: the whole vocabulary
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | tv
+    allow_other_target: bool = False  # load a distilled draft whose target's fingerprint differs
 
 
 def draft_model_config(cfg: Mapping) -> DraftModelConfig:
@@ -344,17 +348,21 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree,
     if config.path is None:
         return DraftModelDrafter(truncated_copy(target.model, config.num_layers), tree,
                                  name=config.name)
-    model, vocab_ids = load_draft_model(config.path, target)
+    model, vocab_ids = load_draft_model(config.path, target, config.allow_other_target)
     return DraftModelDrafter(model, tree, name=config.name, vocab_ids=vocab_ids)
 
 
-def load_draft_model(path: str | Path, target: Target
+def load_draft_model(path: str | Path, target: Target, allow_other_target: bool = False
                      ) -> tuple[PreTrainedModel, torch.Tensor | None]:
     """The draft model in `path` (a folder or hub id) in the target's dtype, attention
-    implementation and device, refused unless its token ids mean what the target's do; and
+    implementation and device, refused unless its token ids mean what the target's do and,
+    for a draft distilled here, unless it was distilled from this target (check_target); and
     its draft vocabulary (V',) when the folder has one (its LM head is then cut to those rows).
     """
     path = str(path)
+    if (Path(path) / INFO_FILE).is_file():
+        saved = read_config(path, INFO_FILE)["target"]
+        check_target(saved, target, path, "draft model", allow_other_target)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=target.model.dtype,
         attn_implementation=target.model.config._attn_implementation)
@@ -387,7 +395,7 @@ def read_vocab(folder: str | Path) -> torch.Tensor | None:
     """A distilled draft's vocab_ids (V',), or None when the folder has none (a hub model,
     or a draft over the whole vocabulary)."""
     path = Path(folder) / VOCAB_FILE
-    return load_file(str(path))["vocab_ids"] if path.is_file() else None
+    return load_tensors(path)["vocab_ids"] if path.is_file() else None
 
 
 def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, folder: str | Path,
@@ -413,8 +421,7 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
         full[vocab_ids.cpu()] = state[head_key]
         state[head_key] = full
     hidden = target.model.get_output_embeddings().weight.shape[1]
-    metadata = {"target": {"name": target.name, "hidden_size": hidden,
-                           "vocab_size": model.config.vocab_size}, **info}
+    metadata = {"target": target_record(target, hidden, model.config.vocab_size), **info}
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, state_dict=state)

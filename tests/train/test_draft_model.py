@@ -185,8 +185,11 @@ def test_a_loaded_draft_shares_the_targets_token_table(trained):
     model, _ = load_draft_model(run / "checkpoint", target)
     table = target.model.get_input_embeddings().weight
     assert model.get_input_embeddings().weight.data_ptr() == table.data_ptr()
-    other = load_target(tiny="llama", seed=1)  # another table: the draft keeps its own
-    model, _ = load_draft_model(run / "checkpoint", other)
+    other = load_target(tiny="llama", seed=1)  # the same name, other weights: refused ...
+    with pytest.raises(ValueError, match="draft model in .* trained on 'tiny-llama'"):
+        load_draft_model(run / "checkpoint", other)
+    # ... unless the user says so; another table: the draft keeps its own
+    model, _ = load_draft_model(run / "checkpoint", other, allow_other_target=True)
     assert model.get_input_embeddings().weight.data_ptr() != other.model.get_input_embeddings(
     ).weight.data_ptr()
 
