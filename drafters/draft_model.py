@@ -360,12 +360,15 @@ def load_draft_model(path: str | Path, target: Target, allow_other_target: bool 
     its draft vocabulary (V',) when the folder has one (its LM head is then cut to those rows).
     """
     path = str(path)
-    if (Path(path) / INFO_FILE).is_file():
+    distilled_here = (Path(path) / INFO_FILE).is_file()
+    if distilled_here:
         saved = read_config(path, INFO_FILE)["target"]
         check_target(saved, target, path, "draft model", allow_other_target)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=target.model.dtype,
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        path, dtype=target.model.dtype, output_loading_info=True,
         attn_implementation=target.model.config._attn_implementation)
+    if distilled_here:  # ours are whole; Hugging Face would fill a gap with random weights
+        _check_loaded_whole(loading, path)
     # A folder saved for a tokenizer-less (tiny) target has none; a hub id always has one.
     has_tokenizer = not Path(path).is_dir() or (Path(path) / "tokenizer_config.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
@@ -376,6 +379,19 @@ def load_draft_model(path: str | Path, target: Target, allow_other_target: bool 
     model = model.to(target.model.device).eval()
     share_token_table(model, target.model)
     return model, vocab_ids
+
+
+def _check_loaded_whole(loading: dict, path: str) -> None:
+    """Refuse a folder whose weights left parts of the model unloaded or did not fit it,
+    naming the tensors (Hugging Face's loading info)."""
+    problems = {"missing": loading.get("missing_keys", []),
+                "unexpected": loading.get("unexpected_keys", []),
+                "wrong shape": [str(key[0]) if isinstance(key, tuple) else str(key)
+                                for key in loading.get("mismatched_keys", [])]}
+    named = "; ".join(f"{what}: {', '.join(sorted(map(str, keys)))}"
+                      for what, keys in problems.items() if keys)
+    if named:
+        raise ValueError(f"the draft model in {path} does not hold its weights whole ({named})")
 
 
 def share_token_table(draft: PreTrainedModel, target: PreTrainedModel) -> bool:

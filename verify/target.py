@@ -33,7 +33,7 @@ from transformers import (
 
 import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
 import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
-from verify.files import write_atomically
+from verify.files import remove_orphans, write_atomically
 from verify.fingerprint import model_fingerprint, weights_digest
 from verify.packed import pack_linears, resolve_ladder
 from verify.verifier import context_window
@@ -275,6 +275,7 @@ def _embedded_default(root: Path) -> Path:
     """Folder of the float32 safetensors default model, converting from GGUF on first use."""
     dest = root / "models" / DEFAULT_NAME
     if not dest.is_dir():
+        remove_orphans(dest.parent)  # a killed conversion's half-written folder
         source = embedded_gguf_dir()
         log.info("converting %s to float32 safetensors in %s (once)", DEFAULT_GGUF, dest)
         write_atomically(dest, lambda tmp: _convert_gguf(source, DEFAULT_GGUF, tmp))
