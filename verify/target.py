@@ -65,8 +65,8 @@ class Target:
     _fingerprint: dict | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> dict:
-        """What this target is (verify.fingerprint): computed once, on first use. load_target
-        takes it before packing, which adds nothing a fingerprint should see."""
+        """What this target is (verify.fingerprint): computed once, on first use; load_target
+        takes it at load, before a Medusa-2 run wraps the model in trainable LoRA layers."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model, self.name, self.adapter,
                                                   self.base_weights)
