@@ -14,14 +14,16 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from verify.files import write_atomically
+from verify.fingerprint import describe_difference, identity
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, warp
+from verify.target import Target
 from verify.tree import TreeBuilder, TreeError, TreeTopology
 
 __all__ = ["CONFIG_FILE", "DraftContext", "Drafter", "Steps", "add_children", "check_depth",
-           "fill_steps", "node_path", "propose_children", "read_config",
+           "check_target", "fill_steps", "node_path", "propose_children", "read_config",
            "relay", "run_lockstep", "run_steps", "save_module", "shallow_config",
-           "typed_config"]
+           "target_record", "typed_config"]
 
 
 CONFIG_FILE = "config.json"  # beside a trained drafter's weights: its settings and its target
@@ -50,6 +52,34 @@ def read_config(folder: str | Path, file: str = CONFIG_FILE) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no trained drafter in {folder} ({file} missing)")
     return json.loads(path.read_text())
+
+
+def target_record(target: Target, hidden_size: int, vocab_size: int) -> dict:
+    """What a trained drafter records of the target it was trained on: the sizes its weights
+    need and the target's fingerprint (verify.fingerprint), which loading checks."""
+    return {"name": target.name, "hidden_size": hidden_size, "vocab_size": vocab_size,
+            "fingerprint": target.fingerprint()}
+
+
+def check_target(saved: Mapping, target: Target, folder: str | Path, what: str,
+                 allow_other_target: bool = False) -> None:
+    """Refuse a drafter trained on another target (ValueError naming both): other sizes
+    always (its weights cannot load); another identity (name, config, weights) unless
+    `allow_other_target`, for a user who knows the two compute the same. Drafters saved
+    before fingerprints are checked by name."""
+    vocab, hidden = target.model.get_output_embeddings().weight.shape
+    trained_on = (f"the {what} in {folder} was trained on {saved['name']!r} (hidden_size "
+                  f"{saved['hidden_size']}, vocab_size {saved['vocab_size']}), not on "
+                  f"{target.name!r} (hidden_size {hidden}, vocab_size {vocab})")
+    if (saved["hidden_size"], saved["vocab_size"]) != (hidden, vocab):
+        raise ValueError(trained_on)
+    have = identity(target.fingerprint())
+    theirs = identity(saved["fingerprint"]) if "fingerprint" in saved else {"name": saved["name"]}
+    have = {key: have[key] for key in theirs}
+    if theirs != have and not allow_other_target:
+        raise ValueError(f"{trained_on}: {describe_difference(theirs, have)}. Load the target "
+                         "it was trained on, or set drafter.allow_other_target=true if you "
+                         "know they compute the same")
 
 
 def typed_config(schema: type, cfg: Mapping, what: str):

@@ -21,24 +21,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from drafters.base import (
     Steps,
     check_depth,
+    check_target,
     fill_steps,
     node_path,
+    read_config,
     relay,
     run_lockstep,
     shallow_config,
+    target_record,
     typed_config,
 )
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
-from verify.files import write_atomically
+from verify.files import load_tensors, write_atomically
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.target import Target
@@ -328,6 +331,7 @@ class DraftModelConfig:
     architecture: dict[str, int] | None = None  # fresh: overrides of the target's config
     draft_vocab_size: int | None = 8192  # the head's rows; null: the whole vocabulary
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | tv
+    allow_other_target: bool = False  # load a distilled draft whose target's fingerprint differs
 
 
 def draft_model_config(cfg: Mapping) -> DraftModelConfig:
@@ -344,20 +348,27 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree,
     if config.path is None:
         return DraftModelDrafter(truncated_copy(target.model, config.num_layers), tree,
                                  name=config.name)
-    model, vocab_ids = load_draft_model(config.path, target)
+    model, vocab_ids = load_draft_model(config.path, target, config.allow_other_target)
     return DraftModelDrafter(model, tree, name=config.name, vocab_ids=vocab_ids)
 
 
-def load_draft_model(path: str | Path, target: Target
+def load_draft_model(path: str | Path, target: Target, allow_other_target: bool = False
                      ) -> tuple[PreTrainedModel, torch.Tensor | None]:
     """The draft model in `path` (a folder or hub id) in the target's dtype, attention
-    implementation and device, refused unless its token ids mean what the target's do; and
+    implementation and device, refused unless its token ids mean what the target's do and,
+    for a draft distilled here, unless it was distilled from this target (check_target); and
     its draft vocabulary (V',) when the folder has one (its LM head is then cut to those rows).
     """
     path = str(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=target.model.dtype,
+    distilled_here = (Path(path) / INFO_FILE).is_file()
+    if distilled_here:
+        saved = read_config(path, INFO_FILE)["target"]
+        check_target(saved, target, path, "draft model", allow_other_target)
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        path, dtype=target.model.dtype, output_loading_info=True,
         attn_implementation=target.model.config._attn_implementation)
+    if distilled_here:  # ours are whole; Hugging Face would fill a gap with random weights
+        _check_loaded_whole(loading, path)
     # A folder saved for a tokenizer-less (tiny) target has none; a hub id always has one.
     has_tokenizer = not Path(path).is_dir() or (Path(path) / "tokenizer_config.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
@@ -368,6 +379,19 @@ def load_draft_model(path: str | Path, target: Target
     model = model.to(target.model.device).eval()
     share_token_table(model, target.model)
     return model, vocab_ids
+
+
+def _check_loaded_whole(loading: dict, path: str) -> None:
+    """Refuse a folder whose weights left parts of the model unloaded or did not fit it,
+    naming the tensors (Hugging Face's loading info)."""
+    problems = {"missing": loading.get("missing_keys", []),
+                "unexpected": loading.get("unexpected_keys", []),
+                "wrong shape": [str(key[0]) if isinstance(key, tuple) else str(key)
+                                for key in loading.get("mismatched_keys", [])]}
+    named = "; ".join(f"{what}: {', '.join(sorted(map(str, keys)))}"
+                      for what, keys in problems.items() if keys)
+    if named:
+        raise ValueError(f"the draft model in {path} does not hold its weights whole ({named})")
 
 
 def share_token_table(draft: PreTrainedModel, target: PreTrainedModel) -> bool:
@@ -387,7 +411,7 @@ def read_vocab(folder: str | Path) -> torch.Tensor | None:
     """A distilled draft's vocab_ids (V',), or None when the folder has none (a hub model,
     or a draft over the whole vocabulary)."""
     path = Path(folder) / VOCAB_FILE
-    return load_file(str(path))["vocab_ids"] if path.is_file() else None
+    return load_tensors(path)["vocab_ids"] if path.is_file() else None
 
 
 def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, folder: str | Path,
@@ -413,8 +437,7 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
         full[vocab_ids.cpu()] = state[head_key]
         state[head_key] = full
     hidden = target.model.get_output_embeddings().weight.shape[1]
-    metadata = {"target": {"name": target.name, "hidden_size": hidden,
-                           "vocab_size": model.config.vocab_size}, **info}
+    metadata = {"target": target_record(target, hidden, model.config.vocab_size), **info}
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, state_dict=state)

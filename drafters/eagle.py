@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from drafters.base import (
     Steps,
     check_depth,
+    check_target,
     fill_steps,
     node_path,
     read_config,
@@ -44,6 +44,7 @@ from drafters.base import (
     run_lockstep,
     save_module,
     shallow_config,
+    target_record,
     typed_config,
 )
 from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
@@ -52,6 +53,7 @@ from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
+from verify.files import load_tensors
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.target import Target
@@ -76,6 +78,7 @@ class EagleConfig:
     inputs: str = "both"  # the EAGLE paper's input ablation: both | tokens | features (one zeroed)
     layout: str | None = None  # the draft layer: null = eagle3 for variant eagle3, else fused_input
     checkpoint: str | None = None  # a trained draft (python train.py drafter=eagle ...)
+    allow_other_target: bool = False  # load a checkpoint whose target's fingerprint differs
     # Training only (train.eagle):
     ttt_steps: int = 1  # unrolled draft steps per position (EAGLE-3's training-time test)
     step_decay: float = 0.8  # unrolled step s's loss weight: step_decay ** s
@@ -404,39 +407,32 @@ class EagleDrafter:
         return self.draft.to_target_vocab(logits)
 
 
-def save_draft(draft: EagleDraft, folder: str | Path, target_name: str,
+def save_draft(draft: EagleDraft, folder: str | Path, target: Target,
                extra: Callable[[Path], None] | None = None) -> None:
-    """Write the draft (draft.safetensors + config.json naming its target) to `folder`,
-    atomically, replacing what was there; `extra(tmp)` may add files (training state)."""
+    """Write the draft (draft.safetensors + config.json recording its target and the target's
+    fingerprint) to `folder`, atomically, replacing what was there; `extra(tmp)` may add
+    files (training state)."""
     hidden = draft.lm_head.weight.shape[1]
-    config = {"target": {"name": target_name, "hidden_size": hidden,
-                         "vocab_size": draft.target_vocab_size}, **draft.hyperparameters}
+    config = {"target": target_record(target, hidden, draft.target_vocab_size),
+              **draft.hyperparameters}
     save_module(draft, folder, WEIGHTS_FILE, config, extra)
 
 
-def load_draft(folder: str | Path, target: Target) -> EagleDraft:
+def load_draft(folder: str | Path, target: Target, allow_other_target: bool = False
+               ) -> EagleDraft:
     """A draft saved by `save_draft`, on `target`; ValueError when it was trained for another
-    target (by name, hidden size or vocabulary)."""
+    target (drafters.base.check_target) or its file does not hold exactly the draft's
+    tensors."""
     folder = Path(folder)
     config = read_config(folder)
-    check_target(config["target"], target, folder)
+    check_target(config["target"], target, folder, "EAGLE draft", allow_other_target)
     device = str(target.model.get_output_embeddings().weight.device)
-    state = load_file(str(folder / WEIGHTS_FILE), device=device)
+    state = load_tensors(folder / WEIGHTS_FILE, device=device)
     draft = EagleDraft(target.model, tuple(config["feature_layers"]), state.get("vocab_ids"),
                        config["train_lm_head"], config.get("inputs", "both"),  # older: both
                        config.get("layout", "fused_input"))
-    draft.load_state_dict(state)
+    draft.load_state_dict(state)  # strict: missing, unexpected or misshapen tensors are named
     return draft
-
-
-def check_target(saved: Mapping, target: Target, folder: Path) -> None:
-    """Refuse a draft trained on another target: its features mean something else."""
-    vocab, hidden = target.model.get_output_embeddings().weight.shape
-    have = {"name": target.name, "hidden_size": hidden, "vocab_size": vocab}
-    if {key: saved[key] for key in have} != have:
-        raise ValueError(f"the EAGLE draft in {folder} was trained on {saved['name']!r} (hidden "
-                         f"size {saved['hidden_size']}, vocabulary {saved['vocab_size']}), not "
-                         f"on {target.name!r} (hidden size {hidden}, vocabulary {vocab})")
 
 
 def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) -> EagleDrafter:
@@ -444,7 +440,7 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) 
     <folder>` for a trained one (whose saved settings then apply)."""
     config = eagle_config(cfg)
     if config.checkpoint:
-        draft = load_draft(config.checkpoint, target)
+        draft = load_draft(config.checkpoint, target, config.allow_other_target)
     else:
         layers = config.feature_layers or default_layers(config.variant,
                                                          num_layers(target.model.config))

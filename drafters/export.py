@@ -30,14 +30,16 @@ layouts decode here too.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from drafters.eagle import EagleDraft, check_target
+from drafters.base import check_target, target_record
+from drafters.eagle import EagleDraft
 from drafters.medusa import MedusaHeads
-from verify.files import write_atomically
+from verify.files import check_tensors, load_tensors, write_atomically
 from verify.target import Target
 
 VLLM_WEIGHTS = "model.safetensors"
@@ -53,8 +55,9 @@ EAGLE3_NAMES = {"body.input_layernorm.weight": "layers.0.input_layernorm.weight"
                    for p in ("gate_proj", "up_proj", "down_proj")}}
 
 
-def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target_name: str) -> Path:
-    """Write `heads` to `folder` in vLLM's Medusa layout (atomically); returns the folder."""
+def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -> Path:
+    """Write `heads` of `target` to `folder` in vLLM's Medusa layout (atomically); returns the
+    folder."""
     tensors: dict[str, torch.Tensor] = {}
     for k in range(heads.num_heads):
         for j, block in enumerate(heads.blocks[k]):
@@ -78,37 +81,55 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target_name: str)
         "medusa_fc_bias": True,
         "logit_scale": 1.0,
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
-        "treedraft": {"target": target_name},  # where the heads came from; engines ignore it
+        # where the heads came from (checked when loaded back); engines ignore it
+        "treedraft": {"target": target_record(target, heads.hidden_size,
+                                              heads.target_vocab_size)},
     }
     return _write_folder(folder, tensors, config)
 
 
-def load_vllm_medusa(folder: str | Path, target: Target) -> MedusaHeads:
+def load_vllm_medusa(folder: str | Path, target: Target, allow_other_target: bool = False
+                     ) -> MedusaHeads:
     """Medusa heads from a vLLM-layout folder, on `target`'s LM head; ValueError for another
-    format or a target of another hidden size or vocabulary."""
+    format, another target (by its fingerprint where the folder was exported here, else by
+    sizes) or weights that are not exactly the heads' (missing, unexpected, misshapen)."""
     folder = Path(folder)
     config = _read_json(folder / "config.json")
     if config.get("model_type") != "medusa":
         raise ValueError(f"{folder} is not a vLLM Medusa folder (model_type "
                          f"{config.get('model_type')!r})")
     lm_head = target.model.get_output_embeddings()
-    vocab, hidden = lm_head.weight.shape
-    if (config["hidden_size"], config["vocab_size"]) != (hidden, vocab):
-        raise ValueError(f"the Medusa heads in {folder} are for hidden size "
-                         f"{config['hidden_size']} and vocabulary {config['vocab_size']}, "
-                         f"not {target.name!r} ({hidden}, {vocab})")
-    state = load_file(str(folder / VLLM_WEIGHTS), device=str(lm_head.weight.device))
+    _check_export_target(config, config["hidden_size"], config["vocab_size"], target, folder,
+                         allow_other_target)
+    state = load_tensors(folder / VLLM_WEIGHTS, device=str(lm_head.weight.device))
     heads = MedusaHeads(lm_head, config["num_heads"], config["num_hidden_layers"],
                         share_lm_head=False, vocab_ids=state.get("token_map"))
-    ours = {name.replace("blocks.", "", 1): value for name, value in state.items()
-            if name.startswith("blocks.")}
-    with torch.no_grad():
-        for key, value in ours.items():  # "<k>.layers.<j>.<weight|bias>"
-            k, _, j, kind = key.split(".")
-            getattr(heads.blocks[int(k)][int(j)].linear, kind).copy_(value)
-        for k in range(heads.num_heads):
-            heads.lm_heads[k].weight.copy_(state[f"lm_heads.{k}.weight"])
+    names = {_vllm_medusa_name(ours): ours for ours in heads.state_dict()}  # theirs -> ours
+    own = heads.state_dict()
+    check_tensors(state, {theirs: own[ours].shape for theirs, ours in names.items()},
+                  folder / VLLM_WEIGHTS)
+    heads.load_state_dict({ours: state[theirs] for theirs, ours in names.items()})
     return heads
+
+
+def _vllm_medusa_name(ours: str) -> str:
+    """Our MedusaHeads state-dict name -> vLLM's: blocks.k.j.linear.* -> blocks.k.layers.j.*,
+    vocab_ids -> token_map, lm_heads.k.weight as it is."""
+    if ours == "vocab_ids":
+        return "token_map"
+    return re.sub(r"^blocks\.(\d+)\.(\d+)\.linear\.", r"blocks.\1.layers.\2.", ours)
+
+
+def _check_export_target(config: dict, hidden_size: int, vocab_size: int, target: Target,
+                         folder: Path, allow_other_target: bool) -> None:
+    """An export of ours records its target (check_target); one made elsewhere (or before
+    fingerprints) is checked by sizes, all it says."""
+    saved = config.get("treedraft", {}).get("target")
+    if not isinstance(saved, dict):
+        saved = {"name": target.name if saved is None else saved, "hidden_size": hidden_size,
+                 "vocab_size": vocab_size}
+        allow_other_target = True  # nothing but the sizes to compare
+    check_target(saved, target, folder, "exported draft", allow_other_target)
 
 
 def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Target,
@@ -165,34 +186,33 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
             "default_proposal_method": "greedy",
             "verifier": verifier,
         },
-        "treedraft": {"target": target.name},
+        "treedraft": {"target": target_record(target, hidden, draft.target_vocab_size)},
     }
     return _write_folder(folder, tensors, config)
 
 
-def load_speculators_eagle3(folder: str | Path, target: Target) -> EagleDraft:
+def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_target: bool = False
+                            ) -> EagleDraft:
     """An EAGLE-3 draft from a speculators eagle3 folder, on `target` (whose embedding it
-    shares); ValueError for another format or a draft of another target's sizes."""
+    shares); ValueError for another format, a draft of another target (fingerprint where
+    exported here, else sizes and embedding) or tensors that are not exactly the draft's."""
     folder = Path(folder)
     config = _read_json(folder / "config.json")
     if config.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{folder} is not a speculators eagle3 folder "
                          f"(speculators_model_type {config.get('speculators_model_type')!r})")
     layer = config["transformer_layer_config"]
-    check_target({"name": target.name, "hidden_size": layer["hidden_size"],
-                  "vocab_size": layer["vocab_size"]}, target, folder)
+    _check_export_target(config, layer["hidden_size"], layer["vocab_size"], target, folder,
+                         allow_other_target)
     device = str(target.model.get_output_embeddings().weight.device)
-    state = load_file(str(folder / VLLM_WEIGHTS), device=device)
-    if "embed_tokens.weight" in state:  # the draft read this embedding: it must be the target's
-        ours = target.model.get_input_embeddings().weight
-        if not torch.allclose(state["embed_tokens.weight"].to(ours.dtype), ours):
-            raise ValueError(f"{folder}'s token embedding is not {target.name}'s: a draft for "
-                             "another target (or another fine-tune of it)")
+    state = load_tensors(folder / VLLM_WEIGHTS, device=device)
     vocab_ids = (state["d2t"] + torch.arange(len(state["d2t"]), device=device)
                  if "d2t" in state else None)
     draft = EagleDraft(target.model, tuple(config["eagle_aux_hidden_state_layer_ids"]),
                        vocab_ids, train_lm_head=True, layout="eagle3")
     draft.body.norm_before_residual = bool(config.get("norm_before_residual", True))
+    check_tensors(state, _speculators_shapes(draft, target, state), folder / VLLM_WEIGHTS)
+    _check_embedding(state, target, folder)
     params = dict(draft.named_parameters())
     with torch.no_grad():
         for ours, theirs in EAGLE3_NAMES.items():
@@ -200,6 +220,29 @@ def load_speculators_eagle3(folder: str | Path, target: Target) -> EagleDraft:
         if draft.fuse is not None:
             draft.fuse.weight.copy_(state["fc.weight"])
     return draft
+
+
+def _speculators_shapes(draft: EagleDraft, target: Target, state: dict) -> dict:
+    """The tensors a speculators eagle3 file of `draft` holds, by name -> shape: the layer's,
+    `fc`, and, where the file has a draft vocabulary or an embedding, those."""
+    params = dict(draft.named_parameters())
+    hidden = draft.lm_head.weight.shape[1]
+    shapes = {theirs: params[ours].shape for ours, theirs in EAGLE3_NAMES.items()}
+    shapes["fc.weight"] = draft.fuse.weight.shape if draft.fuse is not None else (hidden, hidden)
+    if draft.vocab_ids is not None:
+        shapes.update({"d2t": draft.vocab_ids.shape, "t2d": (draft.target_vocab_size,)})
+    if "embed_tokens.weight" in state:
+        shapes["embed_tokens.weight"] = target.model.get_input_embeddings().weight.shape
+    return shapes
+
+
+def _check_embedding(state: dict, target: Target, folder: Path) -> None:
+    """The embedding a draft read must be the target's (a draft for another fine-tune)."""
+    if "embed_tokens.weight" in state:
+        ours = target.model.get_input_embeddings().weight
+        if not torch.allclose(state["embed_tokens.weight"].to(ours.dtype), ours):
+            raise ValueError(f"{folder}'s token embedding is not {target.name}'s: a draft for "
+                             "another target (or another fine-tune of it)")
 
 
 def _write_folder(folder: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:

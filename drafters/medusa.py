@@ -22,13 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from drafters.base import add_children, check_depth, read_config, save_module, typed_config
+from drafters.base import (
+    add_children,
+    check_depth,
+    check_target,
+    read_config,
+    save_module,
+    target_record,
+    typed_config,
+)
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.accept import Acceptance
 from verify.features import LAST
+from verify.files import load_tensors
 from verify.protocol import DraftContext
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
@@ -47,6 +55,7 @@ class MedusaConfig:
     share_lm_head: bool = True
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
     checkpoint: str | None = None
+    allow_other_target: bool = False  # load a checkpoint whose target's fingerprint differs
     init_heads: str | None = None  # heads to start from, e.g. Medusa-1's for Medusa-2's stage 2
     variant: str = "medusa1"  # medusa1: frozen target | medusa2: + a LoRA adapter on it
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
@@ -231,40 +240,34 @@ class MedusaDrafter:
         return builder.build()
 
 
-def save_heads(heads: MedusaHeads, folder: str | Path, target_name: str,
+def save_heads(heads: MedusaHeads, folder: str | Path, target: Target,
                extra: Callable[[Path], None] | None = None) -> None:
-    """Write `heads` to `folder` (heads.safetensors + config.json naming the target), atomically,
-    replacing what was there. `extra(tmp)` may add files (a training checkpoint's state).
+    """Write `heads` to `folder` (heads.safetensors + config.json recording the target and its
+    fingerprint), atomically, replacing what was there. `extra(tmp)` may add files (a training
+    checkpoint's state).
 
     Only the heads' own weights are saved: a shared LM head belongs to the target.
     """
-    config = {"target": {"name": target_name, "hidden_size": heads.hidden_size,
-                         "vocab_size": heads.target_vocab_size}, **heads.hyperparameters}
+    config = {"target": target_record(target, heads.hidden_size, heads.target_vocab_size),
+              **heads.hyperparameters}
     save_module(heads, folder, WEIGHTS_FILE, config, extra)
 
 
-def load_heads(folder: str | Path, target: Target) -> MedusaHeads:
+def load_heads(folder: str | Path, target: Target, allow_other_target: bool = False
+               ) -> MedusaHeads:
     """Heads saved by `save_heads`, on `target`'s LM head; ValueError when the checkpoint was
-    made for a target of another hidden size or vocabulary."""
+    made for another target (drafters.base.check_target, as EAGLE's and the draft model's)
+    or does not hold exactly the heads' tensors."""
     folder = Path(folder)
     config = read_config(folder)
     lm_head = target.model.get_output_embeddings()
-    _check_target(config["target"], lm_head, target.name, folder)
+    check_target(config["target"], target, folder, "Medusa heads", allow_other_target)
     _check_adapter(folder, target)
-    state = load_file(str(folder / WEIGHTS_FILE), device=str(lm_head.weight.device))
+    state = load_tensors(folder / WEIGHTS_FILE, device=str(lm_head.weight.device))
     heads = MedusaHeads(lm_head, config["num_heads"], config["num_layers"],
                         config["share_lm_head"], vocab_ids=state.get("vocab_ids"))
-    heads.load_state_dict(state)
+    heads.load_state_dict(state)  # strict: missing, unexpected or misshapen tensors are named
     return heads
-
-
-def _check_target(saved: Mapping, lm_head: nn.Module, target_name: str, folder: Path) -> None:
-    vocab_size, hidden_size = lm_head.weight.shape
-    if (saved["hidden_size"], saved["vocab_size"]) != (hidden_size, vocab_size):
-        raise ValueError(
-            f"Medusa heads in {folder} belong to {saved['name']!r} (hidden_size "
-            f"{saved['hidden_size']}, vocab_size {saved['vocab_size']}), not to {target_name!r} "
-            f"(hidden_size {hidden_size}, vocab_size {vocab_size})")
 
 
 def _check_adapter(folder: Path, target: Target) -> None:
@@ -282,7 +285,7 @@ def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> MedusaD
     target, or `checkpoint: <folder>` to load trained ones (whose own config then applies)."""
     config = medusa_config(cfg)
     if config.checkpoint:
-        heads = load_heads(config.checkpoint, target)
+        heads = load_heads(config.checkpoint, target, config.allow_other_target)
     else:
         heads = MedusaHeads(target.model.get_output_embeddings(), config.num_heads,
                             config.num_layers, config.share_lm_head)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -14,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.data import Question, load_spec_bench
-from verify.files import write_json
+from verify.files import write_bytes, write_json
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # Hydra's config root
 
@@ -42,13 +43,15 @@ def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig) ->
 
 
 def save_figure(fig, path: Path) -> Path:
-    """Lay out, write (creating the folder) and close a matplotlib figure; returns `path`."""
+    """Lay out, write (creating the folder; atomically, as the JSON beside it) and close a
+    matplotlib figure; returns `path`."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
+    write_bytes(path, image.getvalue())
     return path
 
 

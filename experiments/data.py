@@ -59,7 +59,12 @@ def load_spec_bench(
     wanted = set(categories) if categories is not None else set(SPEC_BENCH_CATEGORIES)
     taken: dict[str, int] = {}
     questions = []
-    for row in read_jsonl(_spec_bench_path(data_root)):
+    path = _spec_bench_path(data_root)
+    rows = read_jsonl(path)
+    if not rows:
+        raise ValueError(f"{path} holds no questions: point the data root at a Spec-Bench "
+                         "copy with its question.jsonl")
+    for row in rows:
         category = row["category"]
         if category not in wanted or taken.get(category, 0) == n_per_category:
             continue

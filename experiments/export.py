@@ -44,7 +44,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
             raise ValueError(f"{checkpoint} holds no Medusa heads: format=vllm_medusa exports "
                              "those (python train.py drafter=medusa)")
         heads = load_heads(checkpoint, target)
-        export_vllm_medusa(heads, out, target.name)
+        export_vllm_medusa(heads, out, target)
         return medusa_logit_gap(heads, load_vllm_medusa(out, target))
     if "feature_layers" not in saved:
         raise ValueError(f"{checkpoint} holds no EAGLE draft: format=speculators exports an "

@@ -6,6 +6,7 @@ prompt_lookup) have nothing to train and say so.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -15,16 +16,20 @@ def run_training(cfg: DictConfig, group: str | None = None) -> dict:
     """Train the configured drafter (every rank of a torchrun job calls this); prints and
     returns the end-of-training evaluation on rank 0."""
     from train.distributed import close_distributed, init_distributed
+    from train.lock import out_dir_lock
     from train.recipes import RECIPES, recipe_for  # heavy imports only when something trains
+    from train.schema import check_settings
 
     recipe = recipe_for(cfg.drafter.name)
     if recipe is None:
         print(f"drafter {cfg.drafter.name!r} has nothing to train: it drafts without learned "
               f"weights. Trainable: {sorted(RECIPES)}")
         return {}
+    check_settings(cfg)
     env = init_distributed(cfg.device)
-    try:
-        results = recipe.run(cfg, env, group)
+    try:  # rank 0 holds the out_dir for the whole job: one writer per out_dir
+        with out_dir_lock(Path(cfg.out_dir)) if env.is_main else nullcontext():
+            results = recipe.run(cfg, env, group)
     finally:
         close_distributed()
     if env.is_main:

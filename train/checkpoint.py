@@ -9,27 +9,41 @@ train.loop). Every recipe saves and resumes through these functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from omegaconf import DictConfig, OmegaConf
 
 from drafters.base import CONFIG_FILE, read_config
 from drafters.medusa import ADAPTER_DIR
-from verify.files import readable_folder
+from verify.files import load_tensors, readable_folder
+from verify.fingerprint import describe_difference
+from verify.target import Target
 
 STATE_FILE = "train_state.pt"
+RUN_FILE = "run_config.json"  # the resolved config of the run that made the checkpoint
+# Config keys (and groups) that change nothing a run trains: where it writes and logs, how
+# often it saves, how it evaluates at the end, where caches and the target live, and the
+# escape hatches a user reaches for after a failure. Every other key must match to resume.
+NOT_TRAINING_KEYS = ("out_dir", "resume", "save_every", "device", "logger", "eval",
+                     "data.cache_dir", "target.device", "target.cache_dir", "target.packed_rows",
+                     "drafter.allow_other_target", "optim.max_nonfinite_skips")
+WAYS_OUT = "use another out_dir, or resume=false to start over"
 
 
-def training_state(step: int, optimizer: torch.optim.Optimizer, scheduler,
+def training_state(step: int, optimizer: torch.optim.Optimizer, scheduler, cfg: DictConfig,
                    peft_model=None) -> Callable[[Path], None]:
-    """What resuming after `step` steps needs, as an `extra` writer for a drafter's save."""
+    """What resuming after `step` steps needs, as an `extra` writer for a drafter's save: the
+    optimizer, schedule and RNG, and the run's resolved config (what a resume must match)."""
     state = {"step": step, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+    run_config = OmegaConf.to_container(cfg, resolve=True)
 
     def write(tmp: Path) -> None:
         torch.save(state, tmp / STATE_FILE)
+        (tmp / RUN_FILE).write_text(json.dumps(run_config, indent=2) + "\n")
         if peft_model is not None:
             peft_model.save_pretrained(tmp / ADAPTER_DIR)
     return write
@@ -41,40 +55,92 @@ def find_checkpoint(folder: Path) -> Path | None:
     return found if found is not None and (found / STATE_FILE).is_file() else None
 
 
-def check_resumable(found: Path, target_name: str, hyperparameters: dict,
+def check_resumable(found: Path, target: Target, hyperparameters: dict, cfg: DictConfig,
                     config_file: str = CONFIG_FILE) -> None:
-    """Refuse to resume a checkpoint made for another target or another drafter shape, as
-    its `config_file` records them."""
+    """Refuse to resume a checkpoint made for another target (name, then fingerprint), another
+    drafter shape (as its `config_file` records them), or with other training settings than
+    `cfg` asks (its RUN_FILE; checkpoints from before it have none)."""
     saved = read_config(found, config_file)
-    if saved["target"]["name"] != target_name:
-        raise ValueError(f"the checkpoint in {found} belongs to {saved['target']['name']!r}, "
-                         f"not {target_name!r}: use another out_dir, or resume=false to "
-                         "start over")
+    _check_same_target(found, saved["target"], target)
     differing = {k: (saved.get(k), v) for k, v in hyperparameters.items() if saved.get(k) != v}
     if differing:
         described = ", ".join(f"{k}: saved {a}, asked {b}" for k, (a, b) in differing.items())
-        raise ValueError(f"the checkpoint in {found} holds another drafter ({described}): use "
-                         "another out_dir, or resume=false to start over")
+        raise ValueError(f"the checkpoint in {found} holds another drafter ({described}): "
+                         f"{WAYS_OUT}")
+    if (found / RUN_FILE).is_file():
+        run_config = json.loads((found / RUN_FILE).read_text())
+        check_same_run(found, run_config, OmegaConf.to_container(cfg, resolve=True))
+
+
+def _check_same_target(found: Path, saved: Mapping, target: Target) -> None:
+    if saved["name"] != target.name:
+        raise ValueError(f"the checkpoint in {found} belongs to {saved['name']!r}, not "
+                         f"{target.name!r}: {WAYS_OUT}")
+    fingerprint = saved.get("fingerprint")
+    if fingerprint is not None and fingerprint != target.fingerprint():
+        raise ValueError(f"the checkpoint in {found} belongs to another {target.name!r} "
+                         f"({describe_difference(fingerprint, target.fingerprint())}): "
+                         f"{WAYS_OUT}")
+
+
+def check_same_run(found: Path, saved: dict, asked: dict) -> None:
+    """Refuse to resume a run whose training settings differ (NOT_TRAINING_KEYS aside),
+    naming each key with its saved and asked values."""
+    before, now = _training_keys(saved), _training_keys(asked)
+    differing = sorted(key for key in before.keys() | now.keys()
+                       if before.get(key) != now.get(key))
+    if differing:
+        described = "; ".join(f"{key}: saved {before.get(key)!r}, asked {now.get(key)!r}"
+                              for key in differing)
+        raise ValueError(f"the checkpoint in {found} was trained with other settings "
+                         f"({described}); resuming would mix two runs: {WAYS_OUT}")
+
+
+def _training_keys(config: dict, prefix: str = "") -> dict:
+    """A nested config flattened to dotted keys, NOT_TRAINING_KEYS left out."""
+    flat = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if dotted in NOT_TRAINING_KEYS:
+            continue
+        if isinstance(value, dict):
+            flat.update(_training_keys(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
 
 
 def load_checkpoint(found: Path, module: torch.nn.Module, weights_file: str,
                     optimizer: torch.optim.Optimizer, scheduler, peft_model=None) -> int:
-    """Restore a checkpoint into freshly built objects; returns the step it was taken after."""
+    """Restore a checkpoint into freshly built objects; returns the step it was taken after.
+    Strict: missing, unexpected or misshapen tensors are refused, by name."""
     tensors = [*module.parameters(), *module.buffers()]
     device = str(tensors[0].device) if tensors else "cpu"
-    module.load_state_dict(load_file(str(found / weights_file), device=device))
+    module.load_state_dict(load_tensors(found / weights_file, device=device))
     if peft_model is not None:
-        from peft import set_peft_model_state_dict
-
-        adapter = load_file(str(found / ADAPTER_DIR / "adapter_model.safetensors"))
-        set_peft_model_state_dict(peft_model, adapter)
+        _load_adapter(found / ADAPTER_DIR / "adapter_model.safetensors", peft_model)
     return restore_training_state(found, optimizer, scheduler)
+
+
+def _load_adapter(path: Path, peft_model) -> None:
+    """The LoRA adapter's weights into `peft_model`, refusing any it does not take."""
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(peft_model, load_tensors(path))
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if unexpected:
+        raise ValueError(f"{path} holds tensors the adapter has no place for: {unexpected}")
 
 
 def restore_training_state(found: Path, optimizer: torch.optim.Optimizer, scheduler) -> int:
     """Optimizer, schedule and RNG as a checkpoint saved them; returns its step. (The
     weights are the caller's: load_checkpoint, or a recipe whose weights file is another's.)"""
-    state = torch.load(found / STATE_FILE, weights_only=True)  # tensors and plain data only
+    path = found / STATE_FILE
+    try:
+        state = torch.load(path, weights_only=True)  # tensors and plain data only
+    except (RuntimeError, EOFError, OSError) as error:  # torch's errors name no file
+        raise ValueError(f"{path} cannot be read (truncated or corrupt?): {error}; "
+                         f"{WAYS_OUT}") from error
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])

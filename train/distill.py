@@ -17,13 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from train.distributed import DistEnv
 from train.prompts import interleave, load_prompt_files
 from train.schema import DataConfig
-from verify.files import save_tensors_atomically, shard_path
+from verify.files import (
+    load_tensors,
+    read_or_rebuild,
+    remove_orphans,
+    save_tensors_atomically,
+    shard_path,
+)
 from verify.loop import generate_batch
 from verify.protocol import Drafter
 from verify.target import Target, cache_root
@@ -58,22 +63,31 @@ def distill(target: Target, prompts: list[torch.Tensor], max_new_tokens: int, ba
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     folder.mkdir(parents=True, exist_ok=True)
-    todo = [b for b in range(len(batches)) if b % world_size == rank
-            and not shard_path(folder, b).exists()]
-    for b in tqdm(todo, desc="distilling answers", disable=rank != 0 or not todo):
+    remove_orphans(folder)
+
+    def answer_shard(b: int) -> None:
         answers = answer_batch(target, [prompts[i] for i in batches[b]], max_new_tokens,
                                keep_hidden=True)
         _write_shard(shard_path(folder, b), answers)
+
+    todo = [b for b in range(len(batches)) if b % world_size == rank
+            and not shard_path(folder, b).exists()]
+    for b in tqdm(todo, desc="distilling answers", disable=rank != 0 or not todo):
+        answer_shard(b)
     barrier()  # every rank reads every shard
-    return [a for b in range(len(batches)) for a in _read_shard(shard_path(folder, b))]
+    return [a for b in range(len(batches))
+            for a in read_or_rebuild(shard_path(folder, b), _read_shard,
+                                     lambda b=b: answer_shard(b))]
 
 
 def cache_folder(cache_dir: str | None, target: Target, prompts: list[torch.Tensor],
                  max_new_tokens: int, batch_size: int) -> Path:
     """A folder named by everything the answers depend on, so a changed setting never reads
-    another setting's answers."""
+    another setting's answers: the target's fingerprint (weights, dtype, adapter, config; not
+    its name alone), the prompts and the decoding settings."""
     key = hashlib.sha256(json.dumps({
-        "target": target.name, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+        "target": target.fingerprint(), "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
         # states are always kept now; the key still says so, so older caches stay valid
         "keep_hidden": True, "prompts": [p.tolist() for p in prompts],
     }).encode()).hexdigest()[:16]
@@ -115,7 +129,7 @@ def _write_shard(path: Path, answers: list[Answer]) -> None:
 
 
 def _read_shard(path: Path) -> list[Answer]:
-    tensors = load_file(str(path))
+    tensors = load_tensors(path)
     prompts = tensors["prompts"].split(tensors["prompt_lengths"].tolist())
     lengths = tensors["response_lengths"].tolist()
     responses = tensors["responses"].split(lengths)

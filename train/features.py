@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from train.conversations import sharegpt_sequences
@@ -26,7 +25,13 @@ from train.distill import Answer
 from train.distributed import DistEnv
 from train.loop import batch_indices, chunks
 from verify.features import num_layers, resolve_layers, select_features
-from verify.files import save_tensors_atomically, shard_path
+from verify.files import (
+    load_tensors,
+    read_or_rebuild,
+    remove_orphans,
+    save_tensors_atomically,
+    shard_path,
+)
 from verify.target import Target, cache_root
 
 TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
@@ -140,11 +145,14 @@ def extract_features(target: Target, sequences: Sequence[TokenSequence], layers:
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
     batches = _batches([len(sequences[i][0]) for i in order], tokens_per_batch)
     folder.mkdir(parents=True, exist_ok=True)
-    todo = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)
-            if not shard_path(folder, b).exists()}
+    remove_orphans(folder)
+    shards = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)}
+    todo = {b: batch for b, batch in shards.items() if not shard_path(folder, b).exists()}
     if todo:
         _extract(target, layers, todo, folder)
-    found = [s for b in range(len(batches)) for s in _read_shard(shard_path(folder, b))]
+    found = [s for b in shards for s in read_or_rebuild(
+        shard_path(folder, b), _read_shard,
+        lambda b=b: _extract(target, layers, {b: shards[b]}, folder))]
     # found[k] is sequence order[k]: back to the caller's order
     given = [found[k] for k in sorted(range(len(order)), key=order.__getitem__)]
     return FeatureSet(given, layers, folder)
@@ -193,11 +201,12 @@ def prefill_features(model: torch.nn.Module, input_ids: list[torch.Tensor], laye
 
 def feature_folder(cache_dir: str | Path | None, target: Target, layers: tuple[int, ...],
                    sequences: Sequence[TokenSequence], tokens_per_batch: int) -> Path:
-    """A folder named by everything the shards depend on. Token ids and masks are hashed as
-    bytes: a JSON list of a million ids would cost seconds."""
+    """A folder named by everything the shards depend on: the target's fingerprint (weights,
+    dtype, adapter, config), the layers, the batching, every token. Token ids and masks are
+    hashed as bytes: a JSON list of a million ids would cost seconds."""
     digest = hashlib.sha256(json.dumps({
-        "target": target.name, "adapter": target.adapter, "dtype": str(target.model.dtype),
-        "layers": layers, "tokens_per_batch": tokens_per_batch}).encode())
+        "target": target.fingerprint(), "layers": layers,
+        "tokens_per_batch": tokens_per_batch}).encode())
     for ids, mask in sequences:
         digest.update(len(ids).to_bytes(8, "little"))
         digest.update(ids.to(torch.int64).numpy().tobytes())
@@ -232,7 +241,7 @@ def _write_shard(path: Path, sequences: list[SequenceFeatures]) -> None:
 
 def _read_shard(path: Path) -> list[SequenceFeatures]:
     """A shard's sequences, as views into its tensors (no copies)."""
-    tensors = load_file(str(path))
+    tensors = load_tensors(path)
     lengths = tensors["lengths"].tolist()
     parts = (tensors[key].split(lengths) for key in ("input_ids", "loss_mask", "features"))
     return [SequenceFeatures(*fields) for fields in zip(*parts)]

@@ -66,6 +66,10 @@ def autocast(optim: OptimConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+class NonFiniteError(FloatingPointError):
+    """Training met a non-finite loss, gradient or weight."""
+
+
 def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                 make_batch: Callable[[int], dict], start_step: int, optim: OptimConfig,
                 env: DistEnv, logger: Logger, log_every: int,
@@ -75,31 +79,64 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
 
     objective(**batch) -> (loss, counts (K, 3)): per head (Medusa) or unrolled step (EAGLE),
     named `label`, [rows with a target, top-1 hits, top-5 hits], summed over ranks for the
-    metrics. `save(step)` runs every `save_every` steps and after the last.
+    metrics. `save(step)` runs every `save_every` steps and after the last. A batch whose loss
+    or gradient is not finite raises NonFiniteError naming it, before any weight moves
+    (optim.max_nonfinite_skips: skip that many instead); weights that are not finite are never
+    saved, so the last checkpoint stays the last good one.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     metrics: dict[str, float] = {}
-    window = _Window()
+    window, skipped = _Window(), 0
     bar = tqdm(range(start_step, optim.max_steps), initial=start_step, total=optim.max_steps,
                desc="training", disable=not env.is_main)
     for step in bar:
-        batch = make_batch(step)
-        with autocast(optim, env.device):
-            loss, counts = objective(**batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        loss, counts, norm = _forward_backward(objective, make_batch(step), params, optim, env)
+        if math.isfinite(loss) and math.isfinite(norm):
+            optimizer.step()
+            window.add(loss, counts)
+        else:
+            skipped = _skip(step, loss, norm, skipped, optim.max_nonfinite_skips)
+        scheduler.step()  # a skipped step still counts: the schedule is a function of the step
         optimizer.zero_grad(set_to_none=True)
-        window.add(loss.item(), counts.detach().cpu())
         done = step + 1
-        if done % log_every == 0 or done == optim.max_steps:
+        if (done % log_every == 0 or done == optim.max_steps) and window.losses:
             metrics = window.flush(env, scheduler.get_last_lr()[0], label)
             logger.log(metrics, step=done)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics[f'{label}0/top1']:.2f}")
         if done % save_every == 0 or done == optim.max_steps:
+            _check_finite_weights(params, done)
             save(done)
     return metrics
+
+
+def _forward_backward(objective: torch.nn.Module, batch: dict, params: list[torch.Tensor],
+                      optim: OptimConfig, env: DistEnv) -> tuple[float, torch.Tensor, float]:
+    """Loss, counts (K, 3) and the gradient norm before clipping of one batch."""
+    with autocast(optim, env.device):
+        loss, counts = objective(**batch)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+    return loss.item(), counts.detach().cpu(), float(norm)
+
+
+def _skip(step: int, loss: float, norm: float, skipped: int, limit: int) -> int:
+    """Count a skipped non-finite batch; NonFiniteError once past `limit`."""
+    what = (f"loss {loss}, gradient norm {norm} at step {step + 1} (the batch of step index "
+            f"{step}: train.loop.batch_indices(step={step}))")
+    if skipped >= limit:
+        raise NonFiniteError(f"non-finite {what}; training stopped, the last checkpoint holds "
+                             f"the weights before it ({skipped} batch(es) skipped so far, "
+                             f"optim.max_nonfinite_skips={limit} allowed)")
+    print(f"skipping the non-finite {what}: {skipped + 1} of {limit} allowed")
+    return skipped + 1
+
+
+def _check_finite_weights(params: list[torch.Tensor], done: int) -> None:
+    """Refuse to save weights that are not finite over the last good checkpoint."""
+    bad = sum(int(not torch.isfinite(p).all()) for p in params)
+    if bad:
+        raise NonFiniteError(f"{bad} weight tensor(s) are not finite after step {done}: not "
+                             "saved, the last checkpoint stays as it was")
 
 
 class _Window:

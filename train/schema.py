@@ -68,6 +68,9 @@ class OptimConfig:
     batch_tokens: int = 1024  # hidden-state rows per step (Medusa-1)
     batch_sequences: int = 4  # sequences per step (Medusa-2, which runs the target)
     grad_clip: float = 1.0
+    # A batch whose loss or gradient is not finite stops training; up to this many are
+    # skipped instead (counted, each named), for data known to hold a few bad rows.
+    max_nonfinite_skips: int = 0
     autocast_bf16: bool = True  # bf16 matmuls on CPUs with AVX512-BF16 / on GPUs: ~2x
 
 
@@ -110,6 +113,18 @@ class TrainConfig:
     resume: bool = True  # continue from out_dir's checkpoint when there is one
     save_every: int = 100  # steps between checkpoints
     device: str = "auto"  # auto: cuda when available, else cpu
+
+
+def check_settings(cfg) -> None:
+    """Refuse, before anything loads, settings a run cannot mean: ValueError naming the key."""
+    counts = {"optim.max_steps": cfg.optim.max_steps, "save_every": cfg.save_every,
+              "logger.log_every": cfg.logger.log_every}
+    for key, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{key} must be at least 1, got {value}")
+    if cfg.optim.max_nonfinite_skips < 0:
+        raise ValueError(f"optim.max_nonfinite_skips must be >= 0, got "
+                         f"{cfg.optim.max_nonfinite_skips}")
 
 
 def register_configs() -> None:

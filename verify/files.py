@@ -1,19 +1,31 @@
 """Files the project reads and writes: its data root, JSON(-lines), folders replaced atomically.
 
 Everything written here is written whole or not at all: a crash leaves the previous file or
-folder, never half of one (interrupted training runs and extractions resume from them).
+folder, never half of one (interrupted training runs and extractions resume from them). A
+temporary name carries its writer's pid (`.<name>.tmp-<pid>-<random>`), so the next start
+removes what a killed writer left (`remove_orphans`); files and folders get the process's
+umask, as a plain `open` would give them, not mkstemp's private 0600/0700. Reading is strict
+too: a malformed JSON line names its file and line, an unreadable safetensors file its path,
+and a set of tensors that is not the expected one names the tensors (`check_tensors`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The repository's own data/ folder: found from this file, so it holds wherever the clone lives.
 REPO_DATA = Path(__file__).resolve().parents[1] / "data"
@@ -28,9 +40,19 @@ def default_data_root() -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file (blank lines skipped)."""
+    """The rows of a JSON-lines file (blank lines skipped); ValueError naming the file and
+    the line (counted from 1, blank lines included) of a row that is not JSON."""
+    rows = []
     with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({error.msg}, "
+                                 f"column {error.colno})") from None
+    return rows
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -41,11 +63,17 @@ def write_json(path: Path, payload: dict) -> None:
 def write_text(path: Path, text: str) -> None:
     """Write `text` through a temporary file renamed into place; an interrupted write leaves
     the old file and no temporary one."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` (a PNG, a text) as `write_text` does: whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -60,13 +88,61 @@ def shard_path(folder: Path, index: int) -> Path:
 def save_tensors_atomically(tensors: dict, path: Path) -> None:
     """safetensors `tensors` to `path` through a temporary name and a rename: a file on disk
     is always whole, and an interruption (Ctrl-C included) leaves no half file behind."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path))
+    os.close(fd)
     try:
-        save_file(tensors, str(tmp))
+        save_file(tensors, tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+def read_or_rebuild(path: Path, read: Callable[[Path], T], rebuild: Callable[[], None]) -> T:
+    """read(path) of a cached shard; one that cannot be read (cut short by a disk, a copy, a
+    crash outside our atomic writes) is removed, rebuilt once by rebuild() and read again:
+    a corrupt cache heals instead of failing every run."""
+    try:
+        return read(path)
+    except (UnreadableFileError, KeyError) as error:
+        log.warning("cached shard %s is unreadable (%s): removed, rebuilding it", path, error)
+        path.unlink(missing_ok=True)
+    rebuild()
+    return read(path)
+
+
+class UnreadableFileError(ValueError):
+    """A file on disk that cannot be read as what it should be (truncated, corrupt)."""
+
+
+def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file `path` (never a pickle: nothing in it runs);
+    FileNotFoundError or UnreadableFileError naming the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} is missing")
+    try:
+        return load_file(str(path), device=device)
+    except Exception as error:  # safetensors' own errors name no file
+        raise UnreadableFileError(f"{path} cannot be read (truncated or corrupt?): "
+                                  f"{error}") from error
+
+
+def check_tensors(found: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
+                  source: str | Path) -> None:
+    """Refuse tensors from `source` that are not exactly the `expected` names and shapes:
+    ValueError naming the missing, unexpected and misshapen ones (a loader that skipped
+    them would leave random weights in place)."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    misshapen = [f"{name} {tuple(found[name].shape)} (expected {tuple(shape)})"
+                 for name, shape in expected.items()
+                 if name in found and tuple(found[name].shape) != tuple(shape)]
+    problems = [f"{what}: {', '.join(names)}" for what, names in
+                (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshapen))
+                if names]
+    if problems:
+        raise ValueError(f"the tensors in {source} do not fit: {'; '.join(problems)}")
 
 
 def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool = False) -> None:
@@ -79,8 +155,9 @@ def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool 
     falls into that instant.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest), dir=dest.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())
         write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -108,3 +185,49 @@ def readable_folder(dest: Path) -> Path | None:
 
 def _old_copy(dest: Path) -> Path:
     return dest.with_name(f"{dest.name}.old")
+
+
+# `.<name>.tmp-<pid>-<random>`: the writer's pid tells an orphan from a write in progress
+_TEMP_NAME = re.compile(r"^\..+\.tmp-(\d+)-")
+
+
+def _temp_prefix(dest: Path) -> str:
+    return f".{dest.name}.tmp-{os.getpid()}-"
+
+
+def remove_orphans(folder: Path) -> int:
+    """Remove the temporary files and folders in `folder` whose writer (by its pid, on this
+    machine) is dead: a killed extraction may leave a shard of hundreds of MB. Returns how
+    many went."""
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    for entry in folder.iterdir():
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or process_alive(int(match.group(1))):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        log.warning("removed %s, left behind by a writer that died", entry)
+        removed += 1
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (signal 0 checks without signalling)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -358,6 +358,12 @@ def _check_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
     input_ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
     if input_ids.numel() == 0:
         raise ValueError("the prompt is empty: give at least one token")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    outside = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+    if len(outside):
+        raise ValueError(f"token id {int(outside[0])} of the prompt is outside the target's "
+                         f"vocabulary of {vocab} (ids 0..{vocab - 1}): encode prompts with "
+                         "the target's own tokenizer")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     limit = context_window(model)

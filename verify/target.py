@@ -16,7 +16,7 @@ import importlib.util
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,7 +33,8 @@ from transformers import (
 
 import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
 import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
-from verify.files import write_atomically
+from verify.files import remove_orphans, write_atomically
+from verify.fingerprint import model_fingerprint, weights_digest
 from verify.packed import pack_linears, resolve_ladder
 from verify.verifier import context_window
 
@@ -60,6 +61,16 @@ class Target:
     tokenizer: PreTrainedTokenizerBase | None
     name: str
     adapter: str | None = None  # the LoRA adapter folder merged into `model`, if any
+    base_weights: str | None = None  # the weights' digest before `adapter` was merged in
+    _fingerprint: dict | None = field(default=None, repr=False, compare=False)
+
+    def fingerprint(self) -> dict:
+        """What this target is (verify.fingerprint): computed once, on first use; load_target
+        takes it at load, before a Medusa-2 run wraps the model in trainable LoRA layers."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model, self.name, self.adapter,
+                                                  self.base_weights)
+        return self._fingerprint
 
     def encode_prompt(self, text: str) -> torch.LongTensor:
         """Token ids for a single user turn, ready for generation. Returns shape (T,).
@@ -162,6 +173,7 @@ def load_target(
     if device is not None:
         target.model.to(device)
     target.model.eval()
+    target.fingerprint()
     pack_linears(target.model, resolve_ladder(target.model, packed_rows))
     return target
 
@@ -172,8 +184,10 @@ def merge_adapter(target: Target, adapter: str | Path) -> Target:
 
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise FileNotFoundError(f"no LoRA adapter in {adapter} (adapter_config.json missing)")
+    base_weights = weights_digest(target.model)
     merged = PeftModel.from_pretrained(target.model, str(adapter)).merge_and_unload()
-    return Target(merged, target.tokenizer, target.name, adapter=str(adapter))
+    return Target(merged, target.tokenizer, target.name, adapter=str(adapter),
+                  base_weights=base_weights)
 
 
 def load_target_from_config(cfg: Mapping, **overrides) -> Target:
@@ -261,6 +275,7 @@ def _embedded_default(root: Path) -> Path:
     """Folder of the float32 safetensors default model, converting from GGUF on first use."""
     dest = root / "models" / DEFAULT_NAME
     if not dest.is_dir():
+        remove_orphans(dest.parent)  # a killed conversion's half-written folder
         source = embedded_gguf_dir()
         log.info("converting %s to float32 safetensors in %s (once)", DEFAULT_GGUF, dest)
         write_atomically(dest, lambda tmp: _convert_gguf(source, DEFAULT_GGUF, tmp))

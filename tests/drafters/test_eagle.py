@@ -187,7 +187,7 @@ def test_checkpoint_round_trip_and_refusal_for_another_target(tiny, tmp_path):
     target = tiny("llama")
     draft = EagleDraft(target.model, eagle3_layers(2), vocab_ids=torch.arange(10, 200),
                        train_lm_head=True)
-    save_draft(draft, tmp_path / "draft", target.name)
+    save_draft(draft, tmp_path / "draft", target)
     loaded = load_draft(tmp_path / "draft", target)
     inputs, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
     with torch.no_grad():
@@ -201,7 +201,7 @@ def test_checkpoint_round_trip_and_refusal_for_another_target(tiny, tmp_path):
 
 def test_a_trained_checkpoint_decodes_through_build_drafter(tiny, tmp_path, conf):
     target = tiny("gpt2")
-    save_draft(EagleDraft(target.model, (-1,)), tmp_path / "draft", target.name)
+    save_draft(EagleDraft(target.model, (-1,)), tmp_path / "draft", target)
     cfg = OmegaConf.merge(conf("drafter", "eagle"), {"checkpoint": str(tmp_path / "draft")})
     drafter = build_drafter(cfg, conf("tree", "eagle2"), target)
     plain = generate(target.model, PROMPT, 20).tokens
@@ -222,7 +222,7 @@ def test_an_input_ablation_ignores_the_dropped_input_and_round_trips(inputs, tin
         dropped_changed = (draft(feats, other_tokens, positions) if inputs == "features"
                            else draft(other_feats, tokens, positions))
     assert torch.equal(dropped_changed, base) and not torch.allclose(kept_changed, base)
-    save_draft(draft, tmp_path / "draft", target.name)
+    save_draft(draft, tmp_path / "draft", target)
     assert load_draft(tmp_path / "draft", target).inputs == inputs
     plain = generate(target.model, PROMPT, 16).tokens
     drafter = EagleDrafter(draft, TreeTopology.chain(3))

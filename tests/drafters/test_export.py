@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from drafters.eagle import EagleDraft, save_draft
 from drafters.export import (
@@ -33,7 +33,7 @@ def randomize(module, seed=0):
 def test_medusa_heads_round_trip_through_the_vllm_layout(tiny, tmp_path, share, vocab):
     target = tiny("llama")
     heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 3, 2, share, vocab))
-    export_vllm_medusa(heads, tmp_path / "medusa", target.name)
+    export_vllm_medusa(heads, tmp_path / "medusa", target)
     assert medusa_logit_gap(heads, load_vllm_medusa(tmp_path / "medusa", target)) == 0.0
 
 
@@ -43,7 +43,7 @@ def test_the_vllm_medusa_files_compute_what_our_heads_do(tiny, tmp_path):
     target = tiny("llama")
     vocab = torch.arange(0, 256, 2)
     heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 2, False, vocab))
-    export_vllm_medusa(heads, tmp_path / "m", target.name)
+    export_vllm_medusa(heads, tmp_path / "m", target)
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     state = load_file(str(tmp_path / "m" / "model.safetensors"))
     assert config["model_type"] == "medusa" and config["truncated_vocab_size"] == 128
@@ -114,14 +114,58 @@ def test_the_speculators_files_follow_the_eagle3_schema(tiny, tmp_path):
     assert state["t2d"].dtype == torch.bool and state["t2d"].nonzero().flatten().equal(vocab)
 
 
+def forget_origin(folder):
+    """Drop the record of the target an export was made from, as a folder made elsewhere."""
+    config = json.loads((folder / "config.json").read_text())
+    del config["treedraft"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def test_a_speculators_draft_of_another_target_is_refused(tiny, tmp_path):
     llama, other = tiny("llama"), tiny("qwen2")  # same sizes, other weights
     export_speculators_eagle3(eagle3_draft(llama), tmp_path / "s", llama)
+    with pytest.raises(ValueError, match="trained on 'tiny-llama'.*not on 'tiny-qwen2'"):
+        load_speculators_eagle3(tmp_path / "s", other)  # by the fingerprint it records
+    forget_origin(tmp_path / "s")
     with pytest.raises(ValueError, match="token embedding is not"):
         load_speculators_eagle3(tmp_path / "s", other)
     export_speculators_eagle3(eagle3_draft(llama), tmp_path / "bare", llama, embedding=False)
     assert "embed_tokens.weight" not in load_file(str(tmp_path / "bare" / "model.safetensors"))
+    load_speculators_eagle3(tmp_path / "bare", other, allow_other_target=True)  # the user knows
+    forget_origin(tmp_path / "bare")
     load_speculators_eagle3(tmp_path / "bare", other)  # nothing to tell them apart by
+
+
+def test_vllm_medusa_heads_of_another_target_are_refused(tiny, tmp_path):
+    llama, other = tiny("llama"), tiny("qwen2")
+    export_vllm_medusa(MedusaHeads(llama.model.get_output_embeddings(), 2, 1), tmp_path / "m",
+                       llama)
+    with pytest.raises(ValueError, match="trained on 'tiny-llama'.*not on 'tiny-qwen2'"):
+        load_vllm_medusa(tmp_path / "m", other)
+    load_vllm_medusa(tmp_path / "m", other, allow_other_target=True)
+
+
+def drop_and_reshape(path, drop: str, reshape: str | None = None) -> None:
+    state = load_file(str(path))
+    del state[drop]
+    if reshape is not None:
+        state[reshape] = state[reshape][:-1]
+    save_file(state, str(path))
+
+
+def test_exports_with_missing_or_misshapen_weights_are_refused_by_name(tiny, tmp_path):
+    target = tiny("llama")
+    heads = MedusaHeads(target.model.get_output_embeddings(), 2, 2, False, torch.arange(9, 99))
+    export_vllm_medusa(heads, tmp_path / "m", target)
+    drop_and_reshape(tmp_path / "m" / "model.safetensors", "blocks.1.layers.0.weight",
+                     reshape="lm_heads.0.weight")
+    with pytest.raises(ValueError, match=r"missing: blocks\.1\.layers\.0\.weight.*"
+                                         r"wrong shape: lm_heads\.0\.weight \(89, 64\)"):
+        load_vllm_medusa(tmp_path / "m", target)
+    export_speculators_eagle3(eagle3_draft(target), tmp_path / "s", target)
+    drop_and_reshape(tmp_path / "s" / "model.safetensors", "layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"missing: layers\.0\.mlp\.up_proj\.weight"):
+        load_speculators_eagle3(tmp_path / "s", target)
 
 
 def test_what_a_format_cannot_hold_is_refused(tiny, tmp_path):
@@ -129,11 +173,11 @@ def test_what_a_format_cannot_hold_is_refused(tiny, tmp_path):
     fused = EagleDraft(target.model, eagle3_layers(2), layout="fused_input")
     with pytest.raises(ValueError, match="fused_input"):
         export_speculators_eagle3(fused, tmp_path / "x", target)
-    save_draft(eagle3_draft(target), tmp_path / "eagle", target.name)
+    save_draft(eagle3_draft(target), tmp_path / "eagle", target)
     with pytest.raises(ValueError, match="holds no Medusa heads"):
         export(tmp_path / "eagle", "vllm_medusa", tmp_path / "y", target)
     heads = MedusaHeads(target.model.get_output_embeddings(), 2, 1)
-    save_heads(heads, tmp_path / "medusa", target.name)
+    save_heads(heads, tmp_path / "medusa", target)
     with pytest.raises(ValueError, match="holds no EAGLE draft"):
         export(tmp_path / "medusa", "speculators", tmp_path / "z", target)
     with pytest.raises(ValueError, match="unknown format"):
@@ -143,8 +187,8 @@ def test_what_a_format_cannot_hold_is_refused(tiny, tmp_path):
 
 def test_the_export_command_checks_its_own_round_trip(tiny, tmp_path):
     target = tiny("llama")
-    save_draft(eagle3_draft(target, torch.arange(0, 256, 4)), tmp_path / "eagle", target.name)
+    save_draft(eagle3_draft(target, torch.arange(0, 256, 4)), tmp_path / "eagle", target)
     assert export(tmp_path / "eagle", "speculators", tmp_path / "out", target) == 0.0
     heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 1))
-    save_heads(heads, tmp_path / "medusa", target.name)
+    save_heads(heads, tmp_path / "medusa", target)
     assert export(tmp_path / "medusa", "vllm_medusa", tmp_path / "m", target) == 0.0

@@ -12,7 +12,7 @@ from drafters.medusa import MedusaDrafter, MedusaHeads, load_heads, save_heads
 from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams, warp
-from verify.target import Target, build_tiny_model
+from verify.target import Target, build_tiny_model, load_target
 from verify.tree import TreeError, TreeTopology
 
 H, V = 64, 256  # the tiny targets' hidden and vocabulary sizes
@@ -99,10 +99,11 @@ def test_saved_heads_load_with_identical_logits(share, tiny, tmp_path):
     target = tiny("llama")
     heads = _perturbed(MedusaHeads(_lm_head(target), num_heads=3, num_layers=2,
                                    share_lm_head=share))
-    save_heads(heads, tmp_path / "heads", target.name)
+    save_heads(heads, tmp_path / "heads", target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"]  # no temp folder left
     config = json.loads((tmp_path / "heads" / "config.json").read_text())
-    assert config["target"] == {"name": "tiny-llama", "hidden_size": H, "vocab_size": V}
+    assert config["target"] == {"name": "tiny-llama", "hidden_size": H, "vocab_size": V,
+                                "fingerprint": target.fingerprint()}
     loaded = load_heads(tmp_path / "heads", target)
     assert loaded.hyperparameters == heads.hyperparameters
     hidden = torch.randn(4, H)
@@ -111,14 +112,14 @@ def test_saved_heads_load_with_identical_logits(share, tiny, tmp_path):
 
 
 def test_heads_for_another_hidden_size_are_refused(tiny, tmp_path):
-    save_heads(MedusaHeads(nn.Linear(32, V, bias=False), 2, 1), tmp_path / "h32", "small")
-    with pytest.raises(ValueError, match=r"'small' \(hidden_size 32, vocab_size 256\).*"
+    save_heads(MedusaHeads(nn.Linear(32, V, bias=False), 2, 1), tmp_path / "h32", tiny("llama"))
+    with pytest.raises(ValueError, match=r"'tiny-llama' \(hidden_size 32, vocab_size 256\).*"
                                          r"'tiny-llama' \(hidden_size 64, vocab_size 256\)"):
         load_heads(tmp_path / "h32", tiny("llama"))
 
 
 def test_heads_for_another_vocabulary_are_refused(tiny, tmp_path):
-    save_heads(MedusaHeads(_lm_head(tiny("llama")), 2, 1), tmp_path / "heads", "tiny-llama")
+    save_heads(MedusaHeads(_lm_head(tiny("llama")), 2, 1), tmp_path / "heads", tiny("llama"))
     other = Target(build_tiny_model("llama", vocab_size=300), None, "tiny-llama-300")
     with pytest.raises(ValueError, match=r"vocab_size 256\).*vocab_size 300\)"):
         load_heads(tmp_path / "heads", other)
@@ -127,7 +128,7 @@ def test_heads_for_another_vocabulary_are_refused(tiny, tmp_path):
 def test_the_config_builds_heads_or_loads_a_checkpoint(tiny, conf, tmp_path):
     target = tiny("llama")
     heads = _perturbed(MedusaHeads(_lm_head(target), num_heads=3, num_layers=2))
-    save_heads(heads, tmp_path / "heads", target.name)
+    save_heads(heads, tmp_path / "heads", target)
     cfg = {**conf("drafter", "medusa"), "checkpoint": str(tmp_path / "heads")}
     loaded = build_drafter(cfg, {"choices": [[0], [0, 0], [0, 0, 0]]}, target)
     assert loaded.heads.hyperparameters == heads.hyperparameters  # 3 heads, not the config's 4
@@ -230,7 +231,7 @@ def test_a_draft_vocabulary_restricts_proposals_and_saves_with_the_heads(tiny, t
     assert heads.draft_index()[vocab].tolist() == list(range(7))
     assert heads.draft_index()[5] == -1
     assert heads(hidden, num_heads=1).shape == (1, 7)
-    save_heads(heads, tmp_path / "h", target.name)
+    save_heads(heads, tmp_path / "h", target)
     loaded = load_heads(tmp_path / "h", target)
     assert torch.equal(loaded.vocab_ids, vocab) and torch.equal(loaded(hidden), draft)
     drafter = MedusaDrafter(loaded, TreeTopology.from_choices([[0], [1], [2], [0, 0]]))
@@ -279,3 +280,16 @@ def test_generate_batch_drafts_every_medusa_row_in_one_call(tiny, topology):
     assert calls[0] == 3 and len(calls) == max(len(r.steps) for r in results)
     for prompt, result in zip(prompts, results):
         assert torch.equal(result.tokens, generate(target.model, prompt, 20).tokens)
+
+
+def test_heads_of_a_target_with_the_same_sizes_but_another_identity_are_refused(
+        tiny, conf, tmp_path):
+    target = tiny("llama")
+    save_heads(MedusaHeads(_lm_head(target), 2, 1), tmp_path / "heads", target)
+    reseeded = load_target(tiny="llama", seed=1)  # same name and sizes, other weights
+    for other in (tiny("qwen2"), reseeded):
+        with pytest.raises(ValueError, match=r"trained on 'tiny-llama'.*base_weights"):
+            load_heads(tmp_path / "heads", other)
+    cfg = {**conf("drafter", "medusa"), "checkpoint": str(tmp_path / "heads"),
+           "allow_other_target": True}  # a user who knows better
+    assert build_drafter(cfg, {"choices": [[0], [0, 0]]}, reseeded).heads.num_heads == 2

@@ -66,3 +66,10 @@ def test_every_shipped_data_set_keeps_its_license():
     folders = sorted(p for p in REPO_DATA.iterdir() if p.is_dir())
     assert [p.name for p in folders] == ["gsm8k", "self_instruct", "spec_bench", "t0_prompts"]
     assert all((p / "LICENSE").is_file() and any(p.glob("*.jsonl")) for p in folders)
+
+
+def test_an_empty_question_file_is_named(tmp_path):
+    (tmp_path / "spec_bench").mkdir()
+    (tmp_path / "spec_bench" / "question.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="question.jsonl holds no questions"):
+        load_spec_bench(tmp_path)

@@ -9,7 +9,7 @@ from train.distill import Answer, answer_batch, cache_folder, distill
 from train.evaluate import answer_states
 from train.medusa import choose_draft_vocab, head_targets
 from train.prompts import interleave, load_prompt_files
-from verify.target import hf_generate, load_target
+from verify.target import Target, hf_generate, load_target
 from verify.tree import TreeTopology
 
 
@@ -69,6 +69,33 @@ def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypa
     assert calls == [1]  # only the missing shard (the longest prompt) was answered again
     assert all(torch.equal(a.response, b.response) for a, b in zip(first, again))
     assert cache_folder(str(tmp_path), target, PROMPTS, 9, 2) != folder
+
+
+def test_the_answer_cache_is_keyed_on_the_targets_fingerprint_not_its_name(target, tmp_path):
+    folder = cache_folder(str(tmp_path), target, PROMPTS, 8, 2)
+    others = [load_target(tiny="llama", seed=1), load_target(tiny="llama", dtype="bfloat16"),
+              Target(target.model, None, target.name, adapter="some/lora")]
+    assert all(other.name == target.name for other in others)
+    keys = {cache_folder(str(tmp_path), other, PROMPTS, 8, 2) for other in others}
+    assert folder not in keys and len(keys) == len(others)
+
+
+def test_a_corrupt_answer_shard_is_answered_again(target, tmp_path, monkeypatch):
+    folder = cache_folder(str(tmp_path), target, PROMPTS, 8, 2)
+    first = [a.response.clone() for a in distill(target, PROMPTS, 8, batch_size=2,
+                                                 folder=folder)]  # not views of the files
+    shard = sorted(folder.glob("shard-*"))[0]
+    shard.write_bytes(b"not a safetensors file")
+    calls = []
+    real = answer_batch
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[1]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr("train.distill.answer_batch", counting)
+    again = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
+    assert calls == [2]  # the corrupt shard alone, once
+    assert all(torch.equal(a, b.response) for a, b in zip(first, again))
 
 
 def test_head_targets_and_draft_vocabulary():

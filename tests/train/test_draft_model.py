@@ -4,12 +4,14 @@ a reduced vocabulary that is all it proposes, exact greedy and sampled decoding,
 
 import json
 import math
+import re
+import shutil
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import train.features as features_module
@@ -185,10 +187,25 @@ def test_a_loaded_draft_shares_the_targets_token_table(trained):
     model, _ = load_draft_model(run / "checkpoint", target)
     table = target.model.get_input_embeddings().weight
     assert model.get_input_embeddings().weight.data_ptr() == table.data_ptr()
-    other = load_target(tiny="llama", seed=1)  # another table: the draft keeps its own
-    model, _ = load_draft_model(run / "checkpoint", other)
+    other = load_target(tiny="llama", seed=1)  # the same name, other weights: refused ...
+    with pytest.raises(ValueError, match="draft model in .* trained on 'tiny-llama'"):
+        load_draft_model(run / "checkpoint", other)
+    # ... unless the user says so; another table: the draft keeps its own
+    model, _ = load_draft_model(run / "checkpoint", other, allow_other_target=True)
     assert model.get_input_embeddings().weight.data_ptr() != other.model.get_input_embeddings(
     ).weight.data_ptr()
+
+
+def test_a_distilled_draft_with_weights_missing_is_refused_by_name(trained, tmp_path):
+    folder = tmp_path / "draft"
+    shutil.copytree(trained[0] / "checkpoint", folder)
+    state = load_file(str(folder / "model.safetensors"))
+    dropped = next(key for key in state if "layers.0" in key)
+    del state[dropped]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"does not hold its weights whole \(missing: .*"
+                                         rf"{re.escape(dropped.split('.', 1)[1])}"):
+        load_draft_model(folder, load_target(tiny="llama"))
 
 
 def test_a_full_vocabulary_draft_assists_hugging_face_generate(tmp_path):

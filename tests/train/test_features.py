@@ -126,6 +126,32 @@ def test_the_cache_folder_changes_with_anything_the_features_depend_on(target, t
     assert base not in others and len(set(others)) == len(others)
 
 
+def test_a_target_of_the_same_name_with_other_weights_or_dtype_gets_its_own_cache(
+        target, tmp_path):
+    sequences = make_sequences()
+    base = feature_folder(tmp_path, target, (2,), sequences, 24)
+    reseeded = load_target(tiny="llama", seed=1)  # same name, other weights
+    halved = load_target(tiny="llama", dtype="bfloat16")
+    assert reseeded.name == target.name
+    others = [feature_folder(tmp_path, t, (2,), sequences, 24) for t in (reseeded, halved)]
+    assert base not in others and others[0] != others[1]
+
+
+def test_a_corrupt_shard_is_rebuilt_and_a_dead_writers_orphans_removed(
+        target, tmp_path, monkeypatch):
+    sequences = make_sequences()
+    first = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    expected = [s.features.clone() for s in first]  # first's are views of the files
+    shard = first.folder / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])  # cut short, as a full disk or a bad copy leaves it
+    orphan = first.folder / ".shard-00002.safetensors.tmp-999999999-abc"
+    orphan.write_bytes(b"half a shard of a killed extraction")
+    calls = count_forwards(monkeypatch)
+    healed = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
+    assert calls == [2] and not orphan.exists()
+    assert all(torch.equal(a, b.features) for a, b in zip(expected, healed))
+
+
 def test_distilled_answers_become_sequences_with_the_loss_on_the_response():
     answer = Answer(torch.tensor([4, 5, 6]), torch.tensor([7, 8]), None)
     [(input_ids, loss_mask)] = answer_sequences([answer])

@@ -75,6 +75,39 @@ def test_resuming_refuses_other_heads_or_another_target(train_cfg):
         run_training(train_cfg("target=tiny_qwen2"))
 
 
+def test_resuming_refuses_other_training_settings_naming_them_and_the_ways_out(train_cfg):
+    run_training(train_cfg())
+    with pytest.raises(ValueError) as refused:
+        run_training(train_cfg("seed=1", "optim.lr=0.5", "data.num_prompts=8"))
+    message = str(refused.value)
+    for named in ("seed: saved 0, asked 1", "optim.lr: saved ", "asked 0.5",
+                  "data.num_prompts: saved 16, asked 8", "another out_dir", "resume=false"):
+        assert named in message
+    assert "save_every" not in message
+    # how often it saves and logs, and the final evaluation, change nothing trained: resumed
+    run_training(train_cfg("save_every=3", "logger.log_every=1", "eval.num_prompts=1"))
+
+
+def test_a_truncated_checkpoint_file_is_named(train_cfg, tmp_path):
+    run_training(train_cfg())
+    for name in ("heads.safetensors", "train_state.pt"):
+        path = tmp_path / "run" / "checkpoint" / name
+        whole = path.read_bytes()
+        path.write_bytes(whole[:len(whole) // 2])
+        with pytest.raises(ValueError, match=rf"{name} cannot be read"):
+            run_training(train_cfg())
+        path.write_bytes(whole)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("save_every=0", "save_every must be at least 1, got 0"),
+    ("optim.max_steps=0", "optim.max_steps must be at least 1, got 0"),
+])
+def test_settings_a_run_cannot_mean_are_refused_by_name(train_cfg, override, message):
+    with pytest.raises(ValueError, match=message):
+        run_training(train_cfg(override))
+
+
 def test_medusa2_adapter_and_heads_load_together_and_stay_lossless(train_cfg, tmp_path):
     stage1 = run_training(train_cfg(out="stage1"))["checkpoint"]
     with pytest.raises(ValueError, match="init_heads"):

@@ -1,10 +1,26 @@
-"""Files written whole or not at all: atomic folders and their .old fallback."""
+"""Files written whole or not at all: atomic folders and their .old fallback, the umask, orphaned
+temporary files, and strict reads."""
 
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from verify.files import readable_folder, write_atomically
+from verify.files import (
+    UnreadableFileError,
+    check_tensors,
+    load_tensors,
+    read_jsonl,
+    readable_folder,
+    remove_orphans,
+    save_tensors_atomically,
+    write_atomically,
+    write_json,
+)
 
 
 def test_failed_write_leaves_no_partial_folder(tmp_path):
@@ -41,3 +57,62 @@ def test_an_overwrite_replaces_whole_and_a_crash_between_renames_stays_readable(
     dest.rename(tmp_path / "ckpt.old")  # as a crash between the two renames leaves it
     assert readable_folder(dest) == tmp_path / "ckpt.old"
     assert readable_folder(tmp_path / "none") is None
+
+
+@pytest.fixture
+def umask_027():
+    """The process umask set to 027 for a test (a group-readable, world-closed setting)."""
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def test_files_and_folders_get_the_process_umask(tmp_path, umask_027):
+    write_json(tmp_path / "eval.json", {"a": 1})
+    save_tensors_atomically({"x": torch.zeros(2)}, tmp_path / "shard.safetensors")
+    write_atomically(tmp_path / "checkpoint", lambda tmp: (tmp / "a").write_text("w"))
+    assert stat.S_IMODE((tmp_path / "eval.json").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "shard.safetensors").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "checkpoint").stat().st_mode) == 0o750
+
+
+def test_a_malformed_json_line_names_the_file_and_its_line(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": \n')
+    with pytest.raises(ValueError, match=r"q\.jsonl, line 4: not valid JSON"):
+        read_jsonl(path)
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    path = tmp_path / "heads.safetensors"
+    save_tensors_atomically({"x": torch.ones(64)}, path)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(UnreadableFileError, match="heads.safetensors"):
+        load_tensors(path)
+    with pytest.raises(FileNotFoundError, match="none.safetensors"):
+        load_tensors(tmp_path / "none.safetensors")
+
+
+def test_tensors_that_do_not_fit_are_named():
+    found = {"a": torch.zeros(2), "b": torch.zeros(3, 2), "stray": torch.zeros(1)}
+    with pytest.raises(ValueError) as error:
+        check_tensors(found, {"a": (2,), "b": (2, 3), "c": (1,)}, "folder")
+    assert "missing: c" in str(error.value) and "unexpected: stray" in str(error.value)
+    assert "b (3, 2) (expected (2, 3))" in str(error.value)
+    check_tensors({"a": torch.zeros(2)}, {"a": (2,)}, "folder")  # a fit passes
+
+
+def test_orphans_of_a_dead_writer_go_and_a_live_writers_stay(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    orphans = [tmp_path / f".shard-00001.safetensors.tmp-{dead}-x1",
+               tmp_path / f".eval.json.tmp-{dead}-x2"]
+    for orphan in orphans:
+        orphan.write_bytes(b"half")
+    (tmp_path / f".checkpoint.tmp-{dead}-x3").mkdir()
+    ours = tmp_path / f".eval.json.tmp-{os.getpid()}-x4"
+    ours.write_bytes(b"in progress")
+    (tmp_path / "shard-00000.safetensors").write_bytes(b"whole")
+    assert remove_orphans(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ours.name,
+                                                                  "shard-00000.safetensors"])

@@ -121,6 +121,8 @@ def test_sampling_is_reproducible_with_a_seed(model):
     (torch.arange(10), -3, "max_new_tokens must be positive"),
     (torch.zeros(510, dtype=torch.long), 5, "exceeds the model's context window"),
     (torch.zeros(600, dtype=torch.long), 1, "exceeds the model's context window"),
+    (torch.tensor([5, 256, 7]), 5, r"token id 256 of the prompt is outside .* vocabulary of 256"),
+    (torch.tensor([5, -1]), 5, "token id -1 of the prompt is outside"),
 ])
 def test_bad_inputs_are_refused(model, prompt, n, message):
     with pytest.raises(ValueError, match=message):

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 
 from drafters import build_drafter
@@ -54,7 +53,7 @@ from train.features import (
 from train.logger import build_logger, finish_run
 from train.loop import adamw, train_steps
 from verify.features import LAST, num_layers, resolve_layers
-from verify.files import write_json
+from verify.files import load_tensors, write_json
 from verify.target import Target, load_target_from_config
 from verify.tree import TreeTopology
 
@@ -88,7 +87,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     def save(step: int) -> None:
         if env.is_main:
             save_draft_model(draft, vocab, out_dir / CHECKPOINT_DIR, target,
-                             hyperparameters(config), training_state(step, optimizer, scheduler))
+                             hyperparameters(config),
+                             training_state(step, optimizer, scheduler, cfg))
         env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
 
     train_steps(model, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
@@ -110,7 +110,7 @@ def _resume(cfg, out_dir, target, draft, vocab, settings, optimizer, scheduler) 
     found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
     if found is None:
         return 0
-    check_resumable(found, target.name, settings, config_file=INFO_FILE)
+    check_resumable(found, target, settings, cfg, config_file=INFO_FILE)
     saved_vocab = read_vocab(found)
     if (saved_vocab is None) != (vocab is None) or (
             vocab is not None and not torch.equal(saved_vocab, vocab.cpu())):
@@ -125,7 +125,7 @@ def _resume(cfg, out_dir, target, draft, vocab, settings, optimizer, scheduler) 
 def load_weights(folder: Path, draft: torch.nn.Module, vocab: torch.Tensor | None) -> None:
     """The student's weights from a saved folder, its full-size head cut back to `vocab`."""
     device = str(next(draft.parameters()).device)
-    state = load_file(str(folder / "model.safetensors"), device=device)
+    state = load_tensors(folder / "model.safetensors", device=device)
     head_key = head_weight_key(draft)
     if vocab is not None:
         state[head_key] = state[head_key][vocab.to(device)]

@@ -67,8 +67,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
 
     def save(step: int) -> None:
         if env.is_main:
-            save_draft(draft, out_dir / CHECKPOINT_DIR, target.name,
-                       training_state(step, optimizer, scheduler))
+            save_draft(draft, out_dir / CHECKPOINT_DIR, target,
+                       training_state(step, optimizer, scheduler, cfg))
         env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
 
     train_steps(model, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
@@ -83,7 +83,7 @@ def _resume(cfg, out_dir, target, draft, optimizer, scheduler) -> int:
     found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
     if found is None:
         return 0
-    check_resumable(found, target.name, draft.hyperparameters)
+    check_resumable(found, target, draft.hyperparameters, cfg)
     step = load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
     print(f"resuming from {found} after step {step}")
     return step

@@ -91,8 +91,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
 
     def save(step: int) -> None:
         if env.is_main:
-            save_heads(heads, out_dir / CHECKPOINT_DIR, target.name,
-                       training_state(step, optimizer, scheduler, peft_model))
+            save_heads(heads, out_dir / CHECKPOINT_DIR, target,
+                       training_state(step, optimizer, scheduler, cfg, peft_model))
         env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
 
     train_steps(objective, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
@@ -101,7 +101,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         return {}
     if peft_model is not None:
         target = Target(peft_model.merge_and_unload(), target.tokenizer, target.name,
-                        adapter=str(out_dir / CHECKPOINT_DIR / ADAPTER_DIR))
+                        adapter=str(out_dir / CHECKPOINT_DIR / ADAPTER_DIR),
+                        base_weights=target.fingerprint()["base_weights"])
     results = evaluate(cfg, target, heads, heldout, out_dir)
     return finish_run(logger, results, _flat(results))
 
@@ -193,7 +194,7 @@ def _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model) -> in
     found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
     if found is None:
         return 0
-    check_resumable(found, target.name, heads.hyperparameters)
+    check_resumable(found, target, heads.hyperparameters, cfg)
     step = load_checkpoint(found, heads, WEIGHTS_FILE, optimizer, scheduler, peft_model)
     print(f"resuming from {found} after step {step}")
     return step
