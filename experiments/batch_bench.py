@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from drafters import build_drafter
-from experiments.bench import contenders
+from experiments.bench import contenders, forget_memories
 from experiments.common import pick_questions, save_figure, single_thread, write_report
 from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
@@ -68,11 +68,14 @@ def hf_batched(target: Target) -> BatchMethod:
     return run
 
 
-def treedraft_batched(target: Target, drafter: Drafter | None) -> BatchMethod:
-    """This framework's batched loop (drafter None: plain decoding)."""
+def treedraft_batched(target: Target, drafter: Drafter | None,
+                      max_batch_for_speculation: int | None = None) -> BatchMethod:
+    """This framework's batched loop (drafter None: plain decoding), drafting only while at
+    most `max_batch_for_speculation` rows are active (None: always)."""
     def run(prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
         results = generate_batch(target.model, prompts, max_new_tokens, drafter=drafter,
-                                 eos_token_id=target.eos_token_ids)
+                                 eos_token_id=target.eos_token_ids,
+                                 max_batch_for_speculation=max_batch_for_speculation)
         # Every row took part in each step of the row that ran longest: its verify times are
         # the batch's. Each row's draft time is its own (a fork per row) or its share of the
         # batch's (a batch drafter), so the rows' draft times add up either way.
@@ -84,6 +87,8 @@ def treedraft_batched(target: Target, drafter: Drafter | None) -> BatchMethod:
                 "draft_s": sum(r.draft_s for r in results),
                 "verify_s": longest.verify_s,
                 "prefill_s": longest.prefill_s}
+    if hasattr(drafter, "forget"):
+        run.forget = drafter.forget  # a drafter with memory: emptied before each batch size
     return run
 
 
@@ -117,7 +122,8 @@ def build_batch_methods(cfg: DictConfig, target: Target) -> dict[str, BatchMetho
         if contender.rule not in (None, "greedy"):
             raise ValueError(f"{contender.name}: the batch benchmark is greedy only")
         drafter = build_drafter(contender.drafter, contender.tree, target)
-        methods[contender.name] = treedraft_batched(target, drafter)
+        methods[contender.name] = treedraft_batched(target, drafter,
+                                                    cfg.max_batch_for_speculation)
         if cfg.row_by_row and isinstance(drafter, BatchDrafter):
             methods[f"{contender.name} (row by row)"] = treedraft_batched(target,
                                                                          RowByRow(drafter))
@@ -149,6 +155,7 @@ def run_batches(cfg: DictConfig) -> dict:
     records = {b: {} for b in batch_sizes}
     with tqdm(total=len(batch_sizes) * len(prompts), desc="batch bench", unit="prompt") as bar:
         for size in batch_sizes:
+            forget_memories(methods)  # every batch size decodes the same prompts afresh
             for group in (prompts[i:i + size] for i in range(0, len(prompts), size)):
                 for name, run in methods.items():
                     start = time.perf_counter()

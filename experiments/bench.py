@@ -172,8 +172,28 @@ def parse_compare(entry: str) -> Contender:
     _check_keys(entry, parts[0], overrides, set(drafter_cfg) - {"name"}, "")
     _check_keys(entry, parts[1], tree_overrides, set(tree_cfg) - {"name", "choices"}, "tree.")
     name = f"{drafter_cfg.name}/{tree_cfg.name}" + (f" ({label})" if label else "")
-    return Contender(name, OmegaConf.merge(drafter_cfg, overrides),
-                     OmegaConf.merge(tree_cfg, tree_overrides), rule)
+    return Contender(name, _merged(drafter_cfg, overrides),
+                     _merged(tree_cfg, tree_overrides), rule)
+
+
+def _merged(cfg: DictConfig, overrides: DictConfig) -> DictConfig:
+    """`cfg` with `overrides` over it, where a dotted key may index a list:
+    members.1.checkpoint=<path> sets the second member's checkpoint (a hybrid's)."""
+    merged = OmegaConf.create(OmegaConf.to_container(cfg))
+    for key, value in _leaves(OmegaConf.to_container(overrides)):
+        OmegaConf.update(merged, key, value, merge=True)
+    return merged
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, value) of every leaf of a nested dict."""
+    leaves = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            leaves += _leaves(value, f"{prefix}{key}.")
+        else:
+            leaves.append((f"{prefix}{key}", value))
+    return leaves
 
 
 def _check_keys(entry: str, owner: str, overrides: DictConfig, settable: set[str],
@@ -199,7 +219,7 @@ def _conf_file(group: str, name: str) -> DictConfig:
 def _overrides(text: str, entry: str) -> DictConfig:
     """"key=value,..." as a config, values typed as YAML reads them (1, null, /a/path)."""
     items = [item for item in text.split(",") if item]
-    bad = [item for item in items if not re.fullmatch(r"(tree\.)?\w+=.*", item)]
+    bad = [item for item in items if not re.fullmatch(r"(tree\.)?\w+(\.\w+)*=.*", item)]
     if bad:
         raise ValueError(f"compare entry {entry!r}: {bad} not key=value ({COMPARE_FORMAT})")
     return OmegaConf.from_dotlist(items)

@@ -67,3 +67,10 @@ def test_settings_it_cannot_honour_are_refused():
 def test_rows_end_at_their_first_eos():
     assert until_eos([5, 2, 7, 2], [2]) == [5, 2]
     assert until_eos([5, 6], [2]) == [5, 6]
+
+
+def test_batches_wider_than_the_speculation_limit_decode_plainly():
+    summary = run_batches(batch_config("batch_sizes=[1,4]", "max_batch_for_speculation=2"))
+    drafted = {size: methods["draft_model/chain4"] for size, methods in summary["sizes"].items()}
+    assert drafted[1]["tau"] > 1.0  # one row: drafts are verified and some accepted
+    assert drafted[4]["identical"] == 1.0 and drafted[4]["tau"] < drafted[1]["tau"]

@@ -379,3 +379,13 @@ def test_tree_sizes_and_proposers_are_reported():
     assert hybrid["mean_tree_size"] == 3.0
     assert "| hybrid | 3.00 | 2: 50%, 3: 25%, 5: 25% | suffix 25%, eagle 75% |" in \
         format_tables(summarise(records, "base"))
+
+
+def test_a_compare_entry_sets_a_hybrid_members_key_by_its_index():
+    contender = parse_compare("hybrid:suffix:policy=merge,members.1.checkpoint=/runs/a:b,"
+                              "label=merged")
+    assert contender.name == "hybrid/suffix (merged)" and contender.drafter.policy == "merge"
+    assert contender.drafter.members[1].checkpoint == "/runs/a:b"
+    assert contender.drafter.members[1].tree.total_tokens == 2  # the rest of it kept
+    with pytest.raises(ValueError, match=r"hybrid cannot set \['member'\]"):
+        parse_compare("hybrid:suffix:member.1.checkpoint=/x")
