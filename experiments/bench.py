@@ -42,6 +42,7 @@ from experiments.bench_report import (
     method_table,
     plot_speedups,
     summarise,
+    write_tables,
 )
 from experiments.common import CONF_DIR, pick_questions, write_report
 from train.logger import build_logger
@@ -374,7 +375,7 @@ def main(cfg: DictConfig) -> None:
     summary = run_benchmark(cfg)
     print(format_tables(summary))  # before any file: a failed write loses no measurement
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)
-    print(f"\nJSON: {path}")
+    print(f"\nJSON: {path}\ntables: {write_tables(path)}")
     plot = plot_speedups(summary, Path(cfg.out_dir) / f"{stem}.png") if cfg.plot else None
     if plot:
         print(f"plot: {plot}")
