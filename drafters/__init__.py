@@ -4,7 +4,8 @@ A new drafter is one module here with a `from_config(cfg, tree, target)` builder
 in DRAFTERS, one YAML in conf/drafter/, and one row in tests/drafters/test_drafter_table.py.
 The drafter owns its tree policy: `tree` is a static TreeTopology (conf/tree with `choices`)
 or EAGLE-2's DynamicTree (conf/tree with `depth`, `top_k`, `total_tokens`); a drafter that
-cannot grow a dynamic tree refuses one with a TreeError.
+cannot grow a dynamic tree refuses one with a TreeError. A combinator (COMBINATORS: hybrid)
+builds its member drafters through `build_drafter` itself.
 """
 
 from __future__ import annotations

@@ -151,7 +151,6 @@ class SuffixDrafter:
             other = self.speculate(self.memory.trie, context)
             if other.expected > best.expected:
                 best = other
-        self.last = best
         return best.tree
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:

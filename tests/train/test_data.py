@@ -54,10 +54,8 @@ def test_answers_are_cut_after_eos(target):
     assert torch.equal(cut.response, answer.response[:first + 1]) and len(cut.hidden) == first + 1
 
 
-def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypatch):
-    folder = cache_folder(str(tmp_path), target, PROMPTS, 8, 2)
-    first = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
-    (sorted(folder.glob("shard-*"))[-1]).unlink()  # as if interrupted before the last shard
+def count_answered(monkeypatch) -> list[int]:
+    """The prompts answer_batch is asked to answer, call by call, from now on."""
     calls = []
     real = answer_batch
 
@@ -65,6 +63,14 @@ def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypa
         calls.append(len(args[1]))
         return real(*args, **kwargs)
     monkeypatch.setattr("train.distill.answer_batch", counting)
+    return calls
+
+
+def test_the_shard_cache_answers_only_what_is_missing(target, tmp_path, monkeypatch):
+    folder = cache_folder(str(tmp_path), target, PROMPTS, 8, 2)
+    first = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
+    (sorted(folder.glob("shard-*"))[-1]).unlink()  # as if interrupted before the last shard
+    calls = count_answered(monkeypatch)
     again = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
     assert calls == [1]  # only the missing shard (the longest prompt) was answered again
     assert all(torch.equal(a.response, b.response) for a, b in zip(first, again))
@@ -86,13 +92,7 @@ def test_a_corrupt_answer_shard_is_answered_again(target, tmp_path, monkeypatch)
                                                  folder=folder)]  # not views of the files
     shard = sorted(folder.glob("shard-*"))[0]
     shard.write_bytes(b"not a safetensors file")
-    calls = []
-    real = answer_batch
-
-    def counting(*args, **kwargs):
-        calls.append(len(args[1]))
-        return real(*args, **kwargs)
-    monkeypatch.setattr("train.distill.answer_batch", counting)
+    calls = count_answered(monkeypatch)
     again = distill(target, PROMPTS, 8, batch_size=2, folder=folder)
     assert calls == [2]  # the corrupt shard alone, once
     assert all(torch.equal(a, b.response) for a, b in zip(first, again))
