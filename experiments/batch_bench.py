@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from drafters import build_drafter
 from experiments.bench import contenders, forget_memories
+from experiments.bench_report import write_tables
 from experiments.common import pick_questions, save_figure, single_thread, write_report
 from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
@@ -243,7 +244,7 @@ def main(cfg: DictConfig) -> None:
     print(format_table(summary))  # before any file: a failed write loses no measurement
     stem = f"{cfg.target.name}-" + "+".join(c.name.replace("/", "-") for c in contenders(cfg))
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)
-    print(f"\nJSON: {path}")
+    print(f"\nJSON: {path}\ntables: {write_tables(path)}")
     if cfg.plot:
         print(f"plot: {plot(summary, Path(cfg.out_dir) / f'{stem}.png')}")
 
