@@ -112,6 +112,9 @@ def step_cost(cfg: Mapping | None) -> StepCost | None:
         return StepCost({int(n): float(t) for n, t in dict(cfg["t_ms"]).items()}, draft_ms)
     if cfg.get("file"):
         return StepCost.from_file(cfg["file"], draft_ms)
+    if cfg.get("measure"):
+        raise ValueError("cost.measure needs the target to time: resolve it with "
+                         "measured_cost(tree_cfg, model) first (drafters.build_drafter does)")
     raise ValueError(f"tree cost {dict(cfg)} needs t_ms ({{n: ms}}), file (a tree_search "
                      "JSON of this machine) or measure: true")
 

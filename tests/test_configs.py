@@ -10,9 +10,10 @@ from omegaconf import OmegaConf
 
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters import tree_policy
+from drafters.adaptive import measured_cost
 from experiments.bench import contenders, parse_compare, report_stem
 from experiments.common import CONF_DIR
-from verify.target import load_target_from_config
+from verify.target import load_target, load_target_from_config
 from verify.tree import TreeTopology
 
 GROUPS = {group: sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
@@ -61,7 +62,8 @@ def test_every_group_option_composes_with_every_command_using_it(command, group,
 @pytest.mark.parametrize("tree", GROUPS["tree"])
 def test_tree_configs_are_valid_tree_policies(tree):
     cfg = compose_with("bench", f"tree={tree}")
-    policy = tree_policy(cfg.tree)
+    # a cost measured on the target (tree=adaptive) needs one: the tiny Llama here
+    policy = tree_policy(measured_cost(cfg.tree, load_target(tiny="llama").model))
     if isinstance(policy, TreeTopology):
         assert policy.size - 1 == len(cfg.tree.choices)
     else:

@@ -80,7 +80,7 @@ T1 = ["distribution.top_p=1.0"]
 TOP_P_BATCHED = ["distribution.top_p=0.9", "distribution.batch_size=8"]
 # suffix decoding, its hybrid with EAGLE (both policies) and cost-sized trees, at T = 1 and
 # with top_p in batches; the hybrid's suffix member drafts from earlier samples too (its
-# memory): still exact. Each case takes 20-40 s: CI runs three, the rest are marked slow.
+# memory): still exact. Each case takes 20-75 s: CI runs two, the rest are marked slow.
 NEW_DRAFTERS = {
     "suffix": ("suffix", ["tree=suffix", *T1]),
     "hybrid-merge-top_p-batched": ("hybrid", ["tree=suffix", "drafter.policy=merge",
@@ -90,7 +90,7 @@ NEW_DRAFTERS = {
                                                  *TOP_P_BATCHED]),
     "hybrid-pick": ("hybrid", ["tree=suffix", "drafter.threshold=0.5", *T1]),
 }
-SLOW_CASES = {"suffix-adaptive-top_p-batched", "hybrid-pick"}
+SLOW_CASES = {"suffix-adaptive-top_p-batched", "hybrid-pick", "eagle-adaptive"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
