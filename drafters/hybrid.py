@@ -56,7 +56,7 @@ class HybridConfig:
 class _Member:
     """A member drafter, its name, and the target features it has not seen yet."""
 
-    def __init__(self, name: str, drafter: Drafter, columns: slice | None):
+    def __init__(self, name: str, drafter: Drafter, columns: torch.Tensor | None):
         self.name, self.drafter, self.columns = name, drafter, columns
         self.pending: list[torch.Tensor] = []
         self.tree: TokenTree | None = None  # what it proposed this step, if it ran
@@ -88,12 +88,13 @@ class HybridDrafter:
         self.proposed: Counter = Counter()  # member name (or "merged") -> steps, a running count
 
     def set_hidden_size(self, hidden: int) -> None:
-        """Where each member's features lie among the union's (F * hidden columns)."""
+        """Which of the union's F * hidden feature columns each member reads, in its own
+        layer order."""
         for member in self.members:
-            layers = member.drafter.feature_layers
-            if layers:
-                start = self.feature_layers.index(layers[0]) * hidden
-                member.columns = slice(start, start + len(layers) * hidden)
+            blocks = [self.feature_layers.index(layer) for layer in member.drafter.feature_layers]
+            if blocks:
+                member.columns = torch.cat([torch.arange(b * hidden, (b + 1) * hidden)
+                                            for b in blocks])
 
     def begin(self, prompt: torch.Tensor) -> None:
         for member in self.members:
@@ -134,7 +135,7 @@ class HybridDrafter:
             return
         for member in self.members:
             if member.columns is not None:
-                member.pending.append(features[:, member.columns])
+                member.pending.append(features[:, member.columns.to(features.device)])
 
     def _run(self, member: _Member, ctx: DraftContext) -> TokenTree:
         member.tree = member.drafter.propose(member.context(ctx))

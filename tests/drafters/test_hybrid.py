@@ -91,6 +91,19 @@ def test_pick_takes_the_first_confident_member_and_skips_the_rest():
     assert sure.updates[0][1] == [0]  # it ran, and its tree had no 5: nothing accepted
 
 
+def test_each_member_reads_its_own_layers_in_its_own_order():
+    a = Fixed(scored([1, 2], [-1, 0], [1.0, 0.9]), layers=(1, 14, 26))
+    b = Fixed(scored([1, 2], [-1, 0], [1.0, 0.9]), layers=(-1, 26))
+    hybrid = HybridDrafter([("a", a), ("b", b)], None, HybridConfig(policy="merge"))
+    hybrid.set_hidden_size(2)
+    assert hybrid.feature_layers == (1, 14, 26, -1)
+    hybrid.begin(torch.tensor([1]))
+    features = torch.arange(8.0)[None]  # layer 1: 0 1, 14: 2 3, 26: 4 5, -1: 6 7
+    hybrid.propose(DraftContext(torch.tensor([1]), features, GREEDY))
+    assert a.seen[0].tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert b.seen[0].tolist() == [[6, 7, 4, 5]]
+
+
 def test_policies_and_members_are_checked():
     member = Fixed(scored([1], [-1]))
     with pytest.raises(ValueError, match="at least two members"):
