@@ -14,8 +14,9 @@ No model and no weights; children are chosen deterministically (draft_probs None
 proposals), so greedy and sampled decoding stay exact.
 
 Memory and fairness: a request's output joins the shared trie only when the next request
-begins, so no request ever drafts from its own answer; `forget()` empties the shared trie
-(a benchmark calls it between repeats), and `warm` / `load_memory` fill it from other text.
+begins, so no request ever drafts from its own answer; `forget()` takes the shared trie back
+to what it was warmed with (a benchmark calls it between repeats); `warm_from` and
+`memory_file` warm it from other text.
 """
 
 from __future__ import annotations
@@ -65,11 +66,14 @@ class Speculation:
 
 
 class SuffixMemory:
-    """The shared trie over earlier outputs, with its documents (to save, reload, forget)."""
+    """The shared trie over earlier outputs, with its documents (to save, reload, forget).
+    The documents it was warmed with (`mark_warm`) survive `forget`: only what it learned
+    from outputs since is dropped."""
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
         self.documents: list[list[int]] = []
+        self.warm_count = 0  # the first documents are the warm start
         self.trie = SuffixTrie(max_depth)
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -77,9 +81,16 @@ class SuffixMemory:
             self.documents.append([int(t) for t in tokens])
             self.trie.add_document(tokens)
 
+    def mark_warm(self) -> None:
+        """Keep every document so far (a warm start) through `forget`."""
+        self.warm_count = len(self.documents)
+
     def forget(self) -> None:
-        self.documents = []
+        """Back to the warm start: outputs learned since are dropped."""
+        warm, self.documents = self.documents[:self.warm_count], []
         self.trie = SuffixTrie(self.max_depth)
+        for document in warm:
+            self.add(document)
 
     def save(self, path: str | Path, vocab_size: int) -> None:
         """Write the documents as JSON (atomically), naming the vocabulary they index."""
@@ -163,7 +174,8 @@ class SuffixDrafter:
         return twin
 
     def forget(self) -> None:
-        """Empty the shared trie and every open request (a benchmark's repeats start clean)."""
+        """Take the shared trie back to its warm start and drop every open request (a
+        benchmark's repeats start alike)."""
         self.memory.forget()
         self._open.clear()
         self.request = None
@@ -246,4 +258,5 @@ def from_config(cfg: Mapping, tree: DynamicTree, target: Target) -> SuffixDrafte
     if config.warm_from:
         for text in warm_texts(config.warm_from):
             drafter.memory.add(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+    drafter.memory.mark_warm()
     return drafter

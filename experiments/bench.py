@@ -124,7 +124,7 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
                                      for name, count in proposed.items()}
         return record
     if hasattr(drafter, "forget"):
-        run.forget = drafter.forget  # a drafter with memory: time_methods empties it
+        run.forget = drafter.forget  # a drafter with memory: time_methods resets it
     return run
 
 
@@ -301,7 +301,8 @@ class Prompt(NamedTuple):
     ids: torch.Tensor  # (T,) token ids
 
 
-MEMORY_PROTOCOL = ("drafters with memory start every repeat empty (after the warm-up too); "
+MEMORY_PROTOCOL = ("drafters with memory start every repeat (and the first after the warm-up) "
+                   "with their warm start only, empty without one; "
                    "within a repeat, prompt i drafts from the outputs of prompts 0..i-1 only: "
                    "an output joins the memory when the next prompt begins")
 

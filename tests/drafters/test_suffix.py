@@ -190,3 +190,12 @@ def test_a_suffix_drafter_warms_from_a_file_through_the_target_tokenizer(tmp_pat
     drafter = from_config({"name": "suffix", "warm_from": str(path)}, DynamicTree(4, 2, 8),
                           Target())
     assert drafter.memory.documents == [[5, 6, 7, 8]]
+    drafter.begin(torch.tensor([1]))
+    drafter.propose(context([1, 9, 10, 11]))
+    drafter.begin(torch.tensor([2]))
+    assert drafter.memory.documents == [[5, 6, 7, 8], [9, 10, 11]]
+    drafter.forget()  # a benchmark's next repeat: the warm start stays, the outputs go
+    assert drafter.memory.documents == [[5, 6, 7, 8]]
+    assert drafter.memory.trie.counts == from_config(
+        {"name": "suffix", "warm_from": str(path)}, DynamicTree(4, 2, 8), Target()
+    ).memory.trie.counts

@@ -359,7 +359,7 @@ def test_a_repeated_prompt_never_drafts_from_its_own_earlier_answer():
 
 def test_the_report_says_how_a_memory_was_warmed():
     summary = run_benchmark(suffix_bench_config())
-    assert "start every repeat empty" in summary["memory"]
+    assert "with their warm start only, empty without one" in summary["memory"]
     assert "Memory: drafters with memory" in format_tables(summary)
     assert summary["methods"]["suffix/suffix"]["identical"] == 1.0
     assert "memory" not in run_benchmark(bench_config("num_prompts=1", "max_new_tokens=4",
