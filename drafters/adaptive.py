@@ -16,7 +16,6 @@ convex here (t(2) > t(4) on one run), and a marginal rule would stop at such a b
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from verify.costs import measure_verify_cost
+from verify.costs import load_costs, measure_verify_cost
 from verify.tree import TokenTree, TreeError
 from verify.verifier import context_window
 
@@ -63,20 +62,8 @@ class StepCost:
 
     @staticmethod
     def from_file(path: str | Path, draft_ms: float = 0.0) -> StepCost:
-        """t(n) from an experiments.tree_search JSON (rows with n and t_s) or a profile JSON
-        (rows with n and ms)."""
-        try:
-            rows = json.loads(Path(path).read_text()).get("rows")
-        except (OSError, ValueError) as error:
-            raise ValueError(f"cannot read step costs from {path}: {error}") from error
-        if not isinstance(rows, list) or not rows:
-            raise ValueError(f"{path} holds no rows of measured step costs")
-        try:
-            t_ms = {int(r["n"]): float(r["t_s"]) * 1e3 if "t_s" in r else float(r["ms"])
-                    for r in rows}
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{path}: every row needs n and t_s (or ms): {error}") from error
-        return StepCost(t_ms, draft_ms)
+        """t(n) from an experiments.tree_search JSON of this machine (verify.costs.load_costs)."""
+        return StepCost({n: seconds * 1e3 for n, seconds in load_costs(path).items()}, draft_ms)
 
 
 MEASURED_SIZES = (1, 2, 4, 8, 16, 32)
@@ -103,7 +90,7 @@ def _context(model: PreTrainedModel) -> int:
 
 def step_cost(cfg: Mapping | None) -> StepCost | None:
     """A StepCost from a tree config's `cost` mapping: `t_ms` ({n: ms}) or `file` (a saved
-    tree_search / profile JSON), and `draft_ms`; None when the config has no cost (`measure`
+    tree_search JSON), and `draft_ms`; None when the config has no cost (`measure`
     is resolved first by `measured_cost`)."""
     if not cfg:
         return None

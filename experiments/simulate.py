@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 
 from experiments.common import read_json_file, save_figure, write_report
 from experiments.stats import leviathan_expected_tokens
+from verify.costs import load_costs
 
 CHAIN_METHOD = re.compile(r"/chain(\d+)\b")
 
@@ -57,18 +58,6 @@ def optimal_gamma(alpha: float, t_draft: float, cost: dict[int, float]) -> int:
 def constant_cost(t1: float, gammas: Sequence[int]) -> dict[int, float]:
     """The paper's assumption: verifying n tokens costs what one does."""
     return {n: t1 for n in {1, *(g + 1 for g in gammas)}}
-
-
-def load_costs(path: str | Path) -> dict[int, float]:
-    """{n: seconds} from an experiments.tree_search JSON (rows with n and t_s)."""
-    rows = read_json_file(path, "costs").get("rows")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and {"n", "t_s"} <= set(r)
-                                             for r in rows):
-        raise ValueError(f"{path} holds no experiments.tree_search rows (n, t_s)")
-    cost = {int(r["n"]): float(r["t_s"]) for r in rows}
-    if 1 not in cost:
-        raise ValueError(f"{path} has no t(1), the plain step every speedup divides by")
-    return cost
 
 
 def load_bench(path: str | Path) -> dict:

@@ -1,14 +1,16 @@
 """The target's measured step cost t(n): one verification step of n tree tokens, timed.
 
 Every cost-aware choice reads it: tree_search's offline budget, the per-step adaptive tree
-(drafters.adaptive), the context sweep and the profile.
+(drafters.adaptive), the speed model (experiments.simulate), the context sweep and the profile.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -57,3 +59,20 @@ def time_step(verifier: TreeVerifier, tree: TokenTree) -> float:
     # Keeping no node drops the tree's keys/values: every step sees the same context.
     verifier.commit([])
     return seconds
+
+
+def load_costs(path: str | Path) -> dict[int, float]:
+    """{n: seconds} from an experiments.tree_search JSON (rows with n and t_s)."""
+    if not Path(path).is_file():
+        raise ValueError(f"costs file {path} does not exist")
+    try:
+        rows = json.loads(Path(path).read_text()).get("rows")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"costs file {path} is not a readable JSON object: {error}") from error
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and {"n", "t_s"} <= set(r)
+                                             for r in rows):
+        raise ValueError(f"{path} holds no experiments.tree_search rows (n, t_s)")
+    cost = {int(r["n"]): float(r["t_s"]) for r in rows}
+    if 1 not in cost:
+        raise ValueError(f"{path} has no t(1), the plain step every speedup divides by")
+    return cost
