@@ -180,8 +180,9 @@ def _tree_rows(methods: dict) -> list[str]:
     lines = ["", "| method | mean tree size | commonest sizes (share of steps) | proposed by |",
              "|---|---|---|---|"]
     for name, m in drafting.items():
-        sizes = sorted(m["tree_size_histogram"].items(), key=lambda kv: -kv[1])[:4]
-        common = ", ".join(f"{n}: {share:.0%}" for n, share in sizes)
+        # benchmarks saved before the histogram was recorded show the mean alone
+        sizes = sorted(m.get("tree_size_histogram", {}).items(), key=lambda kv: -kv[1])[:4]
+        common = ", ".join(f"{n}: {share:.0%}" for n, share in sizes) or "-"
         who = ", ".join(f"{k} {v:.0%}" for k, v in m.get("proposed_by", {}).items()) or "-"
         lines.append(f"| {name} | {m['mean_tree_size']:.2f} | {common} | {who} |")
     return lines

@@ -293,21 +293,33 @@ def format_products(products: list[dict]) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    columns = ["inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy",
-               "accept_sampling", "commit", "loop", "forward", "step_greedy", "verify"]
+    # Profiles saved before `variant` and `verify` were recorded name the variant by its
+    # attention implementation and total the step as step_greedy.
+    total = "verify" if "verify" in rows[0] else "step_greedy"
+    columns = [c for c in ("inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy",
+                           "accept_sampling", "commit", "loop", "forward", "step_greedy",
+                           "verify") if c in rows[0]]
     lines = ["| variant | n | " + " | ".join(columns) + " | t(n) / t(1) |",
              "|---" * (len(columns) + 3) + "|"]
-    one = {r["variant"]: r["verify"] for r in rows if r["n"] == 1}
-    base = rows[0]["verify"]  # the first variant's one-token step: every ratio's denominator
+    one = {_variant(r): r[total] for r in rows if r["n"] == 1}
+    base = rows[0][total]  # the first variant's one-token step: every ratio's denominator
     for r in rows:
         cells = " | ".join(f"{r[c]:.2f}" for c in columns)
-        lines.append(f"| {r['variant']} | {r['n']} | {cells} | {r['verify'] / base:.2f} |")
+        lines.append(f"| {_variant(r)} | {r['n']} | {cells} | {r[total] / base:.2f} |")
     note = ("All in ms, medians; the step total counts greedy acceptance. verify: the whole "
             "`TreeVerifier.verify` call timed without the parts' hooks (t(n)); t(n) / t(1) "
             "divides by the first variant's t(1)")
+    if total != "verify":
+        note = ("All in ms, medians; the step total counts greedy acceptance. t(n) / t(1) "
+                "divides step_greedy by the first variant's (this profile predates the "
+                "separately timed verify call)")
     if len(one) > 1:
         note += " (" + ", ".join(f"{v}: t(1) {t:.2f}" for v, t in one.items()) + ")"
     return "\n".join(lines) + "\n\n" + note + "."
+
+
+def _variant(row: dict) -> str:
+    return row.get("variant", row.get("attn_implementation", "-"))
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -117,7 +117,7 @@ def format_table(rows: list[dict], x: str, series: str | None) -> str:
     depths = max(len(r["top1"]) for r in rows)
     label = rows[0]["label"]
     extras = [(key, title, fmt) for key, title, fmt in OPTIONAL_COLUMNS
-              if all(r[key] is not None for r in rows)]
+              if all(r.get(key) is not None for r in rows)]
     head = ([series] if series else []) + [x, "steps"] + [
         f"top-1 {label} {d + 1}" for d in range(depths)] + ["tau", "identical"] + [
         title for _, title, _ in extras]

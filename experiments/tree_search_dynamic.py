@@ -200,7 +200,7 @@ def format_budget_table(rows: list[dict]) -> str:
     for r in rows:
         note = "plain decoding" if r["total_tokens"] == 0 else ("**chosen**" if r["chosen"]
                                                                   else "")
-        shape = " | ".join("-" if r[key] is None else str(r[key]) for key in ("depth", "top_k"))
+        shape = " | ".join("-" if r.get(key) is None else str(r[key]) for key in ("depth", "top_k"))
         lines.append(f"| {shape} | {r['total_tokens']} | {1000 * r['t_s']:.1f} | "
                      f"{1000 * r['draft_s_per_step']:.1f} | {r['tau']:.3f} | "
                      f"{r['mean_tree_size']:.1f} | {r['predicted_tokens_per_s']:.1f} | "

@@ -1,0 +1,75 @@
+"""Results pages: generated from saved JSON, so no figure on them is typed by hand."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments.results import KINDS, generate, kind_of, render_page, render_table, stale_pages
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORTS = ROOT / "experiments" / "reports"
+RESULTS = ROOT / "docs" / "results"
+
+
+def test_the_committed_pages_are_what_the_saved_json_gives():
+    """Every page in docs/results/ regenerates from its source and experiments/reports/ as it
+    is committed: a hand edit of a table, or a formatter that changed, fails here."""
+    pages = generate(RESULTS / "src", REPORTS, RESULTS)
+    assert len(pages) > 1
+    stale = stale_pages(pages)
+    assert not stale, f"stale pages {stale}: run python -m experiments.results"
+
+
+def test_every_committed_page_is_generated_from_a_source():
+    committed = {p.name for p in RESULTS.glob("*.md")}
+    sources = {p.name for p in (RESULTS / "src").glob("*.md")} | {"README.md"}
+    assert committed == sources
+
+
+@pytest.mark.parametrize("path", sorted(REPORTS.rglob("*.json")), ids=lambda p: p.stem[:40])
+def test_every_saved_report_renders(path):
+    """Each saved JSON, old ones included, renders with the formatter of the command that wrote
+    it: a formatter that stops reading older reports fails here, not on a results page."""
+    table = render_table(path, "x.json")
+    assert table.count("|") > 4 and "written by `experiments." in table
+
+
+def _report(folder: Path, name: str, rows: list[dict]) -> Path:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": {}, "rows": rows}))
+    return path
+
+
+def test_a_directive_becomes_the_table_the_command_prints(tmp_path):
+    from experiments.simulate import format_table
+
+    rows = [{"alpha": 0.7, "gamma": 3, "expected_tokens": 2.5, "t_draft_ms": 1.0,
+             "t_verify_ms": 40.0, "predicted_speedup": 1.8, "optimal_gamma": 4}]
+    _report(tmp_path / "reports", "sim/a.json", rows)
+    (tmp_path / "reports" / "sim" / "a.png").write_bytes(b"png")
+    source = tmp_path / "src" / "page.md"
+    source.parent.mkdir()
+    source.write_text("# Page\n\nProse.\n\n<!-- table: sim/*.json -->\n<!-- plot: sim/a.png -->\n")
+    page = render_page(source, tmp_path / "reports", tmp_path)
+    assert format_table(rows) in page
+    assert "(reports/sim/a.json), written by `experiments.simulate`" in page
+    assert "![a](reports/sim/a.png)" in page and "Prose." in page
+
+
+@pytest.mark.parametrize("pattern, error", [("none/*.json", "matches none"),
+                                            ("two/*.json", "matches two/a.json, two/b.json")])
+def test_a_directive_must_name_one_file(tmp_path, pattern, error):
+    for name in ("two/a.json", "two/b.json"):
+        _report(tmp_path / "reports", name, [{"check": "x"}])
+    source = tmp_path / "page.md"
+    source.write_text(f"# Page\n\n<!-- table: {pattern} -->\n")
+    with pytest.raises(ValueError, match=error):
+        render_page(source, tmp_path / "reports", tmp_path)
+
+
+def test_a_report_of_no_known_command_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no known command"):
+        kind_of({"rows": [{"mystery": 1}]}, tmp_path / "x.json")
+    assert len({k.command for k in KINDS}) == len(KINDS)
