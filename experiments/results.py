@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import hydra
 from omegaconf import DictConfig
@@ -165,7 +166,7 @@ def render_page(source: Path, reports: Path, out_dir: Path) -> str:
         what, pattern = directive.groups()
         try:
             path = find_one(reports, pattern, source)
-            link = _relative(path, out_dir)
+            link = quote(_relative(path, out_dir), safe="/+")  # spaces, parentheses
             out.append(render_table(path, link) if what == "table"
                        else f"![{path.stem}]({link})")
         except (ValueError, KeyError, TypeError) as error:
