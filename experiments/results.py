@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
+from urllib.parse import quote
 
 import hydra
 from omegaconf import DictConfig
@@ -153,7 +154,7 @@ def render_page(source: Path, reports: Path, out_dir: Path, header: bool = True)
         pattern, _, methods = argument.partition("::")
         try:
             path = find_one(reports, pattern.strip(), source)
-            link = _relative(path, out_dir)
+            link = quote(_relative(path, out_dir), safe="/+")  # spaces, parentheses
             if what == "table":
                 out.append(render_table(path, link))
             elif what == "plot":
@@ -168,9 +169,9 @@ def render_page(source: Path, reports: Path, out_dir: Path, header: bool = True)
 def render_index(sources: list[Path], out_dir: Path) -> str:
     """docs/results/README.md: every page's title and first paragraph, linked."""
     lines = [GENERATED.format(source="the titles in src/"), "", "# Results", "",
-             "Every figure on these pages is generated from a saved JSON by "
-             "`python -m experiments.results`; each table names the file and the command "
-             "that wrote it.", ""]
+             "Every table and plot on these pages is generated from a saved JSON by "
+             "`python -m experiments.results`, and names the file and the command that "
+             "wrote it; the prose around them is a person's reading of those figures.", ""]
     for source in sources:
         title, summary = _title_and_summary(source)
         lines.append(f"- [{title}]({source.name}): {summary}")
