@@ -39,7 +39,7 @@ from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
     heldout_accuracy,
-    prompt_length,
+    prompts_of,
     sequence_batcher,
     training_features,
 )
@@ -122,7 +122,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: DistillLoss, heldout: F
     accuracy["vocab_coverage"] = coverage(vocab, heldout.learned_tokens())
     chain = {"choices": [list(c) for c in TreeTopology.chain(cfg.eval.chain).choices]}
     drafter = common.trained_drafter(cfg, target, chain, key="path")
-    prompts = [s.input_ids[:prompt_length(s)] for s in heldout.sequences[:cfg.eval.num_prompts]]
+    prompts = prompts_of(heldout, cfg.eval.num_prompts)
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens,
                             f"chain of {cfg.eval.chain}")
     return common.write_eval(cfg, {"accuracy": accuracy, "decoding": decoding,

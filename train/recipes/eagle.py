@@ -27,7 +27,7 @@ from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
     heldout_accuracy,
-    prompt_length,
+    prompts_of,
     sequence_batcher,
     training_features,
 )
@@ -75,7 +75,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: Fea
     tree = {"depth": cfg.eval.depth, "top_k": cfg.eval.tree_top_k,
             "total_tokens": cfg.eval.tree_budget}
     drafter = common.trained_drafter(cfg, target, tree)
-    prompts = [s.input_ids[:prompt_length(s)] for s in heldout.sequences[:cfg.eval.num_prompts]]
+    prompts = prompts_of(heldout, cfg.eval.num_prompts)
     label = (f"EAGLE-2 tree of {tree['total_tokens']} nodes (depth {tree['depth']}, top-k "
              f"{tree['top_k']})")
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, label)
