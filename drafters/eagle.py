@@ -68,7 +68,7 @@ class EagleConfig:
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary (slow on CPU)
     train_lm_head: bool = False  # eagle3: the reduced head learns (starts from the target's rows)
     inputs: str = "both"  # the EAGLE paper's input ablation: both | tokens | features (one zeroed)
-    layout: str | None = None  # the draft layer: null = eagle3 for variant eagle3, else fused_input
+    layout: str | None = "fused_input"  # eagle3: EAGLE-3's layer; null: the variant's own
     checkpoint: str | None = None  # a trained draft (python train.py drafter=eagle ...)
     allow_other_target: bool = False  # load a checkpoint whose target's fingerprint differs
     # Training only (train.eagle):

@@ -47,7 +47,11 @@ class HybridConfig:
 
     name: str = "hybrid"
     # each a conf/drafter name, or {name: ..., <its keys>..., tree: {<tree keys>}} overriding it
-    members: list = field(default_factory=lambda: ["suffix", "eagle"])
+    # suffix first (free to draft), then an EAGLE draft on a small tree of its own
+    members: list = field(default_factory=lambda: [
+        {"name": "suffix"},
+        {"name": "eagle", "checkpoint": None, "tree": {"depth": 2, "top_k": 2, "total_tokens": 2}},
+    ])
     policy: str = "pick"
     threshold: float = 1.0  # pick: expected accepted tokens a member's tree needs
     budget: int | None = None  # merge: draft nodes kept; None: the tree's total_tokens

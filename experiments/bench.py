@@ -46,7 +46,7 @@ from experiments.bench_report import (
 )
 from experiments.common import CONF_DIR, pick_questions, write_report
 from train.logger import build_logger
-from verify.accept import RULES as ACCEPTANCE_RULES
+from verify.accept import RuleConfig, check_rule, rule_parts
 from verify.loop import generate
 from verify.protocol import Drafter
 from verify.sampling import SamplingParams
@@ -59,12 +59,13 @@ Method = Callable[[torch.Tensor, int, int], dict]  # (prompt (T,), max_new_token
 
 class Contender(NamedTuple):
     """A drafter to time through the tree verifier, under its method name; `rule` names the
-    acceptance rule (None: greedy at temperature 0, exact sampling above)."""
+    acceptance rule (None: greedy at temperature 0, exact sampling above), with its settings
+    when it is a mapping (verify.accept.RuleConfig)."""
 
     name: str
     drafter: DictConfig
     tree: DictConfig
-    rule: str | None = None
+    rule: RuleConfig = None
 
 
 def sampling_params(cfg: DictConfig) -> SamplingParams:
@@ -91,7 +92,7 @@ def hf_method(target: Target, params: SamplingParams, **generate_kwargs) -> Meth
 
 
 def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingParams,
-                     rule: str | None = None, pad_rows: int = 1,
+                     rule: RuleConfig = None, pad_rows: int = 1,
                      attn_implementation: str | None = None) -> Method:
     """A method running this framework's loop (drafter None: plain decoding) with `params`
     and acceptance `rule` (None: the default for params), every step padded to `pad_rows`
@@ -166,15 +167,22 @@ def parse_compare(entry: str) -> Contender:
     overrides = _overrides(parts[2] if len(parts) == 3 else "", entry)
     label = overrides.pop("label", None)
     rule = overrides.pop("rule", None)
-    if rule is not None and rule not in ACCEPTANCE_RULES:
-        raise ValueError(f"compare entry {entry!r}: rule must be one of "
-                         f"{sorted(ACCEPTANCE_RULES)}, got {rule!r}")
+    _check_rule(entry, rule)
     tree_overrides = overrides.pop("tree", OmegaConf.create({}))
     _check_keys(entry, parts[0], overrides, set(drafter_cfg) - {"name"}, "")
     _check_keys(entry, parts[1], tree_overrides, set(tree_cfg) - {"name", "choices"}, "tree.")
     name = f"{drafter_cfg.name}/{tree_cfg.name}" + (f" ({label})" if label else "")
     return Contender(name, _merged(drafter_cfg, overrides),
                      _merged(tree_cfg, tree_overrides), rule)
+
+
+def _check_rule(entry: str, rule: RuleConfig) -> None:
+    """`rule=<name>`, or `rule.name=<name>,rule.<setting>=<value>` (verify.accept.RuleConfig):
+    refused here, before anything loads, when the rule or a setting is unknown."""
+    try:
+        check_rule(*rule_parts(rule))
+    except ValueError as error:
+        raise ValueError(f"compare entry {entry!r}: {error}") from None
 
 
 def _merged(cfg: DictConfig, overrides: DictConfig) -> DictConfig:

@@ -26,6 +26,7 @@ from drafters.dynamic_tree import DynamicTree
 from experiments.common import CONF_DIR
 from train.distill import encode_until
 from train.prompts import interleave, load_prompt_files
+from verify.files import write_text
 from verify.loop import GenerationResult, generate
 from verify.protocol import Drafter
 from verify.target import Target
@@ -233,12 +234,13 @@ def describe_machine(model: torch.nn.Module) -> str:
 def write_dynamic_tree_config(tree: DynamicTree, path: str | Path, name: str,
                               comment: str) -> None:
     """Write `tree` as a conf/tree YAML (name, depth, top_k, total_tokens) under `comment`,
-    wrapped into YAML comment lines."""
+    wrapped into YAML comment lines; atomically (a half-written file in conf/tree would break
+    every command using the group)."""
     # Paths (a checkpoint's) stay whole on one line.
     lines = textwrap.wrap(comment, width=98, break_long_words=False, break_on_hyphens=False)
     header = "\n".join(f"# {line}" for line in lines)
-    Path(path).write_text(f"{header}\nname: {name}\ndepth: {tree.depth}\ntop_k: {tree.top_k}\n"
-                          f"total_tokens: {tree.total_tokens}\n")
+    write_text(Path(path), f"{header}\nname: {name}\ndepth: {tree.depth}\n"
+                           f"top_k: {tree.top_k}\ntotal_tokens: {tree.total_tokens}\n")
 
 
 def measurement_note(cfg: DictConfig, machine: str, rows: list[dict]) -> str:

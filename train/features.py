@@ -288,6 +288,12 @@ def heldout_accuracy(objective: torch.nn.Module, heldout: FeatureSet, batch: int
             "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
 
 
+def prompts_of(heldout: FeatureSet, count: int) -> list[torch.Tensor]:
+    """The prompts of the first `count` held-out sequences: what the end-of-training
+    evaluation decodes from."""
+    return [s.input_ids[:prompt_length(s)] for s in heldout.sequences[:count]]
+
+
 def prompt_length(sequence: SequenceFeatures) -> int:
     """A held-out answer's prompt: the tokens before its first learned one."""
     learned = sequence.loss_mask.nonzero()

@@ -56,17 +56,21 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """conf/optim: AdamW with linear warm-up and cosine decay."""
+    """conf/optim: AdamW with linear warm-up and cosine decay.
+
+    These defaults are the only ones: each value is the one most conf/optim presets share, and
+    each preset states only what differs from them (tests/test_defaults.py checks it repeats
+    none). How long a recipe trains is its own, so every preset names max_steps."""
 
     name: str = MISSING
-    lr: float = 1e-3  # the heads' learning rate
+    lr: float = 1e-3  # the drafter's learning rate (Medusa's heads, the EAGLE layer, the draft)
     base_lr: float = 1e-4  # the target's LoRA adapter (Medusa-2); heads learn faster
     weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 20
-    max_steps: int = 600
-    batch_tokens: int = 1024  # hidden-state rows per step (Medusa-1)
-    batch_sequences: int = 4  # sequences per step (Medusa-2, which runs the target)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    max_steps: int = MISSING
+    batch_tokens: int = 4096  # hidden-state rows per step (Medusa-1; the others batch sequences)
+    batch_sequences: int = 8  # conversations (up to data.max_sequence_tokens) per step: the rest
     grad_clip: float = 1.0
     # A batch whose loss or gradient is not finite stops training; up to this many are
     # skipped instead (counted, each named), for data known to hold a few bad rows.

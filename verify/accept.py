@@ -6,12 +6,14 @@ after the path's last node, so each target forward yields at least one token.
 - greedy: the longest path whose tokens equal the target's argmax; exact for greedy decoding.
 - sampling: recursive rejection sampling over siblings (SpecInfer / EAGLE style), drafts drawn
   without replacement; a chain is Leviathan / Chen speculative sampling. Exact in distribution.
-- typical: Medusa's typical acceptance. Faster, lossy by design: never reported as exact.
+- typical: Medusa's typical acceptance (settings epsilon, alpha: `make_rule`). Faster, lossy
+  by design: never reported as exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -207,15 +209,57 @@ RULES: dict[str, type[AcceptanceRule]] = {
 }
 
 
-def make_rule(name: str | None, params: SamplingParams) -> AcceptanceRule:
-    """The named rule, or by default greedy at temperature 0 and exact sampling otherwise."""
+def make_rule(name: str | None, params: SamplingParams, **settings) -> AcceptanceRule:
+    """The named rule built with `settings` (typical: epsilon, alpha), or by default greedy at
+    temperature 0 and exact sampling otherwise. ValueError for an unknown rule or setting, or
+    the greedy rule at a temperature above 0."""
+    check_rule(name, settings)
     if name is None:
         name = "greedy" if params.greedy else "sampling"
-    if name not in RULES:
-        raise ValueError(f"unknown acceptance rule {name!r}; choose from {sorted(RULES)}")
     if name == "greedy" and not params.greedy:
         raise ValueError("the greedy rule needs temperature 0; use 'sampling' or 'typical'")
-    return RULES[name]()
+    return RULES[name](**settings)
+
+
+def check_rule(name: str | None, settings: Mapping) -> None:
+    """Refuse an unknown rule name or a setting the rule does not take (its constructor's
+    keyword arguments), naming what it knows; settings need a name (None: the default rule for
+    the temperature, which is chosen later)."""
+    if name is None:
+        if settings:
+            raise ValueError(f"acceptance rule settings {sorted(settings)} need the rule's name "
+                             "as well ({name: typical, ...})")
+        return
+    if name not in RULES:
+        raise ValueError(f"unknown acceptance rule {name!r}; the rule must be one of "
+                         f"{sorted(RULES)}")
+    settable = sorted(inspect.signature(RULES[name]).parameters)
+    unknown = sorted(set(settings) - set(settable))
+    if unknown:
+        raise ValueError(f"acceptance rule {name!r} has no setting(s) {unknown}; its settings: "
+                         f"{settable or 'none'}")
+
+
+# A rule as configs give it: None (the default for the temperature), a name ("typical"), or,
+# like a hybrid drafter's member, a mapping of the name and the rule's settings
+# ({name: typical, epsilon: 0.05, alpha: 0.2}); code may pass a rule already built.
+RuleConfig = str | Mapping | AcceptanceRule | None
+
+
+def rule_parts(rule: RuleConfig) -> tuple[str | None, dict]:
+    """(name, settings) of a rule config that is not a built rule."""
+    if rule is None or isinstance(rule, str):
+        return rule, {}
+    settings = dict(rule)
+    return settings.pop("name", None), settings
+
+
+def rule_from_config(rule: RuleConfig, params: SamplingParams) -> AcceptanceRule:
+    """The rule a config names, for sampling with `params` (see RuleConfig)."""
+    if isinstance(rule, AcceptanceRule):
+        return rule
+    name, settings = rule_parts(rule)
+    return make_rule(name, params, **settings)
 
 
 def _draft_row(tree: TokenTree, node: int) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from verify.accept import AcceptanceRule, make_rule
+from verify.accept import AcceptanceRule, RuleConfig, rule_from_config
 from verify.features import LAST
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
@@ -62,14 +62,15 @@ class GenerationResult:
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, *,
              drafter: Drafter | None = None, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, rule: str | AcceptanceRule | None = None,
+             top_p: float = 1.0, rule: RuleConfig = None,
              eos_token_id: int | Sequence[int] | None = None,
              generator: torch.Generator | None = None, pad_rows: int = 1) -> GenerationResult:
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. The same warp
     applies to target and draft distributions. The rule defaults to greedy at temperature 0
-    and exact tree sampling otherwise ("typical" selects Medusa's lossy rule). Generation
+    and exact tree sampling otherwise ("typical" selects Medusa's lossy rule; a mapping sets
+    its settings, {name: typical, epsilon: 0.05}: verify.accept.rule_from_config). Generation
     stops at any of the EOS ids (models such as Llama-3-Instruct list several), as Hugging
     Face `generate` does. The one-row case of `generate_batch`.
     """
@@ -86,7 +87,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
                    max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
                    pad_token_id: int | None = None, drafter: Drafter | None = None,
                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   rule: str | AcceptanceRule | None = None,
+                   rule: RuleConfig = None,
                    eos_token_id: int | Sequence[int] | None = None,
                    generator: torch.Generator | None = None,
                    keep_states: bool = False, pad_rows: int = 1,
@@ -118,7 +119,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     params = SamplingParams(temperature, top_k, top_p)
     rows = [_check_inputs(model, prompt, max_new_tokens)
             for prompt in _split_prompts(model, prompts, attention_mask, pad_token_id)]
-    rule = rule if isinstance(rule, AcceptanceRule) else make_rule(rule, params)
+    rule = rule_from_config(rule, params)
     stop = _eos_set(eos_token_id)
     features = _Features(drafter.feature_layers if drafter is not None else (), keep_states,
                          model.config.hidden_size)

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+from verify.files import write_text
 from verify.tree import TreeTopology
 
 Choice = tuple[int, ...]  # ranks from the root, as in TreeTopology.choices
@@ -68,7 +69,7 @@ def write_tree_config(topology: TreeTopology, path: str | Path, name: str) -> No
                          break_long_words=False, break_on_hyphens=False)
     header = (f"# Built by verify.tree_builder from measured accuracies: {topology.size - 1} "
               f"nodes, depth {topology.depth}.")
-    Path(path).write_text(f"{header}\nname: {name}\n{body}\n")
+    write_text(Path(path), f"{header}\nname: {name}\n{body}\n")  # whole or not at all
 
 
 def _greedy_nodes(accuracies: Sequence[Sequence[float]], budget: int) -> list[tuple[Choice, float]]:

@@ -204,14 +204,3 @@ def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.T
     )
     features = select_features(out.hidden_states, feature_layers) if feature_layers else None
     return out.logits.float(), features
-
-
-def cached_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
-                   positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   logits_to_keep: int = 0, feature_layers: tuple[int, ...] = ()
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One sequence's `batched_forward`: (n,) tokens and positions, a (1, 1, n, cached + n)
-    mask or None; returns float CPU logits (n, V) and features (n, F * H) or None."""
-    logits, features = batched_forward(model, cache, tokens[None], positions[None],
-                                       attention_mask, logits_to_keep, feature_layers)
-    return logits[0].cpu(), None if features is None else features[0]

@@ -131,6 +131,13 @@ def test_a_compare_entry_loads_its_configs_with_overrides():
     assert parse_compare("medusa:tree8").rule is None
 
 
+def test_a_compare_entry_sets_the_acceptance_rules_settings():
+    contender = parse_compare("medusa:tree8:rule.name=typical,rule.epsilon=0.05,label=typical")
+    assert dict(contender.rule) == {"name": "typical", "epsilon": 0.05}
+    with pytest.raises(ValueError, match=re.escape("'typical' has no setting(s) ['eps']")):
+        parse_compare("medusa:tree8:rule.name=typical,rule.eps=0.05")
+
+
 @pytest.mark.parametrize("entry, message", [
     ("eagle", "is not <drafter>:<tree>"),
     (":chain4", "is not <drafter>:<tree>"),

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from experiments.reproduce.__main__ import write_ups
-from experiments.reproduce.papers import PAPERS, REPRODUCE_BENCH
+from experiments.reproduce.papers import PAPERS
+from experiments.reproduce.papers._common import REPRODUCE_BENCH
 from experiments.reproduce.report import HELD, NOT_HELD, NOT_RUN, render
 
 ROOT = Path(__file__).resolve().parents[2]

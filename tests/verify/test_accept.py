@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from verify.accept import GreedyRule, SpeculativeSamplingRule, TypicalRule, make_rule
+from verify.accept import (
+    GreedyRule,
+    SpeculativeSamplingRule,
+    TypicalRule,
+    make_rule,
+    rule_from_config,
+)
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree
 
@@ -91,6 +97,30 @@ def test_typical_rejects_unlikely_tokens():
     logits[0, 1] = -10.0  # node 1's token is now very unlikely at the root
     a = TypicalRule()(TREE, logits, SamplingParams(1.0), torch.Generator().manual_seed(0))
     assert a.path == [0, 2]
+
+
+def test_a_set_epsilon_changes_what_typical_acceptance_accepts():
+    uniform = torch.zeros(4, V)  # p = 0.2 everywhere; alpha * exp(-entropy) = 2 * 0.2 = 0.4
+    params, seed = SamplingParams(1.0), torch.Generator().manual_seed(0)
+    loose = make_rule("typical", params, epsilon=0.1, alpha=2.0)  # threshold min(0.1, 0.4)
+    strict = make_rule("typical", params, epsilon=0.25, alpha=2.0)  # min(0.25, 0.4) > 0.2
+    assert loose(TREE, uniform, params, seed).path == [0, 1, 3]
+    assert strict(TREE, uniform, params, seed).path == [0]
+    # the same settings from a config mapping, as bench's rule.name=...,rule.epsilon=... give
+    configured = rule_from_config({"name": "typical", "epsilon": 0.25, "alpha": 2.0}, params)
+    assert (configured.epsilon, configured.alpha) == (0.25, 2.0)
+    assert rule_from_config({"name": "typical", "epsilon": 0.25}, params).alpha == 0.5
+
+
+def test_unknown_rule_settings_are_refused_naming_the_known_ones():
+    params = SamplingParams(1.0)
+    with pytest.raises(ValueError, match=r"'typical' has no setting\(s\) \['eps'\]; its "
+                                         r"settings: \['alpha', 'epsilon'\]"):
+        make_rule("typical", params, eps=0.1)
+    with pytest.raises(ValueError, match="'sampling' has no setting.*its settings: none"):
+        rule_from_config({"name": "sampling", "epsilon": 0.1}, params)
+    with pytest.raises(ValueError, match="need the rule's name"):
+        rule_from_config({"epsilon": 0.1}, params)
 
 
 def test_warp_top_k_and_top_p():

@@ -20,10 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel
+from omegaconf import DictConfig
 
-from drafters import build_drafter
 from drafters.draft_model import (
     INFO_FILE,
     DraftModelConfig,
@@ -33,12 +31,7 @@ from drafters.draft_model import (
     save_draft_model,
 )
 from drafters.vocab import coverage, most_frequent_tokens
-from train.checkpoint import (
-    check_resumable,
-    find_checkpoint,
-    restore_training_state,
-    training_state,
-)
+from train.checkpoint import WAYS_OUT, check_resumable, restore_training_state
 from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.draft_model import DistillLoss, initial_draft
@@ -46,18 +39,17 @@ from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
     heldout_accuracy,
-    prompt_length,
+    prompts_of,
     sequence_batcher,
     training_features,
 )
-from train.logger import build_logger, finish_run
-from train.loop import adamw, train_steps
+from train.logger import finish_run
+from train.loop import adamw
+from train.recipes import common
 from verify.features import LAST, num_layers, resolve_layers
-from verify.files import load_tensors, write_json
-from verify.target import Target, load_target_from_config
+from verify.files import load_tensors
+from verify.target import Target
 from verify.tree import TreeTopology
-
-CHECKPOINT_DIR = "checkpoint"
 
 
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
@@ -66,10 +58,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     if config.path is not None:
         raise ValueError("drafter.path names a draft to decode with; training builds its own "
                          "(drafter.init, drafter.num_layers): leave drafter.path null")
-    torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target, packed_rows=None)  # packing serves decoding
-    target.model.to(env.device).requires_grad_(False)
-    out_dir = Path(cfg.out_dir)
+    target = common.training_target(cfg, env)
     last = resolve_layers(LAST, num_layers(target.model.config))
     answers, heldout_answers = distilled_data(cfg.data, target, env)
     train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, last)
@@ -78,24 +67,23 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     objective = DistillLoss(draft, target.model.get_output_embeddings(), vocab,
                             config.divergence).to(env.device)
     optimizer, scheduler = adamw(draft, cfg.optim)
-    start = _resume(cfg, out_dir, target, draft, vocab, hyperparameters(config), optimizer,
-                    scheduler)
-    make_batch = sequence_batcher(train_set, cfg, env)
-    model = DistributedDataParallel(objective) if env.world_size > 1 else objective
-    logger = build_logger(cfg.logger, cfg, out_dir, env.rank, group)
+    settings = hyperparameters(config)
 
-    def save(step: int) -> None:
-        if env.is_main:
-            save_draft_model(draft, vocab, out_dir / CHECKPOINT_DIR, target,
-                             hyperparameters(config),
-                             training_state(step, optimizer, scheduler, cfg))
-        env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
+    def restore(found: Path) -> int:
+        check_resumable(found, target, settings, cfg, config_file=INFO_FILE)
+        check_same_vocab(found, vocab)
+        load_weights(found, draft, vocab)
+        return restore_training_state(found, optimizer, scheduler)
 
-    train_steps(model, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
-                cfg.logger.log_every, save, cfg.save_every, label="depth")
+    def save(folder: Path, extra) -> None:
+        save_draft_model(draft, vocab, folder, target, settings, extra)
+
+    logger = common.train(cfg, env, group, common.Training(
+        objective, optimizer, scheduler, sequence_batcher(train_set, cfg, env), save, restore,
+        label="depth"))
     if not env.is_main:
         return {}
-    results = evaluate(cfg, target, objective, heldout, out_dir, vocab)
+    results = evaluate(cfg, target, objective, heldout, vocab)
     return finish_run(logger, results, _flat(results))
 
 
@@ -106,20 +94,13 @@ def hyperparameters(config: DraftModelConfig) -> dict:
             "draft_vocab_size": config.draft_vocab_size, "divergence": config.divergence}
 
 
-def _resume(cfg, out_dir, target, draft, vocab, settings, optimizer, scheduler) -> int:
-    found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
-    if found is None:
-        return 0
-    check_resumable(found, target, settings, cfg, config_file=INFO_FILE)
+def check_same_vocab(found: Path, vocab: torch.Tensor | None) -> None:
+    """Refuse a checkpoint whose draft vocabulary is not the one this run's data gives."""
     saved_vocab = read_vocab(found)
     if (saved_vocab is None) != (vocab is None) or (
             vocab is not None and not torch.equal(saved_vocab, vocab.cpu())):
         raise ValueError(f"the checkpoint in {found} has another draft vocabulary than this "
-                         "run's data gives: use another out_dir, or resume=false to start over")
-    load_weights(found, draft, vocab)
-    step = restore_training_state(found, optimizer, scheduler)
-    print(f"resuming from {found} after step {step}")
-    return step
+                         f"run's data gives: {WAYS_OUT}")
 
 
 def load_weights(folder: Path, draft: torch.nn.Module, vocab: torch.Tensor | None) -> None:
@@ -133,31 +114,23 @@ def load_weights(folder: Path, draft: torch.nn.Module, vocab: torch.Tensor | Non
 
 
 def evaluate(cfg: DictConfig, target: Target, objective: DistillLoss, heldout: FeatureSet,
-             out_dir: Path, vocab: torch.Tensor | None = None) -> dict:
+             vocab: torch.Tensor | None = None) -> dict:
     """Held-out top-1 / top-5 agreement with the target's next token (and the share of its
     tokens inside the draft vocabulary `vocab`), and tau with the saved draft on a chain of
     cfg.eval.chain, decoded through build_drafter and the loop; eval.json."""
     accuracy = heldout_accuracy(objective, heldout)
     accuracy["vocab_coverage"] = coverage(vocab, heldout.learned_tokens())
     chain = {"choices": [list(c) for c in TreeTopology.chain(cfg.eval.chain).choices]}
-    drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
-                   "path": str(out_dir / CHECKPOINT_DIR)}
-    drafter = build_drafter(drafter_cfg, chain, target)
-    prompts = [s.input_ids[:prompt_length(s)] for s in heldout.sequences[:cfg.eval.num_prompts]]
+    drafter = common.trained_drafter(cfg, target, chain, key="path")
+    prompts = prompts_of(heldout, cfg.eval.num_prompts)
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens,
                             f"chain of {cfg.eval.chain}")
-    results = {"accuracy": accuracy, "decoding": decoding, "drafter": cfg.drafter.name,
-               "checkpoint": str(out_dir / CHECKPOINT_DIR),
-               "use": f"drafter.path={out_dir / CHECKPOINT_DIR}",
-               "eval": str(out_dir / "eval.json")}
-    write_json(out_dir / "eval.json",
-               {"config": OmegaConf.to_container(cfg, resolve=True), **results})
-    return results
+    return common.write_eval(cfg, {"accuracy": accuracy, "decoding": decoding,
+                                   "drafter": cfg.drafter.name,
+                                   "use": f"drafter.path={common.checkpoint_dir(cfg)}"})
 
 
 def _flat(results: dict) -> dict[str, float]:
-    accuracy, decoding = results["accuracy"], results["decoding"]
-    flat = {"eval/depth1/top1": accuracy["top1"][0], "eval/depth1/top5": accuracy["top5"][0]}
-    flat.update({f"eval/{key}": value for key, value in decoding.items()
-                 if isinstance(value, (int, float))})
-    return flat
+    accuracy = results["accuracy"]
+    return {"eval/depth1/top1": accuracy["top1"][0], "eval/depth1/top5": accuracy["top5"][0],
+            **common.decoding_metrics(results["decoding"])}

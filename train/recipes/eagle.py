@@ -15,14 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel
+from omegaconf import DictConfig
 
-from drafters import build_drafter
 from drafters.eagle import WEIGHTS_FILE, EagleDraft, default_layers, eagle_config, save_draft
 from drafters.vocab import coverage, most_frequent_tokens
-from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
+from train.checkpoint import check_resumable, load_checkpoint
 from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.eagle import EagleLoss
@@ -30,26 +27,21 @@ from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
     heldout_accuracy,
-    prompt_length,
+    prompts_of,
     sequence_batcher,
     training_features,
 )
-from train.logger import build_logger, finish_run
-from train.loop import adamw, train_steps
+from train.logger import finish_run
+from train.loop import adamw
+from train.recipes import common
 from verify.features import num_layers, resolve_layers
-from verify.files import write_json
-from verify.target import Target, load_target_from_config
-
-CHECKPOINT_DIR = "checkpoint"
+from verify.target import Target
 
 
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train an EAGLE draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     ecfg = eagle_config(cfg.drafter)
-    torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target, packed_rows=None)  # packing serves decoding
-    target.model.to(env.device).requires_grad_(False)
-    out_dir = Path(cfg.out_dir)
+    target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
     layers = resolve_layers(ecfg.feature_layers or default_layers(ecfg.variant, total), total)
     answers, heldout_answers = distilled_data(cfg.data, target, env)
@@ -60,60 +52,38 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                        ecfg.layout)
     objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg).to(env.device)
     optimizer, scheduler = adamw(draft, cfg.optim)
-    start = _resume(cfg, out_dir, target, draft, optimizer, scheduler)
-    make_batch = sequence_batcher(train_set, cfg, env)
-    model = DistributedDataParallel(objective) if env.world_size > 1 else objective
-    logger = build_logger(cfg.logger, cfg, out_dir, env.rank, group)
 
-    def save(step: int) -> None:
-        if env.is_main:
-            save_draft(draft, out_dir / CHECKPOINT_DIR, target,
-                       training_state(step, optimizer, scheduler, cfg))
-        env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
+    def restore(found: Path) -> int:
+        check_resumable(found, target, draft.hyperparameters, cfg)
+        return load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
 
-    train_steps(model, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
-                cfg.logger.log_every, save, cfg.save_every, label="step")
+    logger = common.train(cfg, env, group, common.Training(
+        objective, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
+        save=lambda folder, extra: save_draft(draft, folder, target, extra),
+        restore=restore, label="step"))
     if not env.is_main:
         return {}
-    results = evaluate(cfg, target, objective, heldout, out_dir)
+    results = evaluate(cfg, target, objective, heldout)
     return finish_run(logger, results, _flat(results))
 
 
-def _resume(cfg, out_dir, target, draft, optimizer, scheduler) -> int:
-    found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
-    if found is None:
-        return 0
-    check_resumable(found, target, draft.hyperparameters, cfg)
-    step = load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
-    print(f"resuming from {found} after step {step}")
-    return step
-
-
-def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: FeatureSet,
-             out_dir: Path) -> dict:
+def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: FeatureSet) -> dict:
     """Held-out accuracy by depth, and tau with the saved draft on an EAGLE-2 tree, decoded
     through build_drafter and the loop; eval.json."""
     accuracy = heldout_accuracy(objective, heldout, steps=cfg.eval.depth)
     accuracy["vocab_coverage"] = coverage(objective.draft.vocab_ids, heldout.learned_tokens())
     tree = {"depth": cfg.eval.depth, "top_k": cfg.eval.tree_top_k,
             "total_tokens": cfg.eval.tree_budget}
-    drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
-                   "checkpoint": str(out_dir / CHECKPOINT_DIR)}
-    drafter = build_drafter(drafter_cfg, tree, target)
-    prompts = [s.input_ids[:prompt_length(s)] for s in heldout.sequences[:cfg.eval.num_prompts]]
+    drafter = common.trained_drafter(cfg, target, tree)
+    prompts = prompts_of(heldout, cfg.eval.num_prompts)
     label = (f"EAGLE-2 tree of {tree['total_tokens']} nodes (depth {tree['depth']}, top-k "
              f"{tree['top_k']})")
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, label)
-    results = {"accuracy": accuracy, "decoding": decoding, "drafter": cfg.drafter.name,
-               "checkpoint": str(out_dir / CHECKPOINT_DIR), "eval": str(out_dir / "eval.json")}
-    write_json(out_dir / "eval.json",
-               {"config": OmegaConf.to_container(cfg, resolve=True), **results})
-    return results
+    return common.write_eval(cfg, {"accuracy": accuracy, "decoding": decoding,
+                                   "drafter": cfg.drafter.name})
 
 
 def _flat(results: dict) -> dict[str, float]:
-    accuracy, decoding = results["accuracy"], results["decoding"]
-    flat = {f"eval/depth{k + 1}/top1": v for k, v in enumerate(accuracy["top1"])}
-    flat.update({f"eval/{key}": value for key, value in decoding.items()
-                 if isinstance(value, (int, float))})
-    return flat
+    top1 = results["accuracy"]["top1"]
+    return {**{f"eval/depth{k + 1}/top1": v for k, v in enumerate(top1)},
+            **common.decoding_metrics(results["decoding"])}

@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel
+from omegaconf import DictConfig
 
-from drafters import build_drafter
 from drafters.medusa import (
     ADAPTER_DIR,
     WEIGHTS_FILE,
@@ -31,13 +29,13 @@ from drafters.medusa import (
     save_heads,
 )
 from drafters.vocab import most_frequent_tokens
-from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
+from train.checkpoint import check_resumable, load_checkpoint
 from train.distill import Answer, distilled_data
 from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
 from train.features import training_features
-from train.logger import build_logger, finish_run
-from train.loop import batch_indices, train_steps, warmup_cosine
+from train.logger import finish_run
+from train.loop import batch_indices, warmup_cosine
 from train.medusa import (
     HeadLoss,
     Medusa2Loss,
@@ -47,12 +45,10 @@ from train.medusa import (
     head_targets,
     sequence_batch,
 )
+from train.recipes import common
 from verify.features import num_layers
-from verify.files import write_json
-from verify.target import Target, load_target_from_config
+from verify.target import Target
 from verify.tree_builder import build_tree, expected_tokens
-
-CHECKPOINT_DIR = "checkpoint"
 
 
 class Rows(NamedTuple):
@@ -67,10 +63,7 @@ class Rows(NamedTuple):
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train Medusa heads as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     mcfg = medusa_config(cfg.drafter)
-    torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target, packed_rows=None)  # packing serves decoding
-    target.model.to(env.device)
-    out_dir = Path(cfg.out_dir)
+    target = common.training_target(cfg, env, frozen=False)  # Medusa-2 adapts it
     train_set, heldout = distilled_data(cfg.data, target, env)
     if cfg.data.sharegpt_tokens and mcfg.variant == "medusa2":
         raise ValueError("data.sharegpt_tokens trains Medusa-1 on prefilled states; Medusa-2 "
@@ -84,26 +77,22 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                                        env)
     optimizer = _optimizer(cfg, heads, peft_model)
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
-    start = _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model)
-    if env.world_size > 1:
-        objective = DistributedDataParallel(objective)
-    logger = build_logger(cfg.logger, cfg, out_dir, env.rank, group)
 
-    def save(step: int) -> None:
-        if env.is_main:
-            save_heads(heads, out_dir / CHECKPOINT_DIR, target,
-                       training_state(step, optimizer, scheduler, cfg, peft_model))
-        env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
+    def restore(found: Path) -> int:
+        check_resumable(found, target, heads.hyperparameters, cfg)
+        return load_checkpoint(found, heads, WEIGHTS_FILE, optimizer, scheduler, peft_model)
 
-    train_steps(objective, optimizer, scheduler, make_batch, start, cfg.optim, env, logger,
-                cfg.logger.log_every, save, cfg.save_every)
+    logger = common.train(cfg, env, group, common.Training(
+        objective, optimizer, scheduler, make_batch,
+        save=lambda folder, extra: save_heads(heads, folder, target, extra),
+        restore=restore, peft_model=peft_model))
     if not env.is_main:
         return {}
     if peft_model is not None:
         target = Target(peft_model.merge_and_unload(), target.tokenizer, target.name,
-                        adapter=str(out_dir / CHECKPOINT_DIR / ADAPTER_DIR),
+                        adapter=str(common.checkpoint_dir(cfg) / ADAPTER_DIR),
                         base_weights=target.fingerprint()["base_weights"])
-    results = evaluate(cfg, target, heads, heldout, out_dir)
+    results = evaluate(cfg, target, heads, heldout)
     return finish_run(logger, results, _flat(results))
 
 
@@ -190,43 +179,24 @@ def _optimizer(cfg: DictConfig, heads: MedusaHeads, peft_model) -> torch.optim.O
                              weight_decay=cfg.optim.weight_decay)
 
 
-def _resume(cfg, out_dir, target, heads, optimizer, scheduler, peft_model) -> int:
-    found = find_checkpoint(out_dir / CHECKPOINT_DIR) if cfg.resume else None
-    if found is None:
-        return 0
-    check_resumable(found, target, heads.hyperparameters, cfg)
-    step = load_checkpoint(found, heads, WEIGHTS_FILE, optimizer, scheduler, peft_model)
-    print(f"resuming from {found} after step {step}")
-    return step
-
-
-def evaluate(cfg: DictConfig, target: Target, heads: MedusaHeads, heldout: list[Answer],
-             out_dir: Path) -> dict:
+def evaluate(cfg: DictConfig, target: Target, heads: MedusaHeads, heldout: list[Answer]) -> dict:
     """Accuracy table, tau and the greedy check with a tree built from the table; eval.json."""
     target.model.eval()
     hidden = answer_states(target.model, heldout)
     accuracy = head_accuracy(heads, hidden, heldout, cfg.eval.top_k)
     topology = build_tree(accuracy["rank_accuracy"], cfg.eval.tree_budget)
     choices = [list(c) for c in topology.choices]
-    drafter = build_drafter({**OmegaConf.to_container(cfg.drafter, resolve=True),
-                             "checkpoint": str(out_dir / CHECKPOINT_DIR)},
-                            {"choices": choices}, target)
+    drafter = common.trained_drafter(cfg, target, {"choices": choices})
     prompts = [a.prompt for a in heldout[:cfg.eval.num_prompts]]
     tree = f"tree of {topology.size - 1} nodes (depth {topology.depth})"
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, tree)
     decoding["predicted_tau"] = expected_tokens(topology, accuracy["rank_accuracy"])
     decoding["tree_choices"] = choices
-    results = {"accuracy": accuracy, "decoding": decoding,
-               "checkpoint": str(out_dir / CHECKPOINT_DIR), "eval": str(out_dir / "eval.json")}
-    write_json(out_dir / "eval.json",
-               {"config": OmegaConf.to_container(cfg, resolve=True), **results})
-    return results
+    return common.write_eval(cfg, {"accuracy": accuracy, "decoding": decoding})
 
 
 def _flat(results: dict) -> dict[str, float]:
-    accuracy, decoding = results["accuracy"], results["decoding"]
-    flat = {f"eval/head{k}/top1": v for k, v in enumerate(accuracy["top1"])}
-    flat.update({f"eval/head{k}/top5": v for k, v in enumerate(accuracy["top5"])})
-    flat.update({f"eval/{key}": value for key, value in decoding.items()
-                 if isinstance(value, (int, float))})
-    return flat
+    accuracy = results["accuracy"]
+    return {**{f"eval/head{k}/top1": v for k, v in enumerate(accuracy["top1"])},
+            **{f"eval/head{k}/top5": v for k, v in enumerate(accuracy["top5"])},
+            **common.decoding_metrics(results["decoding"])}

@@ -1,0 +1,121 @@
+"""What every training recipe shares, so a recipe gives only its model, data and objective.
+
+- `training_target`: the target as training reads it (seeded, unpacked, on the rank's device);
+- `train`: resume from out_dir's checkpoint when a run left one, then train to optim.max_steps
+  with a checkpoint every save_every steps (rank 0 writes, every rank waits for it);
+- `trained_drafter`, `write_eval`, `decoding_metrics`: the end-of-training evaluation decodes
+  with the saved checkpoint and lands in eval.json, next to the run's resolved config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+from drafters import build_drafter
+from train.checkpoint import find_checkpoint, training_state
+from train.distributed import DistEnv
+from train.logger import Logger, build_logger
+from train.loop import train_steps
+from verify.files import write_json
+from verify.protocol import Drafter
+from verify.target import Target, load_target_from_config
+
+CHECKPOINT_DIR = "checkpoint"
+EVAL_FILE = "eval.json"
+
+# save(folder, extra): write the drafter's checkpoint to `folder`, calling `extra(tmp)` on the
+# folder being written so the training state lands in the same atomic save.
+SaveCheckpoint = Callable[[Path, Callable[[Path], None]], None]
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    """Where a run's checkpoint lives: loadable by the drafter, and resumed from."""
+    return Path(cfg.out_dir) / CHECKPOINT_DIR
+
+
+def training_target(cfg: DictConfig, env: DistEnv, frozen: bool = True) -> Target:
+    """The target after seeding with cfg.seed, unpacked (packed weights serve decoding only),
+    on env.device; frozen unless the recipe trains it too (Medusa-2's adapter)."""
+    torch.manual_seed(cfg.seed)
+    target = load_target_from_config(cfg.target, packed_rows=None)
+    target.model.to(env.device)
+    if frozen:
+        target.model.requires_grad_(False)
+    return target
+
+
+@dataclass
+class Training:
+    """What a recipe hands `train`: `objective(**make_batch(step))` -> (loss, counts (K, 3));
+    `save` writes the drafter's checkpoint (SaveCheckpoint); `restore(found)` checks a found
+    checkpoint against this run and loads it into these objects, returning its step."""
+
+    objective: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    make_batch: Callable[[int], dict]
+    save: SaveCheckpoint
+    restore: Callable[[Path], int]
+    label: str = "head"  # what a metric row is: a Medusa head, an unrolled EAGLE step, a depth
+    peft_model: Any = None  # an adapted target (Medusa-2): saved with the training state
+
+
+def train(cfg: DictConfig, env: DistEnv, group: str | None, training: Training) -> Logger:
+    """Resume when out_dir holds a checkpoint (and cfg.resume), train to optim.max_steps, save
+    every save_every steps and after the last; the run's logger (for finish_run on rank 0)."""
+    start = resume_step(cfg, training.restore)
+    objective = training.objective
+    model = DistributedDataParallel(objective) if env.world_size > 1 else objective
+    logger = build_logger(cfg.logger, cfg, Path(cfg.out_dir), env.rank, group)
+
+    def save(step: int) -> None:
+        if env.is_main:
+            training.save(checkpoint_dir(cfg), training_state(
+                step, training.optimizer, training.scheduler, cfg, training.peft_model))
+        env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
+
+    train_steps(model, training.optimizer, training.scheduler, training.make_batch, start,
+                cfg.optim, env, logger, cfg.logger.log_every, save, cfg.save_every,
+                label=training.label)
+    return logger
+
+
+def resume_step(cfg: DictConfig, restore: Callable[[Path], int]) -> int:
+    """The step to start from: 0 for a fresh run, else the checkpoint's (`restore` loads it)."""
+    found = find_checkpoint(checkpoint_dir(cfg)) if cfg.resume else None
+    if found is None:
+        return 0
+    step = restore(found)
+    print(f"resuming from {found} after step {step}")
+    return step
+
+
+def trained_drafter(cfg: DictConfig, target: Target, tree: Mapping,
+                    key: str = "checkpoint") -> Drafter:
+    """The configured drafter loading this run's checkpoint (its drafter config's `key` names
+    the folder), growing `tree`: what the end-of-training evaluation decodes with."""
+    drafter_cfg = {**OmegaConf.to_container(cfg.drafter, resolve=True),
+                   key: str(checkpoint_dir(cfg))}
+    return build_drafter(drafter_cfg, tree, target)
+
+
+def write_eval(cfg: DictConfig, results: dict) -> dict:
+    """`results` with where the checkpoint and eval.json are, written to eval.json after the
+    run's resolved config (what experiments.runs_table reads); returns them."""
+    path = Path(cfg.out_dir) / EVAL_FILE
+    results = {**results, "checkpoint": str(checkpoint_dir(cfg)), "eval": str(path)}
+    write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True), **results})
+    return results
+
+
+def decoding_metrics(decoding: dict) -> dict[str, float]:
+    """The held-out decoding's numbers (tau, identical, ms per step ...) as eval/<key>."""
+    return {f"eval/{key}": value for key, value in decoding.items()
+            if isinstance(value, (int, float))}
