@@ -3,7 +3,7 @@
 1. train: the default recipe of `python train.py drafter=eagle` (EAGLE-1 on ShareGPT
    conversations read by the target, no generation; end-of-run accuracy by depth, tau and the
    greedy check); a finished run is reused, an interrupted one resumed. EAGLE-1 is the learned
-   drafter that trains fastest to the best tau on this CPU (see the README's results);
+   drafter that trains fastest to the best tau on this CPU (docs/results/eagle.md);
 2. size its EAGLE-2 tree budget from tau measured by decoding held-out prompts and the cost
    t(n) of verification measured on this machine (experiments.tree_search mode=dynamic);
 3. correctness rows with the trained draft: greedy output token for token against plain
@@ -52,8 +52,7 @@ def size_tree(checkpoint: str) -> list[str]:
     """The EAGLE-2 budget for this machine; returns the tree overrides that select it."""
     print("\n## 2. EAGLE-2 tree budget for the trained draft, from measured t(n) and tau\n")
     # small trees: on a 2-core CPU one or two draft tokens verify at about the cost of one
-    # (t(2) ~ t(1)), three or more cost ~1.4x (measured: README, "What a verification step
-    # costs here"); a draft round is ~5 ms
+    # (t(2) ~ t(1)), three or more cost ~1.4x (measured: docs/results/step-cost.md); a draft round is ~5 ms
     cfg = _compose("tree_search", ["mode=dynamic", f"drafter={DRAFTER}",
                                    f"drafter.checkpoint={checkpoint}", "budgets=[1,2,4,8]",
                                    "depth=3", "top_k=4", "num_prompts=4", "max_new_tokens=48",

@@ -4,7 +4,7 @@ A verification step multiplies every weight matrix by N rows (the tree's nodes).
 the BLAS call behind `nn.Linear` runs one token as a fast matrix-vector product, but from about
 4 rows on it switches to a GEMM that repacks the weight matrix on every call: on the default
 target a step of 8 tokens costs 1.75x a one-token step, and the 49k-row LM head alone is slower
-at 8 rows than at 16 (README, "What a verification step costs here").
+at 8 rows than at 16 (docs/results/step-cost.md).
 
 MKL can pack a weight matrix once for a given row count M and reuse it (torch exposes this as
 `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU freezing uses).

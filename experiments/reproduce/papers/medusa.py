@@ -156,7 +156,7 @@ PAPER = Paper(
               "quality.",
               FLOAT32_COMMAND, _medusa_speed,
               "Heads on a 135M target trained on 87k tokens are right far less often than the "
-              "paper's (held-out top-1 by head: README, Training Medusa heads), and every "
+              "paper's (held-out top-1 by head: docs/results/medusa.md), and every "
               "extra tree token costs here, so the tree sized for this machine drafts one."),
         Claim("A sparse tree beats a chain of the same size",
               "Tree attention over the top candidates of each head, with a tree built from "

@@ -85,7 +85,7 @@ PAPER = Paper(
         Claim("The leaderboard on this machine",
               "Speedup per task category and tau for each method, in one environment; the "
               "order EAGLE > SpS (a separate draft model) > PLD (prompt lookup) > Medusa.",
-              FLOAT32_COMMAND + "\n# and the draft models' run: README, Results > Draft models "
+              FLOAT32_COMMAND + "\n# and the draft models' run: docs/results/draft-models.md "
               "(experiments/reports/draft-model/)", _leaderboard,
               "EAGLE leads and Medusa trails, as in Spec-Bench; the sizes shrink because a "
               "135M target's drafts are accepted less often and this CPU affords one draft "
