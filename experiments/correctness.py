@@ -33,7 +33,7 @@ from drafters import build_drafter
 from experiments.chain import chain_rows
 from experiments.common import pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
-from verify.accept import SpeculativeSamplingRule, make_rule
+from verify.accept import RULES, SpeculativeSamplingRule, make_rule
 from verify.loop import generate, generate_batch
 from verify.sampling import SamplingParams
 from verify.target import Target, build_tiny_model, hf_generate, load_target_from_config
@@ -138,7 +138,9 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     # a repeating prompt, so that n-gram drafters find matches too
     prompt = torch.arange(dist.prompt_length) % dist.prompt_period
     expected = sequence_distribution(model, prompt, dist.length, params)
-    rules = [make_rule("sampling", params), make_rule("typical", params), WrongResidualRule()]
+    # every registered rule that samples (greedy has its own row), then the negative control
+    rules = [make_rule(name, params) for name in RULES if name != "greedy"]
+    rules.append(WrongResidualRule())
     return [distribution_row(model, drafter, rule, prompt, expected, params, dist)
             for rule in rules]
 
