@@ -29,7 +29,6 @@ from drafters.base import (
     check_depth,
     check_target,
     fill_steps,
-    node_path,
     read_config,
     relay,
     run_lockstep,
@@ -37,7 +36,7 @@ from drafters.base import (
     target_record,
     typed_config,
 )
-from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
+from drafters.dynamic_tree import DynamicTree, draft_log_probs
 from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
 from verify.accept import Acceptance
@@ -210,7 +209,7 @@ class DraftModelDrafter:
         as for a static tree; a shorter depth near the end of the position range."""
         to_target = target_ids(self.vocab_ids, self.target_vocab_size)
 
-        def ask(request: tuple[CandidateTree, list[int]]) -> Steps:
+        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
             candidates, nodes = request
             logits = yield ([candidates.path(n) for n in nodes],
                             [int(to_target[candidates.tokens[n]]) for n in nodes])
@@ -223,7 +222,7 @@ class DraftModelDrafter:
         candidates = yield from relay(search, ask)
         kept = policy.rerank(candidates)
         self.engine.renumber({candidate: node for node, candidate in enumerate(kept)}, row)
-        tree = candidates.subtree(kept)
+        tree = candidates.build(kept)
         tree.tokens[1:] = to_target[tree.tokens[1:]]
         return tree
 
@@ -232,7 +231,7 @@ class DraftModelDrafter:
         """Steps (drafters.base) filling the static topology below `root`."""
         def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
             builder, nodes = request
-            logits = yield ([node_path(builder.parents, node) for node in nodes],
+            logits = yield ([builder.path(node) for node in nodes],
                             [builder.tokens[node] for node in nodes])
             return self._full_logits(logits)
 

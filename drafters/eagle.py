@@ -38,7 +38,6 @@ from drafters.base import (
     check_depth,
     check_target,
     fill_steps,
-    node_path,
     read_config,
     relay,
     run_lockstep,
@@ -47,7 +46,7 @@ from drafters.base import (
     target_record,
     typed_config,
 )
-from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
+from drafters.dynamic_tree import DynamicTree, draft_log_probs
 from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
 from drafters.engine import DraftEngine, with_own_engine
 from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
@@ -345,7 +344,7 @@ class EagleDrafter:
         def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
             builder, nodes = request
             parents = [builder.parents[n] for n in nodes]
-            out, logits = yield ([node_path(builder.parents, n) for n in nodes],
+            out, logits = yield ([builder.path(n) for n in nodes],
                                  [builder.tokens[n] for n in nodes],
                                  torch.stack([hidden[p] for p in parents]))
             hidden.update(zip(nodes, out))
@@ -363,7 +362,7 @@ class EagleDrafter:
         hidden = {0: root_hidden}
         to_target = target_ids(self.draft.vocab_ids, self.draft.target_vocab_size)
 
-        def ask(request: tuple[CandidateTree, list[int]]) -> Steps:
+        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
             candidates, nodes = request
             parents = [candidates.parents[n] for n in nodes]
             out, logits = yield ([candidates.path(n) for n in nodes],
@@ -374,7 +373,7 @@ class EagleDrafter:
 
         search = self.tree.search_steps(root, draft_log_probs(root_logits[None], params)[0])
         candidates = yield from relay(search, ask)
-        tree = candidates.subtree(self.tree.rerank(candidates))
+        tree = candidates.build(self.tree.rerank(candidates))
         tree.tokens[1:] = to_target[tree.tokens[1:]]
         return tree
 
