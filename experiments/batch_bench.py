@@ -35,6 +35,7 @@ from experiments.bench_report import write_tables
 from experiments.common import pick_questions, save_figure, single_thread, write_report
 from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
+from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.target import Target, load_target_from_config
 from verify.tree import TokenTree
@@ -83,8 +84,9 @@ def treedraft_batched(target: Target, drafter: Drafter | None,
         longest = max(results, key=lambda r: len(r.steps))
         return {"tokens": [r.tokens.tolist() for r in results],
                 "steps": len(longest.steps),
-                "accepted": sum(s.accepted + 1 for r in results for s in r.steps),
-                "row_steps": sum(len(r.steps) for r in results),
+                # tokens the rows' steps produced (bonus included) over the rows' steps
+                "step_tokens": sum(r.tally.tokens for r in results),
+                "row_steps": sum(r.tally.forwards for r in results),
                 "draft_s": sum(r.draft_s for r in results),
                 "verify_s": longest.verify_s,
                 "prefill_s": longest.prefill_s}
@@ -188,13 +190,21 @@ def _figures(recs: list[dict], alone: list[list[int]] | None) -> dict:
                "identical": (None if alone is None else
                              sum(a == b for a, b in zip(tokens, alone)) / len(tokens))}
     if "steps" in recs[0]:
-        figures.update(tau=sum(r["accepted"] for r in recs) / sum(r["row_steps"] for r in recs),
+        tally = sum((_tally(r) for r in recs), TokensPerForward())
+        figures.update(tau=tally.tau,
                        steps=sum(r["steps"] for r in recs),
                        draft_share=sum(r["draft_s"] for r in recs) / seconds,
                        verify_share=sum(r["verify_s"] for r in recs) / seconds,
                        ms_per_step=1000 * sum(r["verify_s"] for r in recs)
                        / max(sum(r["steps"] for r in recs), 1))
     return figures
+
+
+def _tally(record: dict) -> TokensPerForward:
+    """A group's tokens produced by its rows' steps and those steps. Records made before
+    "step_tokens" named that count "accepted", though it counted the bonus tokens too."""
+    tokens = record["step_tokens"] if "step_tokens" in record else record["accepted"]
+    return TokensPerForward(tokens, record["row_steps"])
 
 
 def format_table(summary: dict) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from experiments.common import read_json_file, save_figure
 from verify.files import write_text
+from verify.metrics import acceptance_by_depth, accepted_histogram, tau
 
 
 def summarise(records: dict[str, list[dict]], baseline: str,
@@ -89,18 +90,12 @@ def _tokens_per_second(records: list[dict]) -> dict[str, float]:
 
 def _step_figures(steps: list[dict]) -> dict:
     """tau, acceptance rate per depth, the share of steps accepting 0, 1, 2, ... drafts,
-    draft/verify seconds."""
-    depth = max(s["tree_depth"] for s in steps)
-    per_depth = []
-    for d in range(1, depth + 1):
-        # a depth-d draft is tried when the tree reaches d and depths 1..d-1 were accepted
-        tried = [s for s in steps if s["tree_depth"] >= d and s["accepted"] >= d - 1]
-        per_depth.append(sum(s["accepted"] >= d for s in tried) / len(tried) if tried else None)
+    draft/verify seconds: every figure pooled over the steps of all prompts."""
+    accepted = [s["accepted"] for s in steps]
     return {
-        "tau": sum(s["accepted"] + 1 for s in steps) / len(steps),
-        "acceptance_per_depth": per_depth,
-        "accepted_histogram": [sum(s["accepted"] == k for s in steps) / len(steps)
-                               for k in range(max(s["accepted"] for s in steps) + 1)],
+        "tau": tau(accepted),
+        "acceptance_per_depth": acceptance_by_depth(accepted, [s["tree_depth"] for s in steps]),
+        "accepted_histogram": accepted_histogram(accepted),
         "mean_tree_size": sum(s["tree_size"] for s in steps) / len(steps),
         # {nodes: share of steps}, the root counted: how a per-step size policy spent them
         "tree_size_histogram": {n: sum(s["tree_size"] == n for s in steps) / len(steps)
