@@ -2,6 +2,10 @@
 
 A new drafter is one module here with a `from_config(cfg, tree, target)` builder, one entry
 in DRAFTERS, one YAML in conf/drafter/, and one row in tests/drafters/test_drafter_table.py.
+A model-free drafter subclasses drafters.base.StatelessDrafter and writes `propose` (or
+StatelessBatchDrafter and `propose_batch`); one running a model over the tree with a draft KV
+cache subclasses drafters.engine.EngineDrafter and writes its catch-up and per-level forward.
+tests/drafters/toy_drafter.py follows the recipe.
 The drafter owns its tree policy: `tree` is a static TreeTopology (conf/tree with `choices`)
 or EAGLE-2's DynamicTree (conf/tree with `depth`, `top_k`, `total_tokens`); a drafter that
 cannot grow a dynamic tree refuses one with a TreeError. A combinator (COMBINATORS: hybrid)

@@ -17,41 +17,29 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from drafters.base import (
-    Steps,
-    check_depth,
-    check_target,
-    fill_steps,
-    read_config,
-    relay,
-    run_lockstep,
-    shallow_config,
-    target_record,
-    typed_config,
-)
-from drafters.dynamic_tree import DynamicTree, draft_log_probs
-from drafters.engine import DraftEngine, with_own_engine
-from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
+from drafters.base import check_target, read_config, shallow_config, target_record, typed_config
+from drafters.dynamic_tree import DynamicTree
+from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
+from drafters.vocab import check_vocab_ids, copy_linear
 from verify.accept import Acceptance
 from verify.files import load_tensors, write_atomically
 from verify.protocol import DraftContext
-from verify.sampling import SamplingParams
 from verify.target import Target
-from verify.tree import TokenTree, TreeBuilder, TreeTopology
+from verify.tree import TokenTree, TreeTopology
 from verify.verifier import batched_forward, context_window
 
 VOCAB_FILE = "draft_vocab.safetensors"  # a distilled draft's vocab_ids (V',), EAGLE-3's d2t
 INFO_FILE = "treedraft.json"  # a distilled draft's settings and the target it was distilled from
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(EngineDrafter):
     """Drafts a tree with a small causal LM whose KV cache (drafters.engine) holds the
     committed tokens `cached` (T,).
 
@@ -64,29 +52,19 @@ class DraftModelDrafter:
     (a distilled draft, train.draft_model); None when it projects onto the whole vocabulary.
     """
 
-    feature_layers = ()  # reads no target hidden states
-    max_depth = None  # a language model can continue any path
+    commits_accepted_path = True  # the fed entries are what re-running the tokens computes
 
     def __init__(self, model: PreTrainedModel, tree: TreeTopology | DynamicTree,
                  name: str = "draft_model", vocab_ids: torch.Tensor | None = None):
-        if not isinstance(tree, DynamicTree):
-            check_depth(tree, self.max_depth, name)
+        super().__init__(model.config, tree, name)
         self.model = model.eval()
-        self.tree = tree
-        self.name = name
         self.target_vocab_size = model.config.vocab_size
         self.vocab_ids = (None if vocab_ids is None
                           else check_vocab_ids(vocab_ids, self.target_vocab_size))
-        self.engine = DraftEngine(model.config)
-        self.begin(torch.empty(0, dtype=torch.long))
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        """Drop the cache: a new sequence starts (the prompt is fed on the first proposal)."""
-        self.begin_batch([prompt])
 
     def begin_batch(self, prompts: list[torch.Tensor]) -> None:
         """B new sequences, drafted together by `propose_batch`."""
-        self.engine.reset(len(prompts))
+        super().begin_batch(prompts)
         self.cached_rows = [torch.empty(0, dtype=torch.long) for _ in prompts]
         self.last_trees: list[TokenTree | None] = [None] * len(prompts)
 
@@ -100,40 +78,15 @@ class DraftModelDrafter:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the sequences `rows` of the batch (finished ones leave)."""
-        self.engine.keep_rows(rows)
+        super().keep_rows(rows)
         self.cached_rows = [self.cached_rows[row] for row in rows.tolist()]
         self.last_trees = [self.last_trees[row] for row in rows.tolist()]
 
-    def propose(self, ctx: DraftContext) -> TokenTree:
-        """A tree rooted at ctx.tokens[-1]; fewer nodes where the draft distribution has too
-        few tokens with mass."""
-        if self.engine.rows != 1:
-            raise ValueError(f"{self.name} holds a batch of {self.engine.rows} sequences: use "
-                             "propose_batch, or begin() for one sequence")
-        return self.propose_batch([ctx])[0]
-
-    @torch.no_grad()
     def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
-        """One tree per sequence of the batch (ctxs in `begin_batch`'s order), every tree
-        level of every row through one draft forward."""
-        if len(ctxs) != self.engine.rows:
-            raise ValueError(f"{len(ctxs)} contexts for {self.engine.rows} sequences")
-        self.engine.rollback()  # a tree never followed by update() must not linger
-        root_logits = self._catch_up([ctx.tokens for ctx in ctxs])  # (B, V')
-        steps = {}
-        for row, ctx in enumerate(ctxs):
-            root = int(ctx.tokens[-1])
-            if isinstance(self.tree, DynamicTree):
-                steps[row] = self._dynamic_steps(row, root, root_logits[row], ctx.params)
-            else:
-                steps[row] = self._static_steps(row, root, root_logits[row], ctx)
-        trees = run_lockstep(steps, self._feed_rows)
-        self.last_trees = [trees[row] for row in range(len(ctxs))]
+        """EngineDrafter.propose_batch, remembering the trees: `update_batch` commits only
+        from a tree of ours."""
+        self.last_trees = super().propose_batch(ctxs)
         return list(self.last_trees)
-
-    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Keep the draft's entries of the accepted path; crop the rest of the tree."""
-        self.update_batch([tree], [acceptance])
 
     def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
         """Keep each row's draft entries of its accepted path; crop the rest of the trees. A
@@ -145,16 +98,11 @@ class DraftModelDrafter:
             self.cached_rows[row] = torch.cat([self.cached_rows[row],
                                                tree.tokens[path[1:1 + count]]])
 
-    def fork(self) -> DraftModelDrafter:
-        """The same draft model, its own cache."""
-        twin = with_own_engine(self)
-        twin.begin(torch.empty(0, dtype=torch.long))
-        return twin
-
-    def _catch_up(self, contexts: list[torch.Tensor]) -> torch.Tensor:
-        """Cache each row's (T_b,) committed tokens, all rows in one forward; returns the
-        draft logits (B, V') after each row's last token."""
-        contexts = [tokens.cpu() for tokens in contexts]
+    def _catch_up(self, ctxs: list[DraftContext]) -> tuple[None, torch.Tensor]:
+        """Cache each row's (T_b,) committed tokens, all rows in one forward; returns no
+        states (the cache is all a draft LM carries) and the draft logits (B, V') after each
+        row's last token."""
+        contexts = [ctx.tokens.cpu() for ctx in ctxs]
         # Keep the common prefix (the cache may be ahead after a new sequence), but always
         # feed at least the root: its logits are the first level's distribution.
         keeps = [min(_common_prefix(cached, tokens), len(tokens) - 1)
@@ -178,7 +126,7 @@ class DraftModelDrafter:
             column = torch.searchsorted(keep_columns, last).to(out.device)
             logits = out[torch.arange(len(contexts), device=out.device), column].cpu()
         self.cached_rows = [tokens.clone() for tokens in contexts]
-        return logits
+        return None, logits
 
     def _start_rows(self, contexts: list[torch.Tensor]) -> torch.Tensor:
         """The first catch-up of an empty engine, row by row (DraftEngine.start_rows): each
@@ -194,69 +142,27 @@ class DraftModelDrafter:
         self.engine.start_rows([len(tokens) for tokens in contexts], run_row)
         return torch.stack(last)
 
-    def _depth_limit(self, row: int) -> int:
+    def _depth_limit(self, ctx: DraftContext) -> int:
         """The tree's depth, less near the end of the draft model's position range (a node at
         depth d sits at position T - 1 + d; GPT-2's position table would overflow)."""
         max_positions = context_window(self.model)
         if max_positions is None:
             return self.tree.depth
-        return min(self.tree.depth, max_positions - len(self.cached_rows[row]))
+        return min(self.tree.depth, max_positions - len(ctx.tokens))
 
-    def _dynamic_steps(self, row: int, root: int, root_logits: torch.Tensor,
-                       params: SamplingParams) -> Steps:
-        """Steps growing EAGLE-2's tree over draft-vocabulary indices, mapped back to target
-        ids. The fed candidates are renamed to their ids in the kept tree, so `update` commits
-        as for a static tree; a shorter depth near the end of the position range."""
-        to_target = target_ids(self.vocab_ids, self.target_vocab_size)
-
-        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
-            candidates, nodes = request
-            logits = yield ([candidates.path(n) for n in nodes],
-                            [int(to_target[candidates.tokens[n]]) for n in nodes])
-            return draft_log_probs(logits, params)
-
-        policy = self.tree
-        if self._depth_limit(row) < policy.depth:
-            policy = replace(policy, depth=max(1, self._depth_limit(row)))
-        search = policy.search_steps(root, draft_log_probs(root_logits[None], params)[0])
-        candidates = yield from relay(search, ask)
-        kept = policy.rerank(candidates)
-        self.engine.renumber({candidate: node for node, candidate in enumerate(kept)}, row)
-        tree = candidates.build(kept)
-        tree.tokens[1:] = to_target[tree.tokens[1:]]
-        return tree
-
-    def _static_steps(self, row: int, root: int, root_logits: torch.Tensor,
-                      ctx: DraftContext) -> Steps:
-        """Steps (drafters.base) filling the static topology below `root`."""
-        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
-            builder, nodes = request
-            logits = yield ([builder.path(node) for node in nodes],
-                            [builder.tokens[node] for node in nodes])
-            return self._full_logits(logits)
-
-        fill = fill_steps(self.tree, root, self._full_logits(root_logits),
-                          self._depth_limit(row), ctx.params, ctx.generator)
-        return (yield from relay(fill, ask))
-
-    def _feed_rows(self, requests: dict[int, tuple[list[list[int]], list[int]]]
-                   ) -> dict[int, torch.Tensor]:
-        """One tree level of every asking row through the cache, in one forward. requests[b]:
-        the paths (root first) of row b's level's nodes and their tokens. Returns per row the
-        nodes' float CPU draft logits (n_b, V'). Rows not asking feed a padding node."""
+    def _forward_level(self, requests: dict[int, LevelRequest]) -> dict[int, LevelAnswer]:
+        """One tree level of every asking row through the cache, in one forward: each node's
+        token after its path. Returns no states and the nodes' float CPU draft logits
+        (n_b, V') per row."""
         positions, mask = self.engine.level(
-            [requests[row][0] if row in requests else [] for row in range(self.engine.rows)],
+            [requests[row].paths if row in requests else [] for row in range(self.engine.rows)],
             self.model.dtype)
         tokens = torch.zeros(positions.shape, dtype=torch.long)
-        for row, (_, row_tokens) in requests.items():
-            tokens[row, :len(row_tokens)] = torch.tensor(row_tokens)
+        for row, request in requests.items():
+            tokens[row, :len(request.tokens)] = torch.tensor(request.tokens)
         logits, _ = batched_forward(self.model, self.engine.cache, tokens, positions, mask)
-        return {row: logits[row, :len(row_tokens)].cpu()
-                for row, (_, row_tokens) in requests.items()}
-
-    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """(..., V') draft logits -> (..., V) over the target's vocabulary, -inf outside."""
-        return to_target_vocab(logits, self.vocab_ids, self.target_vocab_size)
+        return {row: (None, logits[row, :len(request.tokens)].cpu())
+                for row, request in requests.items()}
 
 
 def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:

@@ -34,29 +34,22 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from drafters.base import (
-    Steps,
-    check_depth,
     check_target,
-    fill_steps,
     read_config,
-    relay,
-    run_lockstep,
     save_module,
     shallow_config,
     target_record,
     typed_config,
 )
-from drafters.dynamic_tree import DynamicTree, draft_log_probs
+from drafters.dynamic_tree import DynamicTree
 from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
-from drafters.engine import DraftEngine, with_own_engine
-from drafters.vocab import check_vocab_ids, copy_linear, target_ids, to_target_vocab
-from verify.accept import Acceptance
+from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
+from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
 from verify.files import load_tensors
 from verify.protocol import DraftContext
-from verify.sampling import SamplingParams
 from verify.target import Target
-from verify.tree import TokenTree, TreeBuilder, TreeTopology
+from verify.tree import TreeTopology
 from verify.verifier import context_window
 
 VARIANTS = ("eagle1", "eagle3")
@@ -205,7 +198,7 @@ def _body_config(config):
     return body
 
 
-class EagleDrafter:
+class EagleDrafter(EngineDrafter):
     """Proposes a static topology (level by level) or an EAGLE-2 dynamic tree from the draft.
 
     Static trees with sampling draw each node's children without replacement from the draft's
@@ -214,73 +207,22 @@ class EagleDrafter:
     (`begin_batch`, `propose_batch`): one draft forward per tree level for all rows.
     """
 
-    max_depth = None  # the draft can continue any path
+    # The trees' entries were built on the draft's own features: dropped once drafted, the
+    # next catch-up re-runs the accepted path on the target's real ones.
+    commits_accepted_path = False
 
     def __init__(self, draft: EagleDraft, tree: TreeTopology | DynamicTree, name: str = "eagle"):
-        if not isinstance(tree, DynamicTree):
-            check_depth(tree, self.max_depth, name)
+        super().__init__(draft.body.config, tree, name)
         self.draft = draft.eval()
-        self.tree, self.name = tree, name
         self.feature_layers = draft.feature_layers
-        self.engine = DraftEngine(draft.body.config)
 
-    def begin(self, prompt: torch.Tensor) -> None:
-        """A new sequence: forget the draft's cache."""
-        self.engine.reset()
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return self.draft.vocab_ids
 
-    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
-        """B new sequences, drafted together by `propose_batch`."""
-        self.engine.reset(len(prompts))
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the sequences `rows` of the batch (finished ones leave)."""
-        self.engine.keep_rows(rows)
-
-    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Nothing to keep: the next proposal re-runs the accepted path on real features."""
-
-    def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
-        """Nothing to keep, as in `update`."""
-
-    def fork(self) -> EagleDrafter:
-        """The same draft, its own cache."""
-        return with_own_engine(self)
-
-    def propose(self, ctx: DraftContext) -> TokenTree:
-        """A tree rooted at ctx.tokens[-1], from the draft run on ctx.features' new rows."""
-        if self.engine.rows != 1:
-            raise ValueError(f"{self.name} holds a batch of {self.engine.rows} sequences: "
-                             "use propose_batch, or begin() for one sequence")
-        return self.propose_batch([ctx])[0]
-
-    @torch.no_grad()
-    def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
-        """One tree per sequence of the batch (ctxs in `begin_batch`'s order), every level of
-        every row's tree through one draft forward."""
-        if len(ctxs) != self.engine.rows:
-            raise ValueError(f"{len(ctxs)} contexts for {self.engine.rows} sequences")
-        root_hidden, root_logits = self._catch_up(ctxs)  # (B, H), (B, V')
-        trees, steps = {}, {}
-        for row, ctx in enumerate(ctxs):
-            root = int(ctx.tokens[-1])
-            if not self._fits(len(ctx.tokens)):  # decode plainly at the end
-                trees[row] = TokenTree(ctx.tokens[-1:], torch.tensor([-1]))
-            elif isinstance(self.tree, DynamicTree):
-                steps[row] = self._dynamic_steps(root, root_hidden[row], root_logits[row],
-                                                 ctx.params)
-            else:
-                steps[row] = self._static_steps(root, root_hidden[row], root_logits[row], ctx)
-        try:
-            trees.update(run_lockstep(steps, self._forward_rows))
-        finally:
-            self.engine.rollback()  # the trees' entries were built on draft features
-        return [trees[row] for row in range(len(ctxs))]
-
-    def _fits(self, length: int) -> bool:
-        """Whether a tree's deepest node (position length - 2 + depth) stays inside the draft's
-        position range (GPT-2's position table would overflow)."""
-        window = context_window(self.draft.body)
-        return window is None or length - 2 + self.tree.depth < window
+    @property
+    def target_vocab_size(self) -> int:
+        return self.draft.target_vocab_size
 
     def _catch_up(self, ctxs: list[DraftContext]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row the rows the target just computed features for: (f_j, token j + 1)
@@ -336,74 +278,33 @@ class EagleDrafter:
         self.engine.start_rows(counts, run_row)
         return torch.stack(last)
 
-    def _static_steps(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
-                      ctx: DraftContext) -> Steps:
-        """Steps (drafters.base) filling the static topology below `root`."""
-        hidden = {0: root_hidden}  # tree node -> the draft's predicted feature after it
+    def _depth_limit(self, ctx: DraftContext) -> int:
+        """The tree's depth, or 0 (no tree) where its deepest node (position T - 2 + depth)
+        would leave the draft's position range (GPT-2's position table would overflow)."""
+        window = context_window(self.draft.body)
+        fits = window is None or len(ctx.tokens) - 2 + self.tree.depth < window
+        return self.tree.depth if fits else 0
 
-        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
-            builder, nodes = request
-            parents = [builder.parents[n] for n in nodes]
-            out, logits = yield ([builder.path(n) for n in nodes],
-                                 [builder.tokens[n] for n in nodes],
-                                 torch.stack([hidden[p] for p in parents]))
-            hidden.update(zip(nodes, out))
-            return self._full_logits(logits)
-
-        fill = fill_steps(self.tree, root, self._full_logits(root_logits[None])[0],
-                          self.tree.depth, ctx.params, ctx.generator)
-        return (yield from relay(fill, ask))
-
-    def _dynamic_steps(self, root: int, root_hidden: torch.Tensor, root_logits: torch.Tensor,
-                       params: SamplingParams) -> Steps:
-        """Steps growing EAGLE-2's tree below `root`, over draft-vocabulary indices (ranking
-        8k scores instead of 49k costs ~0.3 ms less per node here); mapped back to target ids
-        at the end."""
-        hidden = {0: root_hidden}
-        to_target = target_ids(self.draft.vocab_ids, self.draft.target_vocab_size)
-
-        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
-            candidates, nodes = request
-            parents = [candidates.parents[n] for n in nodes]
-            out, logits = yield ([candidates.path(n) for n in nodes],
-                                 [int(to_target[candidates.tokens[n]]) for n in nodes],
-                                 torch.stack([hidden[p] for p in parents]))
-            hidden.update(zip(nodes, out))
-            return draft_log_probs(logits, params)
-
-        search = self.tree.search_steps(root, draft_log_probs(root_logits[None], params)[0])
-        candidates = yield from relay(search, ask)
-        tree = candidates.build(self.tree.rerank(candidates))
-        tree.tokens[1:] = to_target[tree.tokens[1:]]
-        return tree
-
-    def _forward_rows(self, requests: dict[int, tuple[list[list[int]], list[int], torch.Tensor]]
-                      ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """One tree level of every asking row through the draft's cache, in one forward.
-        requests[b]: the paths of row b's level's nodes, their tokens and their parents'
-        predicted features (n_b, H). Returns per row the nodes' own predicted features
-        (n_b, H) and their float CPU draft-vocabulary logits (n_b, V'). Rows not asking feed
-        a padding node."""
+    def _forward_level(self, requests: dict[int, LevelRequest]) -> dict[int, LevelAnswer]:
+        """One tree level of every asking row through the draft's cache, in one forward: each
+        node's token on its parent's predicted feature. Returns per row the nodes' own
+        predicted features (n_b, H) and their float CPU draft-vocabulary logits (n_b, V')."""
         weight = self.draft.lm_head.weight
         rows = range(self.engine.rows)
         positions, mask = self.engine.level(
-            [requests[row][0] if row in requests else [] for row in rows], weight.dtype)
+            [requests[row].paths if row in requests else [] for row in rows], weight.dtype)
         inputs = torch.zeros(len(rows), positions.shape[1], weight.shape[1], dtype=weight.dtype,
                              device=weight.device)
         tokens = torch.zeros(positions.shape, dtype=torch.long)
-        for row, (_, row_tokens, parent_hidden) in requests.items():
-            inputs[row, :len(row_tokens)] = parent_hidden
-            tokens[row, :len(row_tokens)] = torch.tensor(row_tokens)
+        for row, request in requests.items():
+            inputs[row, :len(request.tokens)] = request.parent_states
+            tokens[row, :len(request.tokens)] = torch.tensor(request.tokens)
         out = self.draft(inputs, tokens.to(weight.device), positions.to(weight.device),
                          mask.to(weight.device), cache=self.engine.cache)  # (B, n, H)
-        real = [out[row, :len(requests[row][1])] for row in requests]
+        real = [out[row, :len(requests[row].tokens)] for row in requests]
         logits = self.draft.logits(torch.cat(real)).float().cpu().split([len(r) for r in real])
         return {row: (hidden, row_logits)
                 for row, hidden, row_logits in zip(requests, real, logits)}
-
-    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """(n, V') draft-vocabulary logits -> (n, V) over the target's, -inf outside."""
-        return self.draft.to_target_vocab(logits)
 
 
 def save_draft(draft: EagleDraft, folder: str | Path, target: Target,

@@ -15,17 +15,30 @@ mask hides the stale ones. One sequence is the batch of one.
 
 Geometry: a tree's root is its row's last committed entry, at position lengths[b] - 1; a node
 at depth d sits at position lengths[b] - 1 + d.
+
+`EngineDrafter` is what such a drafter shares: the protocol's batch lifecycle around the engine
+and the tree policies driven for every row at once; a subclass gives its catch-up and its
+per-level forward.
 """
 
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
+from drafters.base import Steps, check_depth, fill_steps, relay, run_lockstep
+from drafters.dynamic_tree import DynamicTree, draft_log_probs
+from drafters.vocab import target_ids, to_target_vocab
+from verify.accept import Acceptance
 from verify.cache import allocated_bytes, cache_rows_alone, move_entries, new_cache, trim
+from verify.protocol import DraftContext
+from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 
 class DraftEngine:
@@ -190,9 +203,190 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[:, None]
 
 
-def with_own_engine(drafter):
-    """A shallow copy of `drafter` (the same modules and settings) with its own empty
-    DraftEngine: another sequence's drafter state, sharing the weights."""
-    twin = copy.copy(drafter)
-    twin.engine = DraftEngine(drafter.engine.config)
-    return twin
+class LevelRequest(NamedTuple):
+    """One row's next tree level, as an EngineDrafter's `_forward_level` reads it.
+
+    paths: each node's tree path (node ids, root first); tokens: each node's target token id;
+    parent_states: (n, H) what each node's parent predicted, for a draft that reads it (EAGLE's
+    draft feature), or None (a draft language model reads its cache and the token alone).
+    """
+
+    paths: list[list[int]]
+    tokens: list[int]
+    parent_states: torch.Tensor | None
+
+
+# A row's answer to its LevelRequest: the (n, H) states its nodes predict (None for a draft
+# that carries none) and their float CPU draft-vocabulary logits (n, V').
+LevelAnswer = tuple[torch.Tensor | None, torch.Tensor]
+
+
+class EngineDrafter(ABC):
+    """A drafter that runs a model over the tree with a DraftEngine (the draft model, EAGLE).
+
+    It drafts B sequences together (verify.protocol.BatchDrafter; one sequence is the batch of
+    one): each proposal catches every row's cache up to its context, then grows every row's
+    tree (a static topology filled level by level, or EAGLE-2's dynamic tree) in lockstep, one
+    draft forward per tree level for all rows. A subclass gives what differs:
+
+    - `_catch_up(ctxs)`: read what each row's cache lacks (the accepted path) into it, and
+      return what the roots' children are drafted from;
+    - `_forward_level(requests)`: one tree level of every asking row, in one forward;
+    - `_depth_limit(ctx)`: how deep a row's tree may go (the draft's position range);
+    - the attributes `vocab_ids` (V', or None: the whole vocabulary) and `target_vocab_size`;
+    - `commits_accepted_path`: whether the trees' cache entries wait for `update_batch`,
+      which then keeps the accepted path's (the draft model: they are what re-running the
+      accepted tokens would compute), or are dropped once the trees are drafted (EAGLE: they
+      were built on the draft's own features, which the next catch-up replaces with the
+      target's). A subclass that commits writes `update_batch`.
+    """
+
+    feature_layers: tuple[int, ...] = ()  # target hidden states read (EAGLE's features)
+    max_depth = None  # a model can continue any path
+    commits_accepted_path: bool
+    vocab_ids: torch.Tensor | None
+    target_vocab_size: int
+
+    def __init__(self, config: PretrainedConfig, tree: TreeTopology | DynamicTree, name: str):
+        if not isinstance(tree, DynamicTree):
+            check_depth(tree, self.max_depth, name)
+        self.tree, self.name = tree, name
+        self.engine = DraftEngine(config)
+        self.begin(torch.empty(0, dtype=torch.long))
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """A new sequence: forget the draft's cache (the prompt is read at the first
+        proposal)."""
+        self.begin_batch([prompt])
+
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        """B new sequences, drafted together by `propose_batch`."""
+        self.engine.reset(len(prompts))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences `rows` of the batch (finished ones leave)."""
+        self.engine.keep_rows(rows)
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """`update_batch` for one sequence."""
+        self.update_batch([tree], [acceptance])
+
+    def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
+        """Nothing to keep: the next catch-up reads the accepted path."""
+
+    def fork(self) -> EngineDrafter:
+        """The same draft and settings (shared, not copied), its own empty cache."""
+        twin = copy.copy(self)
+        twin.engine = DraftEngine(self.engine.config)
+        twin.begin(torch.empty(0, dtype=torch.long))
+        return twin
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        """A tree rooted at ctx.tokens[-1]; fewer nodes where the draft distribution has too
+        few tokens with mass."""
+        if self.engine.rows != 1:
+            raise ValueError(f"{self.name} holds a batch of {self.engine.rows} sequences: use "
+                             "propose_batch, or begin() for one sequence")
+        return self.propose_batch([ctx])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
+        """One tree per sequence of the batch (ctxs in `begin_batch`'s order), every tree
+        level of every row through one draft forward."""
+        if len(ctxs) != self.engine.rows:
+            raise ValueError(f"{len(ctxs)} contexts for {self.engine.rows} sequences")
+        self.engine.rollback()  # a tree never followed by update() must not linger
+        root_states, root_logits = self._catch_up(ctxs)  # (B, H) or None, (B, V')
+        trees, steps = {}, {}
+        for row, ctx in enumerate(ctxs):
+            root_state = None if root_states is None else root_states[row]
+            depth = self._depth_limit(ctx)
+            if depth < 1:  # the draft's positions end here: decode plainly
+                trees[row] = TokenTree(ctx.tokens[-1:], torch.tensor([-1]))
+            elif isinstance(self.tree, DynamicTree):
+                steps[row] = self._dynamic_steps(row, ctx, root_state, root_logits[row], depth)
+            else:
+                steps[row] = self._static_steps(ctx, root_state, root_logits[row], depth)
+        try:
+            trees.update(run_lockstep(steps, self._forward_level))
+        finally:
+            if not self.commits_accepted_path:
+                self.engine.rollback()
+        return [trees[row] for row in range(len(ctxs))]
+
+    @abstractmethod
+    def _catch_up(self, ctxs: list[DraftContext]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Bring every row's committed cache entries up to its context, all rows in one forward
+        (or each row alone when the engine is empty: DraftEngine.start_rows). Returns the
+        roots' predicted states (B, H), or None for a draft that carries none, and the float
+        CPU draft-vocabulary logits (B, V') of the roots' children."""
+
+    @abstractmethod
+    def _forward_level(self, requests: dict[int, LevelRequest]) -> dict[int, LevelAnswer]:
+        """One tree level of every asking row through the cache (DraftEngine.level), in one
+        forward; rows not asking feed a padding node. Returns each asking row's answer."""
+
+    @abstractmethod
+    def _depth_limit(self, ctx: DraftContext) -> int:
+        """The deepest level a tree below ctx.tokens[-1] may reach: the tree's depth, less
+        near the end of the draft's position range (0: no tree at all)."""
+
+    def _static_steps(self, ctx: DraftContext, root_state: torch.Tensor | None,
+                      root_logits: torch.Tensor, depth: int) -> Steps:
+        """Steps (drafters.base) filling the static topology below the root, `depth` levels
+        at most."""
+        states = {0: root_state}  # tree node -> the state its children are drafted from
+
+        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
+            builder, nodes = request
+            logits = yield from self._level(
+                states, nodes, [builder.path(n) for n in nodes],
+                [builder.tokens[n] for n in nodes], [builder.parents[n] for n in nodes])
+            return self._full_logits(logits)
+
+        fill = fill_steps(self.tree, int(ctx.tokens[-1]), self._full_logits(root_logits), depth,
+                          ctx.params, ctx.generator)
+        return (yield from relay(fill, ask))
+
+    def _dynamic_steps(self, row: int, ctx: DraftContext, root_state: torch.Tensor | None,
+                       root_logits: torch.Tensor, depth: int) -> Steps:
+        """Steps growing EAGLE-2's tree (at most `depth` deep) below the root, over
+        draft-vocabulary indices (ranking 8k scores instead of 49k costs ~0.3 ms less per node
+        here), mapped back to target ids at the end. The fed candidates are renamed to their
+        ids in the kept tree, so that committing the accepted path works as for a static
+        tree."""
+        states = {0: root_state}
+        to_target = target_ids(self.vocab_ids, self.target_vocab_size)
+
+        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
+            candidates, nodes = request
+            logits = yield from self._level(
+                states, nodes, [candidates.path(n) for n in nodes],
+                [int(to_target[candidates.tokens[n]]) for n in nodes],
+                [candidates.parents[n] for n in nodes])
+            return draft_log_probs(logits, ctx.params)
+
+        policy = self.tree if depth >= self.tree.depth else replace(self.tree, depth=depth)
+        search = policy.search_steps(int(ctx.tokens[-1]),
+                                     draft_log_probs(root_logits[None], ctx.params)[0])
+        candidates = yield from relay(search, ask)
+        kept = policy.rerank(candidates)
+        self.engine.renumber({candidate: node for node, candidate in enumerate(kept)}, row)
+        tree = candidates.build(kept)
+        tree.tokens[1:] = to_target[tree.tokens[1:]]
+        return tree
+
+    def _level(self, states: dict[int, torch.Tensor | None], nodes: list[int],
+               paths: list[list[int]], tokens: list[int], parents: list[int]) -> Steps:
+        """Steps drafting one level: ask for the forward of `nodes` (their paths, tokens and
+        parents), record the states they predict in `states`, and return their (n, V')
+        draft-vocabulary logits."""
+        parent_states = None if states[0] is None else torch.stack([states[p] for p in parents])
+        node_states, logits = yield LevelRequest(paths, tokens, parent_states)
+        if node_states is not None:
+            states.update(zip(nodes, node_states))
+        return logits
+
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V') draft-vocabulary logits -> (..., V) over the target's, -inf outside."""
+        return to_target_vocab(logits, self.vocab_ids, self.target_vocab_size)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from drafters.base import (
+    StatelessBatchDrafter,
     add_children,
     check_depth,
     check_target,
@@ -34,7 +35,6 @@ from drafters.base import (
     typed_config,
 )
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
-from verify.accept import Acceptance
 from verify.features import LAST
 from verify.files import load_tensors
 from verify.protocol import DraftContext
@@ -171,12 +171,14 @@ class MedusaHeads(nn.Module):
                 "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size}
 
 
-class MedusaDrafter:
+class MedusaDrafter(StatelessBatchDrafter):
     """Fills a static topology from one pass of Medusa heads over the root's predicting state.
 
     The child of rank r under a depth-(d-1) node is head d-1's r-th proposal: its top tokens
     (greedy), or draws without replacement from its warped distribution (sampling), drawn
-    afresh for each parent and recorded as that parent's draft distribution.
+    afresh for each parent and recorded as that parent's draft distribution. Nothing is kept
+    between steps: the heads only look at the latest hidden state, which carries the accepted
+    path.
     """
 
     feature_layers = LAST  # the state the target's LM head reads
@@ -188,34 +190,12 @@ class MedusaDrafter:
         self.topology = topology
         self.name = name
 
-    def begin(self, prompt: torch.Tensor) -> None:
-        """Nothing to reset: the heads only look at the latest hidden state."""
-
-    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
-        """Nothing to reset either."""
-
-    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Nothing to learn: the next hidden state carries the accepted path."""
-
-    def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
-        """Nothing to learn for any row."""
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """No per-row state to drop."""
-
-    def fork(self) -> MedusaDrafter:
-        """Stateless between steps: every sequence can share this one."""
-        return self
-
-    def propose(self, ctx: DraftContext) -> TokenTree:
-        """A tree over the topology rooted at ctx.tokens[-1]; fewer nodes where a head's
-        distribution has too few tokens with mass."""
-        return self.propose_batch([ctx])[0]
-
     @torch.no_grad()
     def propose_batch(self, ctxs: list[DraftContext]) -> list[TokenTree]:
         """One tree per row from one pass of the heads over the B rows' states: each head's
-        vocabulary projection reads its weights once for the batch, not once per row."""
+        vocabulary projection reads its weights once for the batch, not once per row. A tree
+        has fewer nodes than the topology where a head's distribution has too few tokens with
+        mass."""
         if any(ctx.features is None for ctx in ctxs):
             raise ValueError("the Medusa drafter needs the target's last hidden state "
                              "(ctx.features): the loop computes the drafter's feature_layers, "

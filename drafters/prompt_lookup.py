@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import check_depth, typed_config
-from verify.accept import Acceptance
+from drafters.base import StatelessDrafter, check_depth, typed_config
 from verify.protocol import DraftContext
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
@@ -31,14 +30,12 @@ class PromptLookupConfig:
     max_depth: int = 8  # long copied continuations are rarely right to the end
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(StatelessDrafter):
     """Fills the topology with n-gram continuations found in the context.
 
     The drafts are deterministic (draft_probs None), so exact sampling treats each as a
     one-hot proposal. A context without a match gives a partial tree, down to the root alone.
     """
-
-    feature_layers = ()  # reads no target hidden states
 
     def __init__(self, topology: TreeTopology, max_ngram: int = PromptLookupConfig.max_ngram,
                  min_ngram: int = PromptLookupConfig.min_ngram,
@@ -52,20 +49,10 @@ class PromptLookupDrafter:
         self.max_depth = max_depth
         self.name = name
 
-    def begin(self, prompt: torch.Tensor) -> None:
-        """Nothing to reset: every proposal searches its own context."""
-
     def propose(self, ctx: DraftContext) -> TokenTree:
         tokens = ctx.tokens.cpu()
         starts = self.candidates(tokens)
         return fill_topology(self.topology, tokens.tolist(), starts)
-
-    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Nothing to learn."""
-
-    def fork(self) -> PromptLookupDrafter:
-        """Stateless between steps: every sequence can share this one."""
-        return self
 
     def candidates(self, tokens: torch.Tensor) -> list[int]:
         """Where each candidate continuation starts in the (T,) context, best first.

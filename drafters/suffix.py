@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 
 from drafters.adaptive import cut_to_cost
-from drafters.base import typed_config
+from drafters.base import StatelessDrafter, typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix_trie import SuffixTrie
-from verify.accept import Acceptance
 from verify.files import read_jsonl, write_json
 from verify.protocol import DraftContext
 from verify.target import Target
@@ -126,10 +125,10 @@ class _Request:
         return self.tokens[self.prompt_length:]
 
 
-class SuffixDrafter:
-    """Proposes the better of the request's and the shared trie's speculations."""
-
-    feature_layers = ()  # reads no target hidden states
+class SuffixDrafter(StatelessDrafter):
+    """Proposes the better of the request's and the shared trie's speculations. Its state is
+    the open requests and the shared trie (`begin`, `fork`); `update` has nothing to learn: the
+    next proposal indexes the decided tokens itself."""
 
     def __init__(self, tree: DynamicTree, config: SuffixConfig = SuffixConfig(),
                  memory: SuffixMemory | None = None):
@@ -163,9 +162,6 @@ class SuffixDrafter:
             if other.expected > best.expected:
                 best = other
         return best.tree
-
-    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Nothing to learn here: the next proposal indexes the decided tokens itself."""
 
     def fork(self) -> SuffixDrafter:
         """Another sequence's drafter: its own request, the same shared trie."""

@@ -43,6 +43,7 @@ from experiments.tree_search_dynamic import (
     format_budget_table,
     heldout_prompts,
     measurement_note,
+    prompt_data,
     tree_drafters,
     tree_shapes,
     write_dynamic_tree_config,
@@ -129,7 +130,7 @@ def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
     trees = list(stands_for)
     target = load_target_from_config(cfg.target)
     drafters = tree_drafters(cfg.drafter, trees, target, cfg.seed)
-    prompts = heldout_prompts(cfg.data, target, cfg.num_prompts)
+    prompts = heldout_prompts(prompt_data(cfg), target, cfg.num_prompts)
     with single_thread() if cfg.target.tiny else nullcontext():
         sizes = sorted({1} | {tree.total_tokens + 1 for tree in trees})
         cost = measure_verify_cost(target.model, sizes, cfg.context_len, cfg.repeats)

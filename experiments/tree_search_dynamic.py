@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from drafters import build_drafter
 from drafters.dynamic_tree import DynamicTree
+from experiments.common import CONF_DIR
 from train.distill import encode_until
 from train.prompts import interleave, load_prompt_files
 from verify.loop import GenerationResult, generate
@@ -129,6 +130,15 @@ def tree_drafters(drafter_cfg: Mapping, trees: Sequence[DynamicTree], target: Ta
                             f"{drafter_cfg['name']} cannot grow (use eagle, eagle3 or "
                             f"draft_model): {e}") from e
     return drafters
+
+
+def prompt_data(cfg: DictConfig) -> DictConfig:
+    """The data whose held-out prompts mode=dynamic decodes: `data` (by default the drafter's
+    own training data); for a drafter with nothing to train, and so no data of its own (suffix,
+    hybrid), self-distillation's: no run here trains on its held-out prompts."""
+    if "data" in cfg:
+        return cfg.data
+    return OmegaConf.load(Path(CONF_DIR) / "data" / "self_distill.yaml")
 
 
 def heldout_prompts(data: DictConfig, target: Target, count: int) -> list[torch.Tensor]:

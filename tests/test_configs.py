@@ -91,10 +91,14 @@ def _train_entry():
     return entry
 
 
-def test_train_entry_says_when_a_drafter_has_nothing_to_train(capsys):
-    _train_entry().main(compose_with("train", "drafter=prompt_lookup", "out_dir=/tmp/unused"))
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix", "hybrid"])
+def test_train_entry_says_when_a_drafter_has_nothing_to_train(drafter, capsys):
+    # such a drafter has no data or optim defaults (conf/train.yaml's optional entries)
+    cfg = compose_with("train", f"drafter={drafter}", "out_dir=/tmp/unused")
+    assert OmegaConf.is_missing(cfg, "data") and OmegaConf.is_missing(cfg, "optim")
+    _train_entry().main(cfg)
     out = capsys.readouterr().out
-    assert "'prompt_lookup' has nothing to train" in out and "medusa" in out
+    assert f"'{drafter}' has nothing to train" in out and "medusa" in out
 
 
 def test_an_unknown_group_option_is_refused():

@@ -15,6 +15,7 @@ from drafters.eagle import (
     load_draft,
     save_draft,
 )
+from drafters.engine import LevelRequest
 from drafters.vocab import coverage
 from verify.features import eagle3_layers
 from verify.loop import generate, generate_batch
@@ -60,8 +61,8 @@ def sequential_logits(drafter: EagleDrafter, ctx: DraftContext, path_tokens: lis
     hidden, logits = hidden[0], logits[0]
     for depth in range(1, len(path_tokens) + 1):
         path = list(range(depth + 1))  # a chain: node d is the d-th path token
-        out, level_logits = drafter._forward_rows(
-            {0: ([path], [path_tokens[depth - 1]], hidden[None])})[0]
+        out, level_logits = drafter._forward_level(
+            {0: LevelRequest([path], [path_tokens[depth - 1]], hidden[None])})[0]
         hidden, logits = out[0], level_logits[0]
     drafter.engine.rollback()
     return logits

@@ -15,15 +15,16 @@ RESULTS = ROOT / "docs" / "results"
 def test_the_committed_pages_are_what_the_saved_json_gives():
     """Every page in docs/results/ regenerates from its source and experiments/reports/ as it
     is committed: a hand edit of a table, or a formatter that changed, fails here."""
-    pages = generate(RESULTS / "src", REPORTS, RESULTS)
-    assert len(pages) > 1
+    pages = generate(RESULTS / "src", REPORTS, RESULTS, readme=ROOT / "README.md")
+    assert len(pages) > 2
     stale = stale_pages(pages)
     assert not stale, f"stale pages {stale}: run python -m experiments.results"
 
 
 def test_every_committed_page_is_generated_from_a_source():
     committed = {p.name for p in RESULTS.glob("*.md")}
-    sources = {p.name for p in (RESULTS / "src").glob("*.md")} | {"README.md"}
+    sources = {p.name for p in (RESULTS / "src").glob("*.md") if not p.name.startswith("_")}
+    sources |= {"README.md"}  # the index
     assert committed == sources
 
 
@@ -56,6 +57,27 @@ def test_a_directive_becomes_the_table_the_command_prints(tmp_path):
     assert format_table(rows) in page
     assert "(reports/sim/a.json), written by `experiments.simulate`" in page
     assert "![a](reports/sim/a.png)" in page and "Prose." in page
+
+
+def test_rows_and_the_readme_block(tmp_path):
+    summary = {"baseline": "hf_greedy", "prompts": 2, "methods": {
+        "hf_greedy": {"speedup": {"overall": 1.0}, "tokens_per_s": {"overall": 10.0}},
+        "eagle/x": {"speedup": {"overall": 1.25}, "tokens_per_s": {"overall": 12.5}, "tau": 1.8,
+                    "identical": 1.0}}}
+    _report(tmp_path / "reports", "run/b.json", [summary])
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "page.md").write_text("# Page\n\nAbout.\n")
+    (src / "_headline.md").write_text("| h |\n<!-- rows: run/*.json :: eagle/x -->\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results: begin -->\nold\n<!-- results: end -->\ntail\n")
+    text = generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)[readme]
+    assert text == ("intro\n<!-- results: begin -->\n| h |\n"
+                    "| eagle/x | 1.25x over hf_greedy | 1.80 | 100% | [run](reports/run/b.json) |\n"
+                    "<!-- results: end -->\ntail\n")
+    (src / "_headline.md").write_text("<!-- rows: run/*.json :: eagle/y -->\n")
+    with pytest.raises(ValueError, match="no method 'eagle/y'"):
+        generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)
 
 
 @pytest.mark.parametrize("pattern, error", [("none/*.json", "matches none"),

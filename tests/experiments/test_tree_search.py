@@ -20,6 +20,7 @@ from experiments.tree_search_dynamic import (
     candidate_trees,
     check_budgets,
     heldout_prompts,
+    prompt_data,
     tree_shapes,
 )
 from verify.costs import measure_verify_cost, time_step
@@ -221,6 +222,16 @@ def test_only_held_out_prompts_are_decoded(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(first, heldout_prompts(cfg.data, target, 3)))
     with pytest.raises(ValueError, match="later prompts are trained on"):
         heldout_prompts(cfg.data, target, cfg.data.heldout_prompts + 1)
+
+
+def test_a_drafter_without_training_data_decodes_self_distillations_held_out_prompts(tmp_path):
+    suffix = compose_dynamic(tmp_path, "drafter=suffix")
+    assert "data" not in suffix  # nothing to train: no conf/data/default/suffix.yaml
+    medusa = compose_dynamic(tmp_path, "drafter=medusa")  # trains on self_distill
+    assert prompt_data(medusa) is medusa.data
+    assert OmegaConf.to_container(prompt_data(suffix)) == OmegaConf.to_container(medusa.data)
+    chosen = compose_dynamic(tmp_path, "drafter=suffix", "data=sharegpt")
+    assert prompt_data(chosen).name == "sharegpt"
 
 
 def test_an_unknown_mode_is_refused(tmp_path):

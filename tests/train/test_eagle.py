@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 import train.features as features_module
 from drafters import build_drafter
 from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter, default_layout
+from drafters.engine import LevelRequest
 from train import run_training
 from train.distill import distilled_data
 from train.distributed import DistEnv
@@ -70,8 +71,8 @@ def test_unrolled_steps_equal_drafting_the_chain(arch, variant):
             hidden = drafter._catch_up([ctx])[0][0]
             for depth in range(1, step + 1):
                 token = int(TOKENS[root + 1 + depth])
-                request = ([list(range(depth + 1))], [token], hidden[None])
-                hidden = drafter._forward_rows({0: request})[0][0][0]
+                request = LevelRequest([list(range(depth + 1))], [token], hidden[None])
+                hidden = drafter._forward_level({0: request})[0][0][0]
         drafter.engine.reset()
         # float rounding differs between the two shapes of forward; a wrong mask is off by O(1)
         torch.testing.assert_close(unrolled[step][0, j], hidden, atol=1e-4, rtol=1e-3)
