@@ -33,6 +33,7 @@ from drafters import build_drafter
 from experiments.chain import chain_rows
 from experiments.common import pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
+from experiments.table import markdown_table
 from verify.accept import SpeculativeSamplingRule, make_rule
 from verify.loop import generate, generate_batch
 from verify.metrics import TokensPerForward
@@ -194,14 +195,14 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| drafter | tree | rule | check | value | claimed exact | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
         verdict = {True: "pass", False: "FAIL", None: "measured: not exact"
                    if not r["detail"].get("consistent_with_target", True) else "measured"}
-        lines.append(f"| {r['drafter']} | {r['tree']} | {r['rule']} | {r['check']} | "
-                     f"{r['value']:.4g} | {'yes' if r['exact_claimed'] else 'no'} | "
-                     f"{verdict[r['passed']]} |")
+        cells.append([r["drafter"], r["tree"], r["rule"], r["check"], f"{r['value']:.4g}",
+                      "yes" if r["exact_claimed"] else "no", verdict[r["passed"]]])
+    lines = [markdown_table(["drafter", "tree", "rule", "check", "value", "claimed exact",
+                             "verdict"], cells)]
     divergences = [d for r in rows for d in r["detail"].get("divergences", [])]
     if divergences:
         lines += ["", "Greedy divergences (margin: top-1 minus top-2 logit of a float32 "

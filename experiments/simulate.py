@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from experiments.common import read_json_file, save_figure, write_report
 from experiments.report_schema import BenchReport, BenchSummary, summary_type
 from experiments.stats import leviathan_expected_tokens
+from experiments.table import markdown_table
 from verify.costs import load_costs
 
 CHAIN_METHOD = re.compile(r"/chain(\d+)\b")
@@ -157,19 +158,19 @@ def _row(alpha: float, gamma: int, t_draft: float, cost: dict[int, float]) -> di
 
 def format_table(rows: list[dict]) -> str:
     """Markdown: predictions per (alpha, gamma), then measured chains beside their prediction."""
-    lines = ["| alpha | gamma | expected tokens | t_draft ms | t(gamma+1) ms | predicted speedup "
-             "| optimal gamma |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['alpha']:.3f} | {r['gamma']} | {r['expected_tokens']:.3f} | "
-              f"{r['t_draft_ms']:.2f} | {r['t_verify_ms']:.2f} | {r['predicted_speedup']:.2f}x | "
-              f"{r['optimal_gamma']} |" for r in rows if "method" not in r]
-    measured = [r for r in rows if "method" in r]
+    predicted = [[f"{r['alpha']:.3f}", r["gamma"], f"{r['expected_tokens']:.3f}",
+                  f"{r['t_draft_ms']:.2f}", f"{r['t_verify_ms']:.2f}",
+                  f"{r['predicted_speedup']:.2f}x", r["optimal_gamma"]]
+                 for r in rows if "method" not in r]
+    tables = [markdown_table(["alpha", "gamma", "expected tokens", "t_draft ms", "t(gamma+1) ms",
+                              "predicted speedup", "optimal gamma"], predicted)]
+    measured = [[r["method"], r["gamma"], f"{r['expected_tokens']:.2f}",
+                 f"{r['measured_tau']:.2f}", f"{r['predicted_speedup']:.2f}x",
+                 f"{r['measured_speedup']:.2f}x"] for r in rows if "method" in r]
     if measured:
-        lines += ["", "| method | gamma | predicted tau | measured tau | predicted speedup | "
-                  "measured speedup |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['method']} | {r['gamma']} | {r['expected_tokens']:.2f} | "
-                  f"{r['measured_tau']:.2f} | {r['predicted_speedup']:.2f}x | "
-                  f"{r['measured_speedup']:.2f}x |" for r in measured]
-    return "\n".join(lines)
+        tables.append(markdown_table(["method", "gamma", "predicted tau", "measured tau",
+                                      "predicted speedup", "measured speedup"], measured))
+    return "\n\n".join(tables)
 
 
 def plot(rows: list[dict], path: Path) -> Path:

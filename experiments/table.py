@@ -27,9 +27,17 @@ def cell(value: object, spec: str | None = None) -> str:
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A markdown table of `header` and `rows` (one value per column each, laid out by
     `cell`; format a column's numbers otherwise with cell(value, spec) before)."""
-    lines = [_line(header), "|" + "---|" * len(header)]
+    # An untitled column (a notes column) keeps the one-space header cell "| |" the tables
+    # have always had; an empty body cell is "|  |", a cell with nothing in it.
+    title = "|" + "".join(f" {name} |" if name else " |" for name in header)
+    lines = [title, "|" + "---|" * len(header)]
     lines += [_line([cell(value) for value in row]) for row in rows]
     return "\n".join(lines)
+
+
+def markdown_row(values: Sequence[object]) -> str:
+    """One body line of a markdown table, for rows spliced into a table written elsewhere."""
+    return _line([cell(value) for value in values])
 
 
 def _line(cells: Sequence[str]) -> str:
