@@ -24,7 +24,7 @@ from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
 
 __all__ = ["CONFIG_FILE", "DraftContext", "Drafter", "StatelessBatchDrafter", "StatelessDrafter",
            "Steps", "add_children", "check_depth",
-           "check_target", "fill_steps", "node_path", "propose_children", "read_config",
+           "check_target", "fill_steps", "propose_children", "read_config",
            "relay", "run_lockstep", "run_steps", "save_module", "shallow_config",
            "target_record", "typed_config"]
 
@@ -190,14 +190,6 @@ def relay(steps: Steps, ask: Callable[[Any], Steps]) -> Steps:
             request = steps.send((yield from ask(request)))
     except StopIteration as done:
         return done.value
-
-
-def node_path(parents: list[int], node: int) -> list[int]:
-    """Tree node ids from the root to `node`, given each node's parent (-1 for the root)."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def add_children(builder: TreeBuilder, topology: TreeTopology, placed: dict[int, int], node: int,

@@ -34,57 +34,13 @@ import torch
 from drafters.adaptive import StepCost, best_size, step_cost
 from drafters.base import Steps, run_steps
 from verify.sampling import SamplingParams, warp
-from verify.tree import TokenTree
-
-
-class CandidateTree:
-    """Every token the dynamic tree considered, with its cumulative draft log-probability.
-
-    Node 0 is the root (score 0); node i > 0 has `parents[i] < i`. Nodes are numbered in the
-    order they were proposed, round by round, so a lower index is never deeper.
-    tokens, parents, scores: lists of length C (number of candidates, root included).
-    """
-
-    def __init__(self, root: int):
-        self.tokens = [int(root)]
-        self.parents = [-1]
-        self.scores = [0.0]
-        self._depths = [0]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add(self, parent: int, token: int, score: float) -> int:
-        """Append a child of `parent` with cumulative `score`; returns its index."""
-        self.tokens.append(int(token))
-        self.parents.append(parent)
-        self.scores.append(score)
-        self._depths.append(self._depths[parent] + 1)
-        return len(self.tokens) - 1
-
-    def depth(self, node: int) -> int:
-        return self._depths[node]
-
-    def path(self, node: int) -> list[int]:
-        """Candidate indices from the root down to `node`, both included."""
-        path = [node]
-        while path[-1] != 0:
-            path.append(self.parents[path[-1]])
-        return path[::-1]
-
-    def subtree(self, kept: list[int]) -> TokenTree:
-        """The TokenTree of `kept` candidates: ascending indices starting at the root, closed
-        under ancestors (ascending indices put parents before children)."""
-        index = {node: i for i, node in enumerate(kept)}
-        parents = [-1] + [index[self.parents[node]] for node in kept[1:]]
-        # exp(cumulative log-probability): the draft's estimate that the whole path is accepted
-        scores = torch.tensor([self.scores[n] for n in kept], dtype=torch.float64).exp()
-        return TokenTree(torch.tensor([self.tokens[n] for n in kept]), torch.tensor(parents),
-                         scores=scores)
-
+from verify.tree import TokenTree, TreeBuilder
 
 # (candidates, nodes to expand) -> (len(nodes), V) draft log-probabilities of their children.
-Expand = Callable[[CandidateTree, list[int]], torch.Tensor]
+# The candidates are a scored verify.tree.TreeBuilder: every token the tree considered, its
+# log_scores the cumulative draft log-probabilities, numbered round by round (a lower index is
+# never deeper).
+Expand = Callable[[TreeBuilder, list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -116,9 +72,9 @@ class DynamicTree:
     def grow(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> TokenTree:
         """The draft tree below `root`, given the draft log-probabilities (V,) after it."""
         candidates = self.search(root, root_logprobs, expand)
-        return candidates.subtree(self.rerank(candidates))
+        return candidates.build(self.rerank(candidates))
 
-    def search(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> CandidateTree:
+    def search(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> TreeBuilder:
         """Expansion phase: every candidate of `depth` rounds, calling `expand` once per round
         after the first, on that round's frontier (ascending indices, all of one depth)."""
         return run_steps(self.search_steps(root, root_logprobs),
@@ -127,14 +83,14 @@ class DynamicTree:
     def search_steps(self, root: int, root_logprobs: torch.Tensor) -> Steps:
         """`search` as steps (drafters.base.run_steps): yields (candidates, frontier) once per
         round after the first, takes the frontier's (len(frontier), V) log-probabilities,
-        returns the CandidateTree.
+        returns the TreeBuilder.
 
         No more than `total_tokens` rounds run: a kept node needs all its ancestors kept, so no
         node deeper than `total_tokens` can be kept, and rounds past it would only cost draft
         forwards (a 2-node budget at depth 3 drafted 3 levels to keep 2)."""
         if root_logprobs.dim() != 1:
             raise ValueError(f"root_logprobs must be (V,), got {tuple(root_logprobs.shape)}")
-        candidates = CandidateTree(root)
+        candidates = TreeBuilder(root, scored=True)
         level = self._add_children(candidates, [0], root_logprobs[None])
         for _ in range(1, min(self.depth, self.total_tokens)):
             frontier = self._frontier(candidates, level)
@@ -147,13 +103,13 @@ class DynamicTree:
             level = self._add_children(candidates, frontier, logprobs)
         return candidates
 
-    def rerank(self, candidates: CandidateTree) -> list[int]:
+    def rerank(self, candidates: TreeBuilder) -> list[int]:
         """The root and the `total_tokens` best candidates by score, ascending (parents first).
 
         Ties go to the lower index, i.e. the shallower node, then the earlier proposal; so a
         parent always ranks before a child that ties it (log-probability 0).
         """
-        scores = torch.tensor(candidates.scores[1:], dtype=torch.float64)
+        scores = torch.tensor(candidates.log_scores[1:], dtype=torch.float64)
         order = scores.sort(descending=True, stable=True).indices + 1
         kept, ranked = {0}, []
         for node in order.tolist():
@@ -166,31 +122,31 @@ class DynamicTree:
                 ranked.append(node)
         if self.cost is not None:
             forwards = max(candidates.depth(n) for n in range(len(candidates)))
-            worth = [math.exp(candidates.scores[n]) for n in ranked]
+            worth = [math.exp(candidates.log_scores[n]) for n in ranked]
             ranked = ranked[:best_size(worth, self.cost, forwards)]
         return sorted([0, *ranked])
 
-    def _round_pays(self, candidates: CandidateTree, frontier: list[int]) -> bool:
+    def _round_pays(self, candidates: TreeBuilder, frontier: list[int]) -> bool:
         """Whether another draft forward can pay: its best candidate's chance of acceptance
         times a plain step's cost must exceed the forward's (always, without a cost)."""
         if self.cost is None:
             return True
-        best = max(candidates.scores[n] for n in frontier)
+        best = max(candidates.log_scores[n] for n in frontier)
         return math.exp(best) * self.cost.t(1) > self.cost.draft_ms
 
-    def _frontier(self, candidates: CandidateTree, level: list[int]) -> list[int]:
+    def _frontier(self, candidates: TreeBuilder, level: list[int]) -> list[int]:
         """The top_k of the newest round's candidates by cumulative score, ascending."""
-        scores = torch.tensor([candidates.scores[c] for c in level], dtype=torch.float64)
+        scores = torch.tensor([candidates.log_scores[c] for c in level], dtype=torch.float64)
         return sorted(level[i] for i in _top(scores, self.top_k))
 
-    def _add_children(self, candidates: CandidateTree, nodes: list[int],
+    def _add_children(self, candidates: TreeBuilder, nodes: list[int],
                       logprobs: torch.Tensor) -> list[int]:
         """Add the top_k children of each node from its (V,) row of `logprobs` (len(nodes), V);
         returns the new candidates' indices."""
         added = []
         for node, row in zip(nodes, logprobs.float()):
             for token in _top(row, self.top_k):
-                score = candidates.scores[node] + float(row[token])
+                score = candidates.log_scores[node] + float(row[token])
                 added.append(candidates.add(node, token, score))
         return added
 

@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
-from drafters.base import Steps, check_depth, fill_steps, node_path, relay, run_lockstep
-from drafters.dynamic_tree import CandidateTree, DynamicTree, draft_log_probs
+from drafters.base import Steps, check_depth, fill_steps, relay, run_lockstep
+from drafters.dynamic_tree import DynamicTree, draft_log_probs
 from drafters.vocab import target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.cache import allocated_bytes, cache_rows_alone, move_entries, new_cache, trim
@@ -340,7 +340,7 @@ class EngineDrafter(ABC):
         def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
             builder, nodes = request
             logits = yield from self._level(
-                states, nodes, [node_path(builder.parents, n) for n in nodes],
+                states, nodes, [builder.path(n) for n in nodes],
                 [builder.tokens[n] for n in nodes], [builder.parents[n] for n in nodes])
             return self._full_logits(logits)
 
@@ -358,7 +358,7 @@ class EngineDrafter(ABC):
         states = {0: root_state}
         to_target = target_ids(self.vocab_ids, self.target_vocab_size)
 
-        def ask(request: tuple[CandidateTree, list[int]]) -> Steps:
+        def ask(request: tuple[TreeBuilder, list[int]]) -> Steps:
             candidates, nodes = request
             logits = yield from self._level(
                 states, nodes, [candidates.path(n) for n in nodes],
@@ -372,7 +372,7 @@ class EngineDrafter(ABC):
         candidates = yield from relay(search, ask)
         kept = policy.rerank(candidates)
         self.engine.renumber({candidate: node for node, candidate in enumerate(kept)}, row)
-        tree = candidates.subtree(kept)
+        tree = candidates.build(kept)
         tree.tokens[1:] = to_target[tree.tokens[1:]]
         return tree
 

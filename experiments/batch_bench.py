@@ -33,8 +33,11 @@ from drafters import build_drafter
 from experiments.bench import contenders, forget_memories
 from experiments.bench_report import write_tables
 from experiments.common import pick_questions, save_figure, single_thread, write_report
+from experiments.report_schema import BatchFigures, BatchSummary
+from experiments.table import cell, markdown_table
 from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
+from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.target import Target, load_target_from_config
 from verify.tree import TokenTree
@@ -83,8 +86,9 @@ def treedraft_batched(target: Target, drafter: Drafter | None,
         longest = max(results, key=lambda r: len(r.steps))
         return {"tokens": [r.tokens.tolist() for r in results],
                 "steps": len(longest.steps),
-                "accepted": sum(s.accepted + 1 for r in results for s in r.steps),
-                "row_steps": sum(len(r.steps) for r in results),
+                # tokens the rows' steps produced (bonus included) over the rows' steps
+                "step_tokens": sum(r.tally.tokens for r in results),
+                "row_steps": sum(r.tally.forwards for r in results),
                 "draft_s": sum(r.draft_s for r in results),
                 "verify_s": longest.verify_s,
                 "prefill_s": longest.prefill_s}
@@ -176,8 +180,9 @@ def summarise_batches(records: dict[int, dict[str, list[dict]]]) -> dict:
         figures = {name: _figures(recs, alone) for name, recs in by_method.items()}
         for fig in figures.values():
             fig["speedup"] = fig["tokens_per_s"] / figures[BASELINE]["tokens_per_s"]
-        sizes[size] = figures
-    return {"baseline": BASELINE, "reference": f"{REFERENCE} at B = 1", "sizes": sizes}
+        sizes[size] = {name: BatchFigures(**fig) for name, fig in figures.items()}
+    return BatchSummary(baseline=BASELINE, reference=f"{REFERENCE} at B = 1",
+                        sizes=sizes).to_json()
 
 
 def _figures(recs: list[dict], alone: list[list[int]] | None) -> dict:
@@ -188,7 +193,8 @@ def _figures(recs: list[dict], alone: list[list[int]] | None) -> dict:
                "identical": (None if alone is None else
                              sum(a == b for a, b in zip(tokens, alone)) / len(tokens))}
     if "steps" in recs[0]:
-        figures.update(tau=sum(r["accepted"] for r in recs) / sum(r["row_steps"] for r in recs),
+        tally = sum((_tally(r) for r in recs), TokensPerForward())
+        figures.update(tau=tally.tau,
                        steps=sum(r["steps"] for r in recs),
                        draft_share=sum(r["draft_s"] for r in recs) / seconds,
                        verify_share=sum(r["verify_s"] for r in recs) / seconds,
@@ -197,18 +203,24 @@ def _figures(recs: list[dict], alone: list[list[int]] | None) -> dict:
     return figures
 
 
+def _tally(record: dict) -> TokensPerForward:
+    """A group's tokens produced by its rows' steps and those steps. Records made before
+    "step_tokens" named that count "accepted", though it counted the bonus tokens too."""
+    tokens = record["step_tokens"] if "step_tokens" in record else record["accepted"]
+    return TokensPerForward(tokens, record["row_steps"])
+
+
+BATCH_HEADER = ["B", "method", "tokens/s", "speedup", "tau", "verify ms/step", "draft share",
+                "identical"]
+
+
 def format_table(summary: dict) -> str:
-    lines = ["| B | method | tokens/s | speedup | tau | verify ms/step | draft share | "
-             "identical |", "|---|---|---|---|---|---|---|---|"]
-    for size, figures in summary["sizes"].items():
-        for name, f in figures.items():
-            tau = "-" if "tau" not in f else f"{f['tau']:.2f}"
-            step = "-" if "ms_per_step" not in f else f"{f['ms_per_step']:.1f}"
-            draft = "-" if "draft_share" not in f else f"{f['draft_share']:.0%}"
-            same = "-" if f["identical"] is None else f"{f['identical']:.0%}"
-            lines.append(f"| {size} | {name} | {f['tokens_per_s']:.1f} | {f['speedup']:.2f}x | "
-                         f"{tau} | {step} | {draft} | {same} |")
-    return "\n".join(lines)
+    """Markdown, one line per batch size and method of a batch summary (a saved JSON's row)."""
+    rows = [[size, name, f"{f.tokens_per_s:.1f}", f"{f.speedup:.2f}x", cell(f.tau, ".2f"),
+             cell(f.ms_per_step, ".1f"), cell(f.draft_share, ".0%"), cell(f.identical, ".0%")]
+            for size, methods in BatchSummary.from_json(summary).sizes.items()
+            for name, f in methods.items()]
+    return markdown_table(BATCH_HEADER, rows)
 
 
 def plot(summary: dict, path: Path) -> Path:

@@ -12,8 +12,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments.common import read_json_file, save_figure
+from experiments.common import save_figure
+from experiments.report_schema import BenchReport, BenchSummary, MethodFigures
+from experiments.table import cell, markdown_table
 from verify.files import write_text
+from verify.metrics import acceptance_by_depth, accepted_histogram, tau
 
 
 def summarise(records: dict[str, list[dict]], baseline: str,
@@ -45,8 +48,10 @@ def summarise(records: dict[str, list[dict]], baseline: str,
     runs = sorted({r.get("repeat", 0) for r in records[baseline]})
     if len(runs) > 1:
         _add_spread(methods, records, baseline, runs)
-    return {"baseline": baseline, "prompts": len(records[baseline]) // len(runs),
-            "repeats": len(runs), "methods": methods}
+    summary = BenchSummary(baseline=baseline, prompts=len(records[baseline]) // len(runs),
+                           repeats=len(runs),
+                           methods={name: MethodFigures(**m) for name, m in methods.items()})
+    return summary.to_json()
 
 
 def _add_spread(methods: dict, records: dict[str, list[dict]], baseline: str,
@@ -89,18 +94,12 @@ def _tokens_per_second(records: list[dict]) -> dict[str, float]:
 
 def _step_figures(steps: list[dict]) -> dict:
     """tau, acceptance rate per depth, the share of steps accepting 0, 1, 2, ... drafts,
-    draft/verify seconds."""
-    depth = max(s["tree_depth"] for s in steps)
-    per_depth = []
-    for d in range(1, depth + 1):
-        # a depth-d draft is tried when the tree reaches d and depths 1..d-1 were accepted
-        tried = [s for s in steps if s["tree_depth"] >= d and s["accepted"] >= d - 1]
-        per_depth.append(sum(s["accepted"] >= d for s in tried) / len(tried) if tried else None)
+    draft/verify seconds: every figure pooled over the steps of all prompts."""
+    accepted = [s["accepted"] for s in steps]
     return {
-        "tau": sum(s["accepted"] + 1 for s in steps) / len(steps),
-        "acceptance_per_depth": per_depth,
-        "accepted_histogram": [sum(s["accepted"] == k for s in steps) / len(steps)
-                               for k in range(max(s["accepted"] for s in steps) + 1)],
+        "tau": tau(accepted),
+        "acceptance_per_depth": acceptance_by_depth(accepted, [s["tree_depth"] for s in steps]),
+        "accepted_histogram": accepted_histogram(accepted),
         "mean_tree_size": sum(s["tree_size"] for s in steps) / len(steps),
         # {nodes: share of steps}, the root counted: how a per-step size policy spent them
         "tree_size_histogram": {n: sum(s["tree_size"] == n for s in steps) / len(steps)
@@ -146,46 +145,45 @@ def _time_per_step(records: list[dict], figures: dict) -> dict:
     return times
 
 
+METHOD_HEADER = ["method", "tokens/s", "speedup", "tau", "accept rate by depth",
+                 "draft ms/step", "verify ms/step", "other ms/step", "ms/draft fwd",
+                 "draft MiB (weights, KV)"]
+
+
 def format_tables(summary: dict) -> str:
-    """Two markdown tables: methods overall, and speedup per category."""
-    methods = summary["methods"]
-    checked = all("identical" in m for m in methods.values())  # greedy runs say so per method
-    runs = summary.get("repeats", 1)
-    spread = (f" Speedup: all {runs} runs pooled; median [min, max] of the runs' own "
-              "speedups beside it." if runs > 1 else "")
-    lines = [f"Baseline: {summary['baseline']}, {summary['prompts']} prompts.{spread}", "",
-             "| method | tokens/s | speedup | tau | accept rate by depth | draft ms/step | "
-             "verify ms/step | other ms/step | ms/draft fwd | draft MiB (weights, KV) |"
-             + (" identical to the baseline |" if checked else ""),
-             "|---" * (10 + checked) + "|"]
-    lines += [_method_row(name, m) for name, m in methods.items()]
-    lines += _tree_rows(methods)
-    if summary.get("memory"):
-        lines += ["", f"Memory: {summary['memory']}."]
-    categories = [c for c in methods[summary["baseline"]]["speedup"] if c != "overall"]
-    lines += ["", "| category | " + " | ".join(methods) + " |",
-              "|---" * (len(methods) + 1) + "|"]
-    for cat in categories:
-        cells = " | ".join(f"{m['speedup'][cat]:.2f}x" for m in methods.values())
-        lines.append(f"| {cat} | {cells} |")
+    """Markdown tables of a bench summary (a saved JSON's row): methods overall, the trees
+    the drafting methods verified, and speedup per category."""
+    bench = BenchSummary.from_json(summary)
+    methods = bench.methods
+    checked = all(m.identical is not None for m in methods.values())  # greedy runs say so
+    spread = (f" Speedup: all {bench.runs} runs pooled; median [min, max] of the runs' own "
+              "speedups beside it." if bench.runs > 1 else "")
+    header = METHOD_HEADER + (["identical to the baseline"] if checked else [])
+    lines = [f"Baseline: {bench.baseline}, {bench.prompts} prompts.{spread}", "",
+             markdown_table(header, [_method_cells(name, m) for name, m in methods.items()])]
+    drafting = {name: m for name, m in methods.items() if m.drafts}
+    if drafting:
+        lines += ["", _tree_table(drafting)]
+    if bench.memory:
+        lines += ["", f"Memory: {bench.memory}."]
+    categories = [c for c in methods[bench.baseline].speedup if c != "overall"]
+    lines += ["", markdown_table(["category", *methods], [
+        [cat, *(f"{m.speedup[cat]:.2f}x" for m in methods.values())] for cat in categories])]
     return "\n".join(lines)
 
 
-def _tree_rows(methods: dict) -> list[str]:
-    """A table of the trees verified per step (mean size and the commonest sizes, root
-    counted) and which member proposed, for the methods that draft."""
-    drafting = {n: m for n, m in methods.items() if m.get("mean_tree_size", 1) > 1}
-    if not drafting:
-        return []
-    lines = ["", "| method | mean tree size | commonest sizes (share of steps) | proposed by |",
-             "|---|---|---|---|"]
+def _tree_table(drafting: dict[str, MethodFigures]) -> str:
+    """The trees verified per step (mean size and the commonest sizes, root counted) and
+    which member proposed, for the methods that draft."""
+    rows = []
     for name, m in drafting.items():
         # benchmarks saved before the histogram was recorded show the mean alone
-        sizes = sorted(m.get("tree_size_histogram", {}).items(), key=lambda kv: -kv[1])[:4]
+        sizes = sorted((m.tree_size_histogram or {}).items(), key=lambda kv: -kv[1])[:4]
         common = ", ".join(f"{n}: {share:.0%}" for n, share in sizes) or "-"
-        who = ", ".join(f"{k} {v:.0%}" for k, v in m.get("proposed_by", {}).items()) or "-"
-        lines.append(f"| {name} | {m['mean_tree_size']:.2f} | {common} | {who} |")
-    return lines
+        who = ", ".join(f"{k} {v:.0%}" for k, v in (m.proposed_by or {}).items()) or "-"
+        rows.append([name, f"{m.mean_tree_size:.2f}", common, who])
+    return markdown_table(["method", "mean tree size", "commonest sizes (share of steps)",
+                           "proposed by"], rows)
 
 
 TABLE_COLUMNS = ["method", "tokens_per_s", "speedup", "tau", "accept_depth1", "draft_ms_per_step",
@@ -196,33 +194,28 @@ def method_table(summary: dict) -> list[list]:
     """One row per method, TABLE_COLUMNS' figures (None where one does not apply): the
     results as a W&B table, where a sweep's runs line up."""
     rows = []
-    for name, m in summary["methods"].items():
-        rates = m.get("acceptance_per_depth") or [None]
-        rows.append([name, m["tokens_per_s"]["overall"], m["speedup"]["overall"], m.get("tau"),
-                     rates[0], m.get("draft_ms_per_step"), m.get("verify_ms_per_step"),
-                     m.get("other_ms_per_step"), m.get("draft_weights_mb"),
-                     m.get("identical")])
+    for name, m in BenchSummary.from_json(summary).methods.items():
+        rates = m.acceptance_per_depth or [None]
+        rows.append([name, m.tokens_per_s["overall"], m.speedup["overall"], m.tau, rates[0],
+                     m.draft_ms_per_step, m.verify_ms_per_step, m.other_ms_per_step,
+                     m.draft_weights_mb, m.identical])
     return rows
 
 
-def _method_row(name: str, m: dict) -> str:
+def _method_cells(name: str, m: MethodFigures) -> list[str]:
     """One row of the methods table; '-' where a figure does not apply to the method."""
-    def cell(key: str, spec: str) -> str:
-        return "-" if m.get(key) is None else format(m[key], spec)
-
-    rates = ", ".join("-" if r is None else f"{r:.2f}"
-                      for r in m.get("acceptance_per_depth", [])) or "-"
-    times = " | ".join(cell(key, ".1f") for key in (
-        "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step", "ms_per_draft_forward"))
-    speedup = f"{m['speedup']['overall']:.2f}x"
-    if "speedup_median" in m:
-        low, high = m["speedup_range"]
-        speedup += f" ({m['speedup_median']:.2f}x [{low:.2f}, {high:.2f}])"
-    memory = ("-" if "draft_weights_mb" not in m else
-              f"{m['draft_weights_mb']:.1f}, {cell('draft_cache_mb', '.1f')}")
-    same = "" if "identical" not in m else f" {m['identical']:.0%} |"
-    return (f"| {name} | {m['tokens_per_s']['overall']:.1f} | {speedup} | "
-            f"{cell('tau', '.2f')} | {rates} | {times} | {memory} |{same}")
+    rates = ", ".join(cell(r) for r in m.acceptance_per_depth or []) or "-"
+    times = [cell(t, ".1f") for t in (m.draft_ms_per_step, m.verify_ms_per_step,
+                                      m.other_ms_per_step, m.ms_per_draft_forward)]
+    speedup = f"{m.speedup['overall']:.2f}x"
+    if m.speedup_median is not None:
+        low, high = m.speedup_range
+        speedup += f" ({m.speedup_median:.2f}x [{low:.2f}, {high:.2f}])"
+    memory = ("-" if m.draft_weights_mb is None else
+              f"{m.draft_weights_mb:.1f}, {cell(m.draft_cache_mb, '.1f')}")
+    same = [] if m.identical is None else [f"{m.identical:.0%}"]
+    return [name, f"{m.tokens_per_s['overall']:.1f}", speedup, cell(m.tau, ".2f"), rates,
+            *times, memory, *same]
 
 
 def plot_speedups(summary: dict, path: Path) -> Path:
@@ -232,8 +225,9 @@ def plot_speedups(summary: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = {n: m for n, m in summary["methods"].items() if n != summary["baseline"]}
-    speedups = next(iter(methods.values()))["speedup"]
+    bench = BenchSummary.from_json(summary)
+    methods = {n: m for n, m in bench.methods.items() if n != bench.baseline}
+    speedups = next(iter(methods.values())).speedup
     categories = [c for c in speedups if c != "overall"] + ["overall"]
     width = 0.8 / len(methods)
     # wider per category as methods add bars; tab10 repeats colours past ten methods
@@ -241,12 +235,12 @@ def plot_speedups(summary: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(8, len(categories) * (0.4 + 0.12 * len(methods))), 4))
     for i, (name, m) in enumerate(methods.items()):
         xs = [c + i * width for c in range(len(categories))]
-        ax.bar(xs, [m["speedup"][c] for c in categories], width, label=name,
+        ax.bar(xs, [m.speedup[c] for c in categories], width, label=name,
                color=colours[i % len(colours)])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories,
                   rotation=45, ha="right")
-    ax.set_ylabel(f"speedup over {summary['baseline']}")
+    ax.set_ylabel(f"speedup over {bench.baseline}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
     return save_figure(fig, path)
 
@@ -255,17 +249,12 @@ def write_tables(json_path: str | Path) -> Path:
     """<name>.md beside a saved experiments.bench or experiments.batch_bench JSON <name>.json:
     its tables, generated from the JSON."""
     json_path = Path(json_path)
-    rows = read_json_file(json_path, "benchmark").get("rows")
-    if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict):
-        raise ValueError(f"{json_path} holds no benchmark summary (rows)")
-    if "methods" in rows[0]:
+    report = BenchReport.read(json_path)
+    if isinstance(report.rows[0], BenchSummary):
         formatter = format_tables
-    elif "sizes" in rows[0]:
-        from experiments.batch_bench import format_table as formatter  # it imports this module
     else:
-        raise ValueError(f"{json_path} holds no experiments.bench summary (rows[0].methods) "
-                         "nor an experiments.batch_bench one (rows[0].sizes)")
-    body = "\n\n".join(formatter(summary) for summary in rows)
+        from experiments.batch_bench import format_table as formatter  # it imports this module
+    body = "\n\n".join(formatter(summary.to_json()) for summary in report.rows)
     header = (f"<!-- generated by python -m experiments.bench_report {json_path.name}: "
               "do not edit -->\n")
     path = json_path.with_suffix(".md")

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from experiments.common import single_thread
 from experiments.stats import leviathan_expected_tokens, mean_and_stderr
 from verify.loop import generate
+from verify.metrics import step_tokens
 from verify.target import build_tiny_model
 from verify.tree import TokenTree
 
@@ -65,7 +66,7 @@ def chain_row(model, prompts, references, alpha: float, cfg: DictConfig) -> dict
                                          model.config.vocab_size, generator)
         result = generate(model, prompt, cfg.max_new_tokens, drafter=drafter)
         # the last step may be cut short by max_new_tokens; leave it out
-        per_step += [s.accepted + 1 for s in result.steps[:-1]]
+        per_step += step_tokens(s.accepted for s in result.steps[:-1])
     mean, stderr = mean_and_stderr(per_step)
     expected = leviathan_expected_tokens(alpha, cfg.gamma)
     return {"drafter": "controlled chain", "tree": f"chain{cfg.gamma}", "rule": "greedy",

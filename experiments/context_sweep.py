@@ -36,6 +36,8 @@ from experiments.bench import (
 )
 from experiments.bench_report import summarise
 from experiments.common import save_figure, single_thread, write_report
+from experiments.report_schema import BenchSummary, MethodFigures
+from experiments.table import cell, markdown_table
 from train.conversations import read_conversations, tokenize_conversation
 from verify.costs import measure_verify_cost
 from verify.target import Target, load_target_from_config
@@ -98,37 +100,36 @@ def sweep(cfg: DictConfig) -> tuple[list[dict], str]:
     with single_thread() if cfg.target.tiny else nullcontext():
         for length in lengths:
             records = time_methods(methods, prompts[length], cfg, desc=f"{length} tokens")
-            summary = summarise(records, baseline, reference)
+            summary = BenchSummary.from_json(summarise(records, baseline, reference))
             cost = measure_verify_cost(target.model, sizes, length, cfg.cost_repeats)
             rows += [_row(length, name, figures, cost)
-                     for name, figures in summary["methods"].items()]
+                     for name, figures in summary.methods.items()]
     return rows, source
 
 
-def _row(length: int, name: str, figures: dict, cost: dict[int, float]) -> dict:
+def _row(length: int, name: str, figures: MethodFigures, cost: dict[int, float]) -> dict:
     return {"length": length, "method": name,
-            "tokens_per_s": figures["tokens_per_s"]["overall"],
-            "speedup": figures["speedup"]["overall"], "tau": figures.get("tau"),
-            "acceptance_per_depth": figures.get("acceptance_per_depth"),
-            "identical": figures.get("identical"),
+            "tokens_per_s": figures.tokens_per_s["overall"],
+            "speedup": figures.speedup["overall"], "tau": figures.tau,
+            "acceptance_per_depth": figures.acceptance_per_depth,
+            "identical": figures.identical,
             "t_ms": {n: 1000 * t for n, t in cost.items()}}
 
 
 def format_table(rows: list[dict]) -> str:
+    """Markdown, one line per (length, method); t(n) once per length."""
     sizes = sorted(rows[0]["t_ms"])
-    lines = ["| length | method | tokens/s | speedup | tau | identical | " +
-             " | ".join(f"t({n}) ms" for n in sizes) + " |",
-             "|---" * (6 + len(sizes)) + "|"]
-    shown: set[int] = set()
+    header = ["length", "method", "tokens/s", "speedup", "tau", "identical",
+              *(f"t({n}) ms" for n in sizes)]
+    lines, shown = [], set()
     for r in rows:
-        costs = (" | ".join(f"{r['t_ms'][n]:.1f}" for n in sizes) if r["length"] not in shown
-                 else " | ".join("" for _ in sizes))  # t(n) once per length
+        costs = ([f"{r['t_ms'][n]:.1f}" for n in sizes] if r["length"] not in shown
+                 else ["" for _ in sizes])
         shown.add(r["length"])
-        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
-        same = "-" if r.get("identical") is None else f"{r['identical']:.0%}"
-        lines.append(f"| {r['length']} | {r['method']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {tau} | {same} | {costs} |")
-    return "\n".join(lines)
+        lines.append([r["length"], r["method"], f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup']:.2f}x", cell(r["tau"], ".2f"),
+                      cell(r.get("identical"), ".0%"), *costs])
+    return markdown_table(header, lines)
 
 
 def plot(rows: list[dict], path: Path, baseline: str) -> Path:

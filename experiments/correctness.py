@@ -33,8 +33,10 @@ from drafters import build_drafter
 from experiments.chain import chain_rows
 from experiments.common import pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
+from experiments.table import markdown_table
 from verify.accept import RULES, SpeculativeSamplingRule, make_rule
 from verify.loop import generate, generate_batch
+from verify.metrics import TokensPerForward
 from verify.sampling import SamplingParams
 from verify.target import Target, build_tiny_model, hf_generate, load_target_from_config
 
@@ -55,7 +57,7 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int,
     """Token-for-token comparison with the target's plain greedy decoding: Hugging Face
     `generate`, or with pad_rows > 1 this loop's plain decoding at the same padded shape
     (what that mode promises to match)."""
-    identical, divergences, taus = 0, [], []
+    identical, divergences, tally = 0, [], TokensPerForward()
     for question in tqdm(questions, desc="greedy vs plain", leave=False):
         ids = target.encode_prompt(question.prompt)
         eos = target.eos_token_ids
@@ -64,7 +66,7 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int,
                               pad_rows=pad_rows).tokens)
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=eos, pad_rows=pad_rows)
-        taus.append(result.tau)
+        tally += result.tally
         first = first_divergence(result.tokens.tolist(), reference.tolist())
         identical += first is None
         if first is not None:
@@ -76,7 +78,9 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int,
     return {"rule": "greedy", "check": f"token match vs plain greedy, {n} prompts{padded}",
             "value": identical / n, "passed": identical == n, "exact_claimed": True,
             "detail": {"identical": identical, "prompts": n, "divergences": divergences,
-                       "tau": sum(taus) / n}}
+                       # pooled over every prompt's steps, as the bench's tau (runs saved
+                       # before were the mean of the prompts' own taus)
+                       "tau": tally.tau}}
 
 
 @torch.no_grad()
@@ -149,7 +153,7 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
     generator = torch.Generator().manual_seed(dist.seed)
     counts: Counter = Counter()
     drafted = 0  # draft tokens put to the test: a row whose drafter proposed none tests nothing
-    produced = forwards = 0  # tokens per target forward after the prefill: the speed it buys
+    tally = TokensPerForward()  # tokens per target forward after the prefill: the speed it buys
     if dist.samples % dist.batch_size:
         raise ValueError(f"distribution.samples={dist.samples} is not a multiple of "
                          f"distribution.batch_size={dist.batch_size}")
@@ -160,8 +164,7 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
         for out in batch:
             counts[tuple(out.tokens.tolist())] += 1
             drafted += sum(step.tree_size - 1 for step in out.steps)
-            produced += sum(step.accepted + 1 for step in out.steps)
-            forwards += len(out.steps)
+            tally += out.tally
     stat, p_value, dof = chi_square_test(counts, expected)
     consistent = p_value >= dist.alpha
     control = "control" in rule.name
@@ -174,7 +177,7 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
             "detail": {"statistic": stat, "dof": dof, "consistent_with_target": consistent,
                        "draft_tokens_per_sample": drafted / dist.samples,
                        "total_variation": total_variation(counts, expected),
-                       "tokens_per_step": produced / max(forwards, 1)}}
+                       "tokens_per_step": tally.tau}}
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
@@ -194,14 +197,14 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| drafter | tree | rule | check | value | claimed exact | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
         verdict = {True: "pass", False: "FAIL", None: "measured: not exact"
                    if not r["detail"].get("consistent_with_target", True) else "measured"}
-        lines.append(f"| {r['drafter']} | {r['tree']} | {r['rule']} | {r['check']} | "
-                     f"{r['value']:.4g} | {'yes' if r['exact_claimed'] else 'no'} | "
-                     f"{verdict[r['passed']]} |")
+        cells.append([r["drafter"], r["tree"], r["rule"], r["check"], f"{r['value']:.4g}",
+                      "yes" if r["exact_claimed"] else "no", verdict[r["passed"]]])
+    lines = [markdown_table(["drafter", "tree", "rule", "check", "value", "claimed exact",
+                             "verdict"], cells)]
     divergences = [d for r in rows for d in r["detail"].get("divergences", [])]
     if divergences:
         lines += ["", "Greedy divergences (margin: top-1 minus top-2 logit of a float32 "

@@ -46,6 +46,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from experiments.common import save_figure, single_thread, write_report
+from experiments.table import markdown_table
 from verify.accept import make_rule
 from verify.cache import keep_entries
 from verify.costs import measure_verify_cost
@@ -283,12 +284,10 @@ def product_bounds(products: list[dict], t1_ms: float) -> list[dict]:
 
 def format_products(products: list[dict]) -> str:
     kernels = [k for k in ("linear", "mkl_packed", "onednn_packed") if k in products[0]]
-    lines = ["| n | " + " | ".join(kernels) + " | fastest | bound on t(n) / t(1) |",
-             "|---" * (len(kernels) + 3) + "|"]
-    for r in products:
-        cells = " | ".join(f"{r[k]:.2f}" for k in kernels)
-        lines.append(f"| {r['n']} | {cells} | {r['best']:.2f} | {r['bound']:.2f} |")
-    return ("\n".join(lines) + "\n\nThe weight products alone (every linear layer, LM head "
+    rows = [[r["n"], *(f"{r[k]:.2f}" for k in kernels), f"{r['best']:.2f}", f"{r['bound']:.2f}"]
+            for r in products]
+    table = markdown_table(["n", *kernels, "fastest", "bound on t(n) / t(1)"], rows)
+    return (table + "\n\nThe weight products alone (every linear layer, LM head "
             "included), ms, medians; bound = (t(1) - fastest(1) + fastest(n)) / t(1).")
 
 
@@ -299,13 +298,11 @@ def format_table(rows: list[dict]) -> str:
     columns = [c for c in ("inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy",
                            "accept_sampling", "commit", "loop", "forward", "step_greedy",
                            "verify") if c in rows[0]]
-    lines = ["| variant | n | " + " | ".join(columns) + " | t(n) / t(1) |",
-             "|---" * (len(columns) + 3) + "|"]
     one = {_variant(r): r[total] for r in rows if r["n"] == 1}
     base = rows[0][total]  # the first variant's one-token step: every ratio's denominator
-    for r in rows:
-        cells = " | ".join(f"{r[c]:.2f}" for c in columns)
-        lines.append(f"| {_variant(r)} | {r['n']} | {cells} | {r[total] / base:.2f} |")
+    table = markdown_table(["variant", "n", *columns, "t(n) / t(1)"], [
+        [_variant(r), r["n"], *(f"{r[c]:.2f}" for c in columns), f"{r[total] / base:.2f}"]
+        for r in rows])
     note = ("All in ms, medians; the step total counts greedy acceptance. verify: the whole "
             "`TreeVerifier.verify` call timed without the parts' hooks (t(n)); t(n) / t(1) "
             "divides by the first variant's t(1)")
@@ -315,7 +312,7 @@ def format_table(rows: list[dict]) -> str:
                 "separately timed verify call)")
     if len(one) > 1:
         note += " (" + ", ".join(f"{v}: t(1) {t:.2f}" for v, t in one.items()) + ")"
-    return "\n".join(lines) + "\n\n" + note + "."
+    return table + "\n\n" + note + "."
 
 
 def _variant(row: dict) -> str:

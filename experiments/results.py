@@ -40,6 +40,7 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.common import CONF_DIR, read_json_file
+from experiments.table import cell, markdown_row
 from verify.files import write_text
 
 DIRECTIVE = re.compile(r"^<!--\s*(table|plot|rows):\s*(.+?)\s*-->\s*$")
@@ -135,10 +136,10 @@ def method_rows(path: Path, link: str, methods: list[str]) -> list[str]:
         if name not in summary["methods"]:
             raise ValueError(f"{path} has no method {name!r}; it has {sorted(summary['methods'])}")
         m = summary["methods"][name]
-        tau = "-" if m.get("tau") is None else f"{m['tau']:.2f}"
-        same = "-" if m.get("identical") is None else f"{m['identical']:.0%}"
-        lines.append(f"| {name} | {m['speedup']['overall']:.2f}x over {summary['baseline']} | "
-                     f"{tau} | {same} | [{path.parent.name}]({link}) |")
+        lines.append(markdown_row([name, f"{m['speedup']['overall']:.2f}x over "
+                                   f"{summary['baseline']}", cell(m.get("tau"), ".2f"),
+                                   cell(m.get("identical"), ".0%"),
+                                   f"[{path.parent.name}]({link})"]))
     return lines
 
 

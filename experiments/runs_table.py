@@ -26,6 +26,7 @@ import yaml
 from omegaconf import DictConfig
 
 from experiments.common import save_figure, write_report
+from experiments.table import markdown_table
 
 
 def find_runs(folders: list[str]) -> list[dict]:
@@ -121,16 +122,16 @@ def format_table(rows: list[dict], x: str, series: str | None) -> str:
     head = ([series] if series else []) + [x, "steps"] + [
         f"top-1 {label} {d + 1}" for d in range(depths)] + ["tau", "identical"] + [
         title for _, title, _ in extras]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    lines = []
     for r in rows:
         cells = ([str(r["series"])] if series else []) + [str(r["x"]), str(r["steps"])]
         cells += [f"{v:.3f}" for v in r["top1"]] + ["-"] * (depths - len(r["top1"]))
         cells += [f"{r['tau']:.2f}", f"{r['identical']}/{r['prompts']}"]
         cells += [fmt.format(r[key]) for key, _, fmt in extras]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(cells)
     trees = sorted({r["tree"] for r in rows})
-    lines += ["", f"tau: held-out prompts decoded with {'; '.join(trees)}."]
-    return "\n".join(lines)
+    return (markdown_table(head, lines)
+            + f"\n\ntau: held-out prompts decoded with {'; '.join(trees)}.")
 
 
 def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:

@@ -32,7 +32,9 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.common import read_json_file, save_figure, write_report
+from experiments.report_schema import BenchReport, BenchSummary, summary_type
 from experiments.stats import leviathan_expected_tokens
+from experiments.table import markdown_table
 from verify.costs import load_costs
 
 CHAIN_METHOD = re.compile(r"/chain(\d+)\b")
@@ -60,36 +62,37 @@ def constant_cost(t1: float, gammas: Sequence[int]) -> dict[int, float]:
     return {n: t1 for n in {1, *(g + 1 for g in gammas)}}
 
 
-def load_bench(path: str | Path) -> dict:
+def load_bench(path: str | Path) -> BenchSummary:
     """The first summary of an experiments.bench JSON: baseline and per-method figures."""
-    rows = read_json_file(path, "bench").get("rows")
-    if not isinstance(rows, list) or not rows or "methods" not in rows[0]:
+    data = read_json_file(path, "bench")
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows or summary_type(rows[0]) is not BenchSummary:
         raise ValueError(f"{path} is not an experiments.bench JSON (rows[0].methods)")
-    return rows[0]
+    return BenchReport.from_json(data, str(path)).rows[0]
 
 
-def measured_alpha(bench: dict, method: str) -> tuple[float, float | None]:
+def measured_alpha(bench: BenchSummary, method: str) -> tuple[float, float | None]:
     """(depth-1 acceptance rate, ms per draft forward or None) of a bench method."""
-    methods = bench["methods"]
-    if method not in methods or not methods[method].get("acceptance_per_depth"):
-        drafted = sorted(m for m, v in methods.items() if v.get("acceptance_per_depth"))
+    methods = bench.methods
+    if method not in methods or not methods[method].acceptance_per_depth:
+        drafted = sorted(m for m, v in methods.items() if v.acceptance_per_depth)
         raise ValueError(f"alpha_from: no drafting method {method!r} in the bench JSON; "
                          f"it has {drafted}")
     figures = methods[method]
-    return figures["acceptance_per_depth"][0], figures.get("ms_per_draft_forward")
+    return figures.acceptance_per_depth[0], figures.ms_per_draft_forward
 
 
-def measured_chains(bench: dict, drafter: str | None = None) -> dict[str, dict]:
+def measured_chains(bench: BenchSummary, drafter: str | None = None) -> dict[str, dict]:
     """Bench methods drafting a chain ("<drafter>/chain<gamma>..."), of `drafter` alone when
     given: gamma, tau, speedup."""
     found = {}
-    for name, figures in bench["methods"].items():
+    for name, figures in bench.methods.items():
         match = CHAIN_METHOD.search(name)
         if drafter is not None and name.split("/")[0] != drafter:
             continue
-        if match and "tau" in figures:
-            found[name] = {"gamma": int(match.group(1)), "tau": figures["tau"],
-                           "speedup": figures["speedup"]["overall"]}
+        if match and figures.tau is not None:
+            found[name] = {"gamma": int(match.group(1)), "tau": figures.tau,
+                           "speedup": figures.speedup["overall"]}
     return found
 
 
@@ -127,7 +130,8 @@ def simulate(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-def _alphas_and_draft_cost(cfg: DictConfig, bench: dict | None) -> tuple[list[float], float | None]:
+def _alphas_and_draft_cost(cfg: DictConfig, bench: BenchSummary | None
+                           ) -> tuple[list[float], float | None]:
     if cfg.alpha_from:
         if bench is None:
             raise ValueError("alpha_from needs bench=<bench JSON>")
@@ -154,19 +158,19 @@ def _row(alpha: float, gamma: int, t_draft: float, cost: dict[int, float]) -> di
 
 def format_table(rows: list[dict]) -> str:
     """Markdown: predictions per (alpha, gamma), then measured chains beside their prediction."""
-    lines = ["| alpha | gamma | expected tokens | t_draft ms | t(gamma+1) ms | predicted speedup "
-             "| optimal gamma |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['alpha']:.3f} | {r['gamma']} | {r['expected_tokens']:.3f} | "
-              f"{r['t_draft_ms']:.2f} | {r['t_verify_ms']:.2f} | {r['predicted_speedup']:.2f}x | "
-              f"{r['optimal_gamma']} |" for r in rows if "method" not in r]
-    measured = [r for r in rows if "method" in r]
+    predicted = [[f"{r['alpha']:.3f}", r["gamma"], f"{r['expected_tokens']:.3f}",
+                  f"{r['t_draft_ms']:.2f}", f"{r['t_verify_ms']:.2f}",
+                  f"{r['predicted_speedup']:.2f}x", r["optimal_gamma"]]
+                 for r in rows if "method" not in r]
+    tables = [markdown_table(["alpha", "gamma", "expected tokens", "t_draft ms", "t(gamma+1) ms",
+                              "predicted speedup", "optimal gamma"], predicted)]
+    measured = [[r["method"], r["gamma"], f"{r['expected_tokens']:.2f}",
+                 f"{r['measured_tau']:.2f}", f"{r['predicted_speedup']:.2f}x",
+                 f"{r['measured_speedup']:.2f}x"] for r in rows if "method" in r]
     if measured:
-        lines += ["", "| method | gamma | predicted tau | measured tau | predicted speedup | "
-                  "measured speedup |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['method']} | {r['gamma']} | {r['expected_tokens']:.2f} | "
-                  f"{r['measured_tau']:.2f} | {r['predicted_speedup']:.2f}x | "
-                  f"{r['measured_speedup']:.2f}x |" for r in measured]
-    return "\n".join(lines)
+        tables.append(markdown_table(["method", "gamma", "predicted tau", "measured tau",
+                                      "predicted speedup", "measured speedup"], measured))
+    return "\n\n".join(tables)
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 
 from drafters.dynamic_tree import DynamicTree
 from experiments.common import read_json_file, save_figure, single_thread, write_report
+from experiments.table import markdown_table
 from experiments.tree_search_dynamic import (
     budget_rows,
     candidate_trees,
@@ -96,14 +97,14 @@ def size_table(accuracies: Sequence[Sequence[float]], cost: dict[int, float],
 def format_table(rows: list[dict]) -> str:
     """Markdown, one line per size; a tree with fewer nodes than n - 1 is all the table
     has worth drafting, so that size was no candidate."""
-    lines = ["| n | nodes | t(n) ms | expected tokens | predicted speedup | |",
-             "|---|---|---|---|---|---|"]
+    lines = []
     for r in rows:
         note = "**chosen**" if r["chosen"] else ("no candidate" if r["nodes"] < r["n"] - 1
                                                    else "")
-        lines.append(f"| {r['n']} | {r['nodes']} | {1000 * r['t_s']:.1f} | "
-                     f"{r['expected_tokens']:.3f} | {r['predicted_speedup']:.2f}x | {note} |")
-    return "\n".join(lines)
+        lines.append([r["n"], r["nodes"], f"{1000 * r['t_s']:.1f}",
+                      f"{r['expected_tokens']:.3f}", f"{r['predicted_speedup']:.2f}x", note])
+    return markdown_table(["n", "nodes", "t(n) ms", "expected tokens", "predicted speedup", ""],
+                          lines)
 
 
 def search(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from drafters import build_drafter
 from drafters.dynamic_tree import DynamicTree
 from experiments.common import CONF_DIR
+from experiments.table import markdown_table
 from train.distill import encode_until
 from train.prompts import interleave, load_prompt_files
 from verify.files import write_text
@@ -206,17 +207,18 @@ def _mean_tree_size(result: GenerationResult) -> float:
 
 def format_budget_table(rows: list[dict]) -> str:
     """Markdown, one line per row of budget_rows."""
-    lines = ["| depth | top_k | total_tokens | t(n) ms | draft ms/step | tau | mean nodes "
-             "| predicted tokens/s | predicted speedup | |", "|---" * 10 + "|"]
+    lines = []
     for r in rows:
         note = "plain decoding" if r["total_tokens"] == 0 else ("**chosen**" if r["chosen"]
                                                                   else "")
-        shape = " | ".join("-" if r.get(key) is None else str(r[key]) for key in ("depth", "top_k"))
-        lines.append(f"| {shape} | {r['total_tokens']} | {1000 * r['t_s']:.1f} | "
-                     f"{1000 * r['draft_s_per_step']:.1f} | {r['tau']:.3f} | "
-                     f"{r['mean_tree_size']:.1f} | {r['predicted_tokens_per_s']:.1f} | "
-                     f"{r['predicted_speedup']:.2f}x | {note} |")
-    return "\n".join(lines)
+        # rows saved before shapes were recorded have no depth or top_k
+        lines.append([r.get("depth"), r.get("top_k"), r["total_tokens"],
+                      f"{1000 * r['t_s']:.1f}", f"{1000 * r['draft_s_per_step']:.1f}",
+                      f"{r['tau']:.3f}", f"{r['mean_tree_size']:.1f}",
+                      f"{r['predicted_tokens_per_s']:.1f}", f"{r['predicted_speedup']:.2f}x",
+                      note])
+    return markdown_table(["depth", "top_k", "total_tokens", "t(n) ms", "draft ms/step", "tau",
+                           "mean nodes", "predicted tokens/s", "predicted speedup", ""], lines)
 
 
 def describe_machine(model: torch.nn.Module) -> str:

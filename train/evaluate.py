@@ -16,6 +16,7 @@ from train.distill import Answer
 from train.loop import chunks
 from train.medusa import answer_batch_inputs, head_targets
 from verify.loop import generate
+from verify.metrics import TokensPerForward
 from verify.protocol import Drafter
 from verify.target import Target, hf_generate
 
@@ -63,19 +64,18 @@ def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
     time per step and, for a drafter running a DraftEngine, per draft forward."""
     engine = getattr(drafter, "engine", None)  # drafters that run a model count its forwards
     draft_forwards_before = engine.forwards if engine is not None else 0
-    forwards = produced = identical = 0
+    tally, identical = TokensPerForward(), 0
     draft_s = 0.0
     for ids in tqdm(prompts, desc="evaluating decoding"):
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=target.eos_token_ids)
         reference = hf_generate(target, ids, max_new_tokens)
         identical += int(torch.equal(result.tokens, reference.cpu()))
-        forwards += len(result.steps)
-        produced += result.tau * len(result.steps)
+        tally += result.tally
         draft_s += result.draft_s
-    results = {"tau": produced / max(forwards, 1), "identical": identical,
+    results = {"tau": tally.tau, "identical": identical,
                "prompts": len(prompts), "tree": tree,
-               "draft_ms_per_step": 1e3 * draft_s / max(forwards, 1)}
+               "draft_ms_per_step": 1e3 * draft_s / max(tally.forwards, 1)}
     if engine is not None:  # what one draft forward costs: the figure a vocabulary trades
         draft_forwards = engine.forwards - draft_forwards_before
         results["draft_ms_per_forward"] = 1e3 * draft_s / max(draft_forwards, 1)

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from verify.accept import AcceptanceRule, RuleConfig, rule_from_config
 from verify.features import LAST
+from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
 from verify.tree import TokenTree, TreeBatch
@@ -47,9 +48,14 @@ class GenerationResult:
     states: torch.Tensor | None = None
 
     @property
+    def tally(self) -> TokensPerForward:
+        """Tokens produced and target forwards, to pool with other results' (verify.metrics)."""
+        return TokensPerForward.of(s.accepted for s in self.steps)
+
+    @property
     def tau(self) -> float:
         """Mean tokens produced per target forward, bonus token included."""
-        return sum(s.accepted + 1 for s in self.steps) / max(len(self.steps), 1)
+        return self.tally.tau
 
     @property
     def draft_s(self) -> float:

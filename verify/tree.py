@@ -186,24 +186,43 @@ class TokenTree:
 
 
 class TreeBuilder:
-    """Grow a TokenTree node by node (dynamic trees, tries)."""
+    """A tree grown node by node: tries (TokenTree.from_paths), filled topologies
+    (drafters.base.fill_steps), and every candidate of a dynamic tree (drafters.dynamic_tree).
 
-    def __init__(self, root: int):
+    Node 0 is the root; node i > 0 has `parents[i] < i`, so nodes are numbered in the order
+    they were added and a parent always precedes its children.
+    tokens, parents: lists of length C (nodes, root included).
+    log_scores: with `scored=True`, per node the drafter's log-estimate that the node's whole
+    path is accepted (a cumulative draft log-probability; the root's is 0), given to every
+    `add`; None for a builder without scores. A built tree carries exp(log_scores) as its
+    TokenTree.scores.
+    """
+
+    def __init__(self, root: int, scored: bool = False):
         self.tokens = [int(root)]
         self.parents = [-1]
+        self.log_scores: list[float] | None = [0.0] if scored else None
         self.probs: list[torch.Tensor | None] = [None]
+        self._depths = [0]
 
-    def add(self, parent: int, token: int) -> int:
-        """Append a new child of `parent`; returns its node index."""
+    def add(self, parent: int, token: int, log_score: float | None = None) -> int:
+        """Append a new child of `parent` (with its cumulative `log_score` in a scored
+        builder, none otherwise); returns its node index."""
         if not 0 <= parent < len(self.tokens):
             raise TreeError(f"parent {parent} does not exist (tree has {len(self.tokens)} nodes)")
+        if (log_score is None) != (self.log_scores is None):
+            raise TreeError("a scored builder needs a score for every node, an unscored one "
+                            f"takes none (got {log_score!r})")
         self.tokens.append(int(token))
         self.parents.append(parent)
+        if self.log_scores is not None:
+            self.log_scores.append(log_score)
         self.probs.append(None)
+        self._depths.append(self._depths[parent] + 1)
         return len(self.tokens) - 1
 
     def child(self, parent: int, token: int) -> int:
-        """The child of `parent` holding `token`, added if missing."""
+        """The child of `parent` holding `token`, added if missing (unscored builders)."""
         for i in range(1, len(self.tokens)):
             if self.parents[i] == parent and self.tokens[i] == token:
                 return i
@@ -216,15 +235,49 @@ class TreeBuilder:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def build(self) -> TokenTree:
-        draft_probs = None
+    def depth(self, node: int) -> int:
+        return self._depths[node]
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root down to `node`, both included."""
+        path = [node]
+        while self.parents[path[-1]] >= 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+    def build(self, kept: Sequence[int] | None = None) -> TokenTree:
+        """The TokenTree of every node, or of the `kept` nodes only: ascending indices from
+        the root, closed under ancestors (so parents still come first). Draft probabilities
+        come with the whole tree only: with siblings left out, the kept children are no longer
+        successive draws from q (TokenTree.keep says why that stays exact)."""
+        if kept is None:
+            return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents),
+                             self._draft_probs(), self._scores(range(len(self))))
+        # Built directly rather than through TokenTree.keep: a dynamic tree keeps a few
+        # nodes of hundreds of candidates every step, and validating them all costs time.
+        index = {node: i for i, node in enumerate(kept)}
+        parents = [-1] + [index[self.parents[node]] for node in kept[1:]]
+        return TokenTree(torch.tensor([self.tokens[n] for n in kept]), torch.tensor(parents),
+                         scores=self._scores(kept))
+
+    def _scores(self, nodes: Sequence[int]) -> torch.Tensor | None:
+        """(len(nodes),) float64 exp(log_scores) of `nodes`: the draft's estimate that each
+        node's whole path is accepted; None for an unscored builder."""
+        if self.log_scores is None:
+            return None
+        return torch.tensor([self.log_scores[n] for n in nodes], dtype=torch.float64).exp()
+
+    def _draft_probs(self) -> torch.Tensor | None:
+        """(C, V) rows of the recorded draft distributions (zero where none was recorded:
+        deterministic children), or None when no node has one."""
         known = [p for p in self.probs if p is not None]
-        if known:
-            draft_probs = torch.zeros(len(self.tokens), known[0].shape[-1])
-            for i, p in enumerate(self.probs):
-                if p is not None:
-                    draft_probs[i] = p
-        return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents), draft_probs)
+        if not known:
+            return None
+        draft_probs = torch.zeros(len(self.tokens), known[0].shape[-1])
+        for i, p in enumerate(self.probs):
+            if p is not None:
+                draft_probs[i] = p
+        return draft_probs
 
 
 @dataclass

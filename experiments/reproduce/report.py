@@ -13,6 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from experiments.report_schema import BenchReport, BenchSummary
+from experiments.table import markdown_table
+
 HELD, PARTLY = "held", "held in direction, not in size"
 NOT_HELD, NOT_RUN = "did not hold", "not run"
 
@@ -27,9 +30,7 @@ class Table:
     rows: Sequence[Sequence[object]]
 
     def markdown(self) -> str:
-        lines = ["| " + " | ".join(self.header) + " |", "|" + "---|" * len(self.header)]
-        lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in self.rows]
-        return "\n".join(lines)
+        return markdown_table(self.header, self.rows)
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,12 @@ def read_report(reports: Path, pattern: str, how: str) -> dict:
 
 
 def bench_methods(report: dict) -> dict[str, dict]:
-    """Method name -> figures of an experiments.bench JSON."""
-    return report["rows"][0]["methods"]
+    """Method name -> figures of an experiments.bench JSON, read through its schema
+    (experiments.report_schema): a figure a claim reads is one the bench writes."""
+    summary = BenchReport.from_json(report).rows[0]
+    if not isinstance(summary, BenchSummary):
+        raise ValueError("not an experiments.bench report: its rows hold no methods")
+    return {name: figures.to_json() for name, figures in summary.methods.items()}
 
 
 def method(methods: dict[str, dict], name: str) -> dict:
@@ -107,9 +112,3 @@ def method(methods: dict[str, dict], name: str) -> dict:
         raise MissingReport(f"the saved benchmark has no method {name!r} (it has "
                             f"{sorted(methods)}); rerun the command above")
     return methods[name]
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from drafters.adaptive import StepCost, best_size, cut_to_cost, measured_cost, step_cost
-from drafters.dynamic_tree import CandidateTree, DynamicTree
-from verify.tree import TokenTree, TreeError
+from drafters.dynamic_tree import DynamicTree
+from verify.tree import TokenTree, TreeBuilder, TreeError
 
 
 def test_interpolation_between_and_past_the_measured_sizes():
@@ -66,8 +66,8 @@ def test_measure_true_times_the_target_once(tiny):
     assert measured_cost(unchanged, tiny("llama").model) is unchanged
 
 
-def candidates() -> CandidateTree:
-    tree = CandidateTree(root=0)
+def candidates() -> TreeBuilder:
+    tree = TreeBuilder(root=0, scored=True)
     a = tree.add(0, 1, -0.1)   # p 0.90
     tree.add(0, 2, -2.3)       # p 0.10
     tree.add(a, 3, -0.5)       # p 0.61 (scores are cumulative)
@@ -82,7 +82,7 @@ def test_the_dynamic_tree_keeps_only_nodes_that_pay():
     assert steep.rerank(candidates()) == [0, 1, 3]
     assert DynamicTree(2, 2, 3).rerank(candidates()) == [0, 1, 2, 3]  # no cost: the budget
     kept = steep.rerank(candidates())
-    assert candidates().subtree(kept).scores.tolist() == pytest.approx([1.0, 0.905, 0.607],
+    assert candidates().build(kept).scores.tolist() == pytest.approx([1.0, 0.905, 0.607],
                                                                        abs=1e-3)
 
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from drafters.dynamic_tree import CandidateTree, DynamicTree
+from drafters.dynamic_tree import DynamicTree
+from verify.tree import TreeBuilder
 
 V = 10
 ROOT = 99
@@ -26,7 +27,7 @@ class FakeExpand:
     def __init__(self, table=None, default=None):
         self.table, self.default, self.calls = table or {}, default, []
 
-    def __call__(self, candidates: CandidateTree, nodes: list[int]) -> torch.Tensor:
+    def __call__(self, candidates: TreeBuilder, nodes: list[int]) -> torch.Tensor:
         self.calls.append(list(nodes))
         paths = [tuple(candidates.tokens[n] for n in candidates.path(node)[1:]) for node in nodes]
         return torch.stack([self.table[p] if p in self.table else self.default(p)
@@ -66,7 +67,7 @@ def test_candidates_hold_every_proposal_with_cumulative_scores():
     assert len(candidates) == 1 + 2 + 4 + 3
     assert candidates.tokens == [ROOT, 1, 2, 4, 5, 6, 7, 8, 9, 8]
     assert candidates.parents == [-1, 0, 0, 1, 1, 2, 2, 3, 3, 5]
-    assert candidates.scores[7] == pytest.approx(math.log(.27), abs=1e-6)
+    assert candidates.log_scores[7] == pytest.approx(math.log(.27), abs=1e-6)
     assert candidates.path(9) == [0, 2, 5, 9]
     assert [candidates.depth(n) for n in (0, 2, 5, 9)] == [0, 1, 2, 3]
 
@@ -124,13 +125,13 @@ def test_random_drafts_obey_every_rule(depth, top_k, total_tokens):
     for frontier in expand.calls:
         # a frontier is the best top_k of the children of the previous one, parents first
         level = [n for n in range(len(candidates)) if candidates.parents[n] in previous]
-        best = sorted(level, key=lambda n: -candidates.scores[n])[:top_k]
+        best = sorted(level, key=lambda n: -candidates.log_scores[n])[:top_k]
         assert frontier == sorted(best)
         previous = frontier
     kept = policy.rerank(candidates)
     dropped = set(range(len(candidates))) - set(kept)
-    assert min(candidates.scores[n] for n in kept) >= max(
-        (candidates.scores[n] for n in dropped), default=float("-inf"))
+    assert min(candidates.log_scores[n] for n in kept) >= max(
+        (candidates.log_scores[n] for n in dropped), default=float("-inf"))
     assert all(candidates.parents[n] in kept for n in kept[1:])
 
 
@@ -172,6 +173,6 @@ def test_rounds_stop_at_the_budget_and_keep_the_same_tree():
     calls.clear()
     # every round grown (a budget that never binds), then the best 2 kept as before
     full = DynamicTree(depth=5, top_k=2, total_tokens=100).search(0, root, expand)
-    deep = full.subtree(DynamicTree(depth=5, top_k=2, total_tokens=2).rerank(full))
+    deep = full.build(DynamicTree(depth=5, top_k=2, total_tokens=2).rerank(full))
     assert len(calls) == 4
     assert torch.equal(shallow.tokens, deep.tokens) and torch.equal(shallow.parents, deep.parents)

@@ -409,7 +409,9 @@ def test_the_tables_are_generated_from_the_saved_json(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"rows": [{"n": 1}]}))
     with pytest.raises(ValueError, match="holds no experiments.bench summary"):
         write_tables(tmp_path / "other.json")
-    sizes = {"sizes": {"1": {"hf_greedy": {"tokens_per_s": 10.0, "speedup": 1.0,
-                                           "identical": 1.0, "new_tokens": 8}}}}
+    sizes = {"baseline": "hf_greedy", "reference": "plain_loop at B = 1",
+             "sizes": {"1": {"hf_greedy": {"tokens_per_s": 10.0, "speedup": 1.0,
+                                           "identical": 1.0, "new_tokens": 8,
+                                           "seconds": 0.8}}}}
     (tmp_path / "batch.json").write_text(json.dumps({"rows": [sizes]}))
     assert "| 1 | hf_greedy | 10.0 | 1.00x |" in write_tables(tmp_path / "batch.json").read_text()

@@ -14,6 +14,7 @@ from experiments.correctness import (
     first_divergence,
     float32_parameters,
     format_table,
+    greedy_row,
 )
 from experiments.stats import (
     chi_square_test,
@@ -21,7 +22,7 @@ from experiments.stats import (
     sequence_distribution,
     total_variation,
 )
-from verify.loop import generate
+from verify.loop import GenerationResult, StepStats, generate
 from verify.sampling import SamplingParams
 from verify.target import build_tiny_model
 
@@ -186,3 +187,25 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_the_greedy_rows_tau_pools_the_prompts_steps(monkeypatch):
+    """A prompt that stopped after one step counts one step, not half the mean."""
+    import types
+
+    import experiments.correctness as correctness
+
+    accepted = {0: [3], 1: [0, 0, 0, 0]}  # taus 4.0 and 1.0; pooled 8 tokens in 5 forwards
+    tokens = {0: torch.arange(4), 1: torch.arange(4)}
+
+    def fake_generate(model, ids, max_new_tokens, drafter=None, **kwargs):
+        steps = [StepStats(a, 4, 3, 0.0, 0.0) for a in accepted[int(ids[0])]]
+        return GenerationResult(tokens[int(ids[0])], steps)
+
+    monkeypatch.setattr(correctness, "generate", fake_generate)
+    monkeypatch.setattr(correctness, "hf_generate", lambda t, ids, n: tokens[int(ids[0])])
+    target = types.SimpleNamespace(encode_prompt=lambda prompt: torch.tensor([prompt]),
+                                   eos_token_ids=[], model=None)
+    questions = [types.SimpleNamespace(prompt=i, question_id=str(i)) for i in (0, 1)]
+    row = greedy_row(target, object(), questions, 4)
+    assert row["passed"] and row["detail"]["tau"] == pytest.approx(8 / 5)

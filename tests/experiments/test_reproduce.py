@@ -25,15 +25,20 @@ def test_the_committed_write_ups_are_what_the_saved_json_gives():
 
 
 def fake_bench(folder: Path, sparse_tau: float) -> None:
+    def timed(speedup):
+        return {"speedup": {"overall": speedup}, "tokens_per_s": {"overall": 10.0 * speedup},
+                "new_tokens": 10, "seconds": 1.0 / speedup}
+
     def drafted(tau, speedup):
-        return {"tau": tau, "speedup": {"overall": speedup}, "acceptance_per_depth": [0.3],
-                "draft_ms_per_step": 2.0, "verify_ms_per_step": 40.0}
-    methods = {"hf_greedy": {"speedup": {"overall": 1.0}},
+        return {"tau": tau, "acceptance_per_depth": [0.3], "draft_ms_per_step": 2.0,
+                "verify_ms_per_step": 40.0, **timed(speedup)}
+    methods = {"hf_greedy": timed(1.0),
                "medusa/chain4": drafted(1.3, 0.9),
                "medusa/medusa_sparse4": drafted(sparse_tau, 0.95)}
     path = folder / REPRODUCE_BENCH.replace("*", "x")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rows": [{"methods": methods}]}))
+    path.write_text(json.dumps({"rows": [{"baseline": "hf_greedy", "prompts": 1,
+                                          "methods": methods}]}))
 
 
 @pytest.mark.parametrize("sparse_tau, verdict", [(1.5, HELD), (1.2, NOT_HELD)])

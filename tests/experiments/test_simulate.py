@@ -55,10 +55,13 @@ def write_inputs(tmp_path):
                                           {"n": 4, "t_s": 0.060}]}))
     def chain(rates, tau, speedup):
         return {"acceptance_per_depth": rates, "tau": tau, "ms_per_draft_forward": 4.0,
-                "speedup": {"overall": speedup}}
+                "speedup": {"overall": speedup}, **timed(10.0 * speedup)}
+    def timed(tokens_per_s):
+        return {"tokens_per_s": {"overall": tokens_per_s}, "new_tokens": 10,
+                "seconds": 10 / tokens_per_s}
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"rows": [{"methods": {
-        "hf_greedy": {"speedup": {"overall": 1.0}},
+    bench.write_text(json.dumps({"rows": [{"baseline": "hf_greedy", "prompts": 1, "methods": {
+        "hf_greedy": {"speedup": {"overall": 1.0}, **timed(10.0)},
         "d/chain1": chain([0.5], 1.5, 1.3), "d/chain3": chain([0.5, 0.6, 0.7], 1.9, 1.1),
         "d/tree8": chain([0.5, 0.6], 1.8, 1.0)}}]}))
     return costs, bench

@@ -64,6 +64,32 @@ def test_builder_records_draft_probs_and_zero_rows():
     assert tree.draft_probs[1].sum() == 0  # a's children were deterministic
 
 
+def test_a_scored_builder_keeps_paths_depths_and_scores_of_a_kept_subtree():
+    b = TreeBuilder(7, scored=True)
+    a = b.add(0, 1, -0.1)
+    b.add(0, 2, -2.0)
+    c = b.add(a, 3, -0.5)
+    assert b.path(c) == [0, a, c] and [b.depth(n) for n in range(len(b))] == [0, 1, 1, 2]
+    whole = b.build()
+    assert whole.scores.tolist() == pytest.approx([1.0, 0.905, 0.135, 0.607], abs=1e-3)
+    kept = b.build([0, a, c])
+    assert kept.tokens.tolist() == [7, 1, 3] and kept.parents.tolist() == [-1, 0, 1]
+    assert kept.scores.tolist() == pytest.approx([1.0, 0.905, 0.607], abs=1e-3)
+    with pytest.raises(TreeError, match="needs a score"):
+        b.add(0, 4)
+
+
+def test_an_unscored_builder_builds_no_scores_and_refuses_one():
+    b = TreeBuilder(1)
+    b.add(b.child(0, 5), 6)
+    assert b.child(0, 5) == 1 and b.path(2) == [0, 1, 2]
+    assert b.build().scores is None and b.build([0, 1]).scores is None
+    with pytest.raises(TreeError, match="takes none"):
+        b.add(0, 4, -1.0)
+    with pytest.raises(TreeError, match="does not exist"):
+        b.add(9, 4)
+
+
 @pytest.mark.parametrize("parents, message", [
     ([-1, 0, 5], "dangling parent 5"),
     ([-1, 2, 0], "dangling parent 2"),
