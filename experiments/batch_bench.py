@@ -35,7 +35,7 @@ from experiments.bench_report import write_tables
 from experiments.common import pick_questions, save_figure, single_thread, write_report
 from experiments.report_schema import BatchFigures, BatchSummary
 from experiments.table import cell, markdown_table
-from verify.accept import Acceptance
+from verify.accept import Acceptance, rule_parts
 from verify.loop import generate_batch, until_eos
 from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter
@@ -124,7 +124,7 @@ def build_batch_methods(cfg: DictConfig, target: Target) -> dict[str, BatchMetho
     once more drafting row by row)."""
     methods = {BASELINE: hf_batched(target), REFERENCE: treedraft_batched(target, None)}
     for contender in contenders(cfg):
-        if contender.rule not in (None, "greedy"):
+        if rule_parts(contender.rule)[0] not in (None, "greedy"):  # a name or {name: ...}
             raise ValueError(f"{contender.name}: the batch benchmark is greedy only")
         drafter = build_drafter(contender.drafter, contender.tree, target)
         methods[contender.name] = treedraft_batched(target, drafter,

@@ -5,7 +5,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from drafters import build_drafter
-from experiments.batch_bench import RowByRow, check_sizes, format_table, plot, run_batches
+from experiments.batch_bench import (
+    RowByRow,
+    build_batch_methods,
+    check_sizes,
+    format_table,
+    plot,
+    run_batches,
+)
 from experiments.common import CONF_DIR
 from verify.loop import until_eos
 from verify.protocol import BatchDrafter, Drafter
@@ -62,6 +69,10 @@ def test_settings_it_cannot_honour_are_refused():
         check_sizes([1, 3], 4)
     with pytest.raises(ValueError, match="greedy only"):
         run_batches(batch_config("temperature=1.0"))
+    for rule in ("rule.name=typical", "rule.name=typical,rule.epsilon=0.1"):  # the mapping form
+        cfg = batch_config(f'compare=["draft_model:chain1:{rule}"]')
+        with pytest.raises(ValueError, match="greedy only"):
+            build_batch_methods(cfg, load_target_from_config(cfg.target))
 
 
 def test_rows_end_at_their_first_eos():
