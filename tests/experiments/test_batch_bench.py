@@ -69,10 +69,14 @@ def test_settings_it_cannot_honour_are_refused():
         check_sizes([1, 3], 4)
     with pytest.raises(ValueError, match="greedy only"):
         run_batches(batch_config("temperature=1.0"))
-    for rule in ("rule.name=typical", "rule.name=typical,rule.epsilon=0.1"):  # the mapping form
-        cfg = batch_config(f'compare=["draft_model:chain1:{rule}"]')
-        with pytest.raises(ValueError, match="greedy only"):
-            build_batch_methods(cfg, load_target_from_config(cfg.target))
+    cfg = batch_config('compare=["draft_model:chain1:num_layers=1,rule.name=typical,rule.epsilon=0.1"]')
+    with pytest.raises(ValueError, match="greedy only"):
+        build_batch_methods(cfg, load_target_from_config(cfg.target))
+
+
+def test_the_greedy_rule_as_a_mapping_is_greedy():
+    cfg = batch_config('compare=["draft_model:chain1:num_layers=1,rule.name=greedy"]')
+    assert "draft_model/chain1" in build_batch_methods(cfg, load_target_from_config(cfg.target))
 
 
 def test_rows_end_at_their_first_eos():
