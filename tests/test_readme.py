@@ -1,0 +1,39 @@
+"""The README and the results pages point at things that exist: files they link, modules their
+commands run, and the config options their commands name."""
+
+import importlib.util
+import re
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "results").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+MODULE = re.compile(r"python -m ([\w.]+)")
+OPTION = re.compile(r"(?<![\w.])(drafter|tree|target|experiment)=([\w/]+)(?=[\s'\"]|$)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    text = page.read_text()
+    missing = [link for link in LINK.findall(text) if "://" not in link
+               and not (page.parent / unquote(link)).exists()]
+    assert not missing, f"{page.name} links to missing files: {missing}"
+
+
+def test_every_command_module_in_the_readme_exists():
+    modules = set(MODULE.findall((ROOT / "README.md").read_text()))
+    assert "experiments.bench" in modules
+    missing = [m for m in sorted(modules) if m not in ("pytest",)
+               and importlib.util.find_spec(m) is None]
+    assert not missing
+
+
+def test_every_config_option_the_readme_names_exists():
+    options = set(OPTION.findall((ROOT / "README.md").read_text()))
+    assert ("drafter", "eagle3") in options
+    missing = [f"{g}={o}" for g, o in sorted(options)
+               if not (ROOT / "conf" / g / f"{o}.yaml").is_file()]
+    assert not missing
