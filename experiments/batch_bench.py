@@ -31,10 +31,9 @@ from tqdm import tqdm
 
 from drafters import build_drafter
 from experiments.bench import contenders, forget_memories
-from experiments.bench_report import write_tables
+from experiments.bench_report import format_batch_table, write_tables
 from experiments.common import pick_questions, save_figure, single_thread, write_report
 from experiments.report_schema import BatchFigures, BatchSummary
-from experiments.table import cell, markdown_table
 from verify.accept import Acceptance, rule_parts
 from verify.loop import generate_batch, until_eos
 from verify.metrics import TokensPerForward
@@ -210,19 +209,6 @@ def _tally(record: dict) -> TokensPerForward:
     return TokensPerForward(tokens, record["row_steps"])
 
 
-BATCH_HEADER = ["B", "method", "tokens/s", "speedup", "tau", "verify ms/step", "draft share",
-                "identical"]
-
-
-def format_table(summary: dict) -> str:
-    """Markdown, one line per batch size and method of a batch summary (a saved JSON's row)."""
-    rows = [[size, name, f"{f.tokens_per_s:.1f}", f"{f.speedup:.2f}x", cell(f.tau, ".2f"),
-             cell(f.ms_per_step, ".1f"), cell(f.draft_share, ".0%"), cell(f.identical, ".0%")]
-            for size, methods in BatchSummary.from_json(summary).sizes.items()
-            for name, f in methods.items()]
-    return markdown_table(BATCH_HEADER, rows)
-
-
 def plot(summary: dict, path: Path) -> Path:
     """Speedup over hf_greedy and tokens/s against B, one line per method."""
     import matplotlib
@@ -253,7 +239,7 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     with single_thread() if cfg.target.tiny else nullcontext():
         summary = run_batches(cfg)
-    print(format_table(summary))  # before any file: a failed write loses no measurement
+    print(format_batch_table(summary))  # before any file: a failed write loses no measurement
     stem = f"{cfg.target.name}-" + "+".join(c.name.replace("/", "-") for c in contenders(cfg))
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)
     print(f"\nJSON: {path}\ntables: {write_tables(path)}")

@@ -52,7 +52,8 @@ def size_tree(checkpoint: str) -> list[str]:
     """The EAGLE-2 budget for this machine; returns the tree overrides that select it."""
     print("\n## 2. EAGLE-2 tree budget for the trained draft, from measured t(n) and tau\n")
     # small trees: on a 2-core CPU one or two draft tokens verify at about the cost of one
-    # (t(2) ~ t(1)), three or more cost ~1.4x (measured: docs/results/step-cost.md); a draft round is ~5 ms
+    # (t(2) ~ t(1)), three or more cost ~1.4x (measured: docs/results/step-cost.md); a draft
+    # round is ~5 ms
     cfg = _compose("tree_search", ["mode=dynamic", f"drafter={DRAFTER}",
                                    f"drafter.checkpoint={checkpoint}", "budgets=[1,2,4,8]",
                                    "depth=3", "top_k=4", "num_prompts=4", "max_new_tokens=48",

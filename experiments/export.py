@@ -6,7 +6,8 @@
 `speculators` (EAGLE-3 drafts, for vLLM) and `vllm_medusa` (Medusa heads) are described in
 drafters.export. After writing, the folder is read back through our own loader and its draft
 logits are compared with the checkpoint's on the same random features: the command fails
-rather than leave a folder that drafts differently. Serving commands: README, "Serving what you trained".
+rather than leave a folder that drafts differently. Serving commands: README, "Serving what you
+trained".
 """
 
 from __future__ import annotations

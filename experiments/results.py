@@ -76,7 +76,7 @@ KINDS = (
     Kind("experiments.bench", lambda row: "methods" in row,
          "experiments.bench_report:format_tables", per_summary=True),
     Kind("experiments.batch_bench", lambda row: "sizes" in row,
-         "experiments.batch_bench:format_table", per_summary=True),
+         "experiments.bench_report:format_batch_table", per_summary=True),
     Kind("experiments.correctness", lambda row: "check" in row,
          "experiments.correctness:format_table"),
     Kind("experiments.context_sweep", lambda row: "length" in row and "t_ms" in row,

@@ -9,10 +9,10 @@ from experiments.batch_bench import (
     RowByRow,
     build_batch_methods,
     check_sizes,
-    format_table,
     plot,
     run_batches,
 )
+from experiments.bench_report import format_batch_table
 from experiments.common import CONF_DIR
 from verify.loop import until_eos
 from verify.protocol import BatchDrafter, Drafter
@@ -38,7 +38,7 @@ def test_every_batch_size_decodes_every_prompt_as_alone(tmp_path):
             assert figures["new_tokens"] == 4 * 8
         assert methods["draft_model/chain4"]["tau"] >= 1.0
         assert 0 < methods["draft_model/chain4"]["draft_share"] < 1
-    table = format_table(summary)
+    table = format_batch_table(summary)
     assert "| 4 | draft_model/chain4 |" in table
     assert plot(summary, tmp_path / "b.png").stat().st_size > 0
 
@@ -69,7 +69,8 @@ def test_settings_it_cannot_honour_are_refused():
         check_sizes([1, 3], 4)
     with pytest.raises(ValueError, match="greedy only"):
         run_batches(batch_config("temperature=1.0"))
-    cfg = batch_config('compare=["draft_model:chain1:num_layers=1,rule.name=typical,rule.epsilon=0.1"]')
+    typical = "rule.name=typical,rule.epsilon=0.1"
+    cfg = batch_config(f'compare=["draft_model:chain1:num_layers=1,{typical}"]')
     with pytest.raises(ValueError, match="greedy only"):
         build_batch_methods(cfg, load_target_from_config(cfg.target))
 

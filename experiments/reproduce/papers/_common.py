@@ -25,7 +25,8 @@ SETUP = ("SmolLM2-135M-Instruct in float32 on this kind of machine (2 CPU cores,
          "categories; speedup is tokens/s over Hugging Face greedy `generate` of the same "
          "target in the same run; tau is tokens per target forward. The papers ran 7B-70B "
          "targets on GPUs, where verifying tens of tokens costs about what one does; here a "
-         "verification of n tokens costs t(n) > t(1) (docs/results/step-cost.md), so small trees win.")
+         "verification of n tokens costs t(n) > t(1) (docs/results/step-cost.md), so small "
+         "trees win.")
 
 # One benchmark run behind most claims (experiments/reports/reproduce/).
 REPRODUCE_BENCH = "reproduce/smollm2-135m-instruct-draft_model-chain1+*.json"
