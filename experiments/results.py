@@ -79,6 +79,8 @@ KINDS = (
          "experiments.bench_report:format_batch_table", per_summary=True),
     Kind("experiments.correctness", lambda row: "check" in row,
          "experiments.correctness:format_table"),
+    Kind("experiments.step_limit", lambda row: "limit_ms" in row,
+         "experiments.step_limit:format_table"),
     Kind("experiments.context_sweep", lambda row: "length" in row and "t_ms" in row,
          "experiments.context_sweep:format_table"),
     Kind("experiments.profile products=true", lambda row: "best" in row,

@@ -31,6 +31,7 @@ COMMANDS = {
     "runs_table": (),
     "simulate": (),
     "reproduce": (),
+    "step_limit": ("target",),
     "results": (),
 }
 # Benchmark presets live in conf/experiment/bench/ (experiment=bench/<name>); the top-level

@@ -1,0 +1,146 @@
+"""How far the target's decoding step is from the weight-streaming limit, per dtype.
+
+    python -m experiments.step_limit                       # float32 and bfloat16, n = 1..16
+    python -m experiments.step_limit 'dtypes=[bfloat16]' context_len=512
+
+A one-token step must read every weight the forward multiplies by (the LM head included; one
+row of the token embedding) and the KV cache at its current length. Reading them can go no
+faster than the machine's memory bandwidth, measured here in the same run by timing the sum of a
+tensor far larger than the caches (median of `bandwidth_repeats`). So
+
+    limit_ms = (weight bytes + KV bytes) / bandwidth
+
+is the least a step can cost, whatever the kernels; t(n) (a chain of n tokens verified after
+`context_len` cached ones, verify.costs.measure_verify_cost) is printed beside it for each n.
+On a machine where a step streams its weights, t(1) / limit says how much of the step is
+something else (attention over the cache, norms, rotary, Python and dispatch), and
+t(8) / t(1) how far a wider step is from free. Writes JSON (one row per dtype and step
+option) and a PNG under `out_dir`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from transformers import PreTrainedModel
+
+from experiments.common import CONF_DIR, save_figure, write_report
+from experiments.table import cell, markdown_table
+from verify.costs import measure_verify_cost
+from verify.target import load_target_from_config
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    """Bytes a one-token forward reads from the weights: every parameter once (tied tensors
+    once), except the input embedding table, of which a step reads one row, unless the LM head
+    shares it and so reads all of it."""
+    seen, total = set(), 0
+    for param in model.parameters():
+        if param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
+        total += param.numel() * param.element_size()
+    embedding = model.get_input_embeddings().weight
+    if embedding.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    return total
+
+
+def kv_bytes(model: PreTrainedModel, length: int) -> int:
+    """Bytes of the keys and values a step attends over, `length` cached positions."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * heads * head_dim * length * itemsize
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
+    """Bytes per second of reading a `gib`-GiB float32 tensor (its sum), median of `repeats`:
+    the rate at which this machine streams memory far larger than its caches."""
+    data = torch.ones(int(gib * 2**30) // 4)
+    data.sum()  # first touch: page faults and thread start-up are not bandwidth
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
+
+
+def limit_row(cfg: DictConfig, dtype: str, bandwidth: float) -> dict:
+    """One dtype's figures: the bytes a step reads, the limit, and t(n) in ms."""
+    target = load_target_from_config(cfg.target, dtype=dtype)
+    weights = weight_bytes(target.model)
+    cache = kv_bytes(target.model, cfg.context_len)
+    cost = measure_verify_cost(target.model, cfg.sizes, cfg.context_len, cfg.repeats)
+    limit_ms = 1000 * (weights + cache) / bandwidth
+    t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
+    return {"dtype": dtype, "step": "eager", "weight_bytes": weights, "kv_bytes": cache,
+            "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
+            "t1_over_limit": t_ms[1] / limit_ms,
+            "t8_over_t1": t_ms[8] / t_ms[1] if 8 in t_ms else None}
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: one line per dtype and step option, t(n) beside the limit."""
+    sizes = sorted({n for r in rows for n in _t_ms(r)})
+    header = ["dtype", "step", "weights MB", "KV MB", "bandwidth GB/s", "limit ms",
+              *[f"t({n}) ms" for n in sizes], "t(1) / limit", "t(8) / t(1)"]
+    table = [[r["dtype"], r["step"], f"{r['weight_bytes'] / 1e6:.0f}",
+              f"{r['kv_bytes'] / 1e6:.1f}", f"{r['bandwidth_gb_s']:.1f}", f"{r['limit_ms']:.1f}",
+              *[cell(_t_ms(r).get(n), ".1f") for n in sizes],
+              f"{r['t1_over_limit']:.2f}", cell(r["t8_over_t1"], ".2f")] for r in rows]
+    return markdown_table(header, table) + (
+        "\n\nlimit = (weights + KV cache at the context length) / the measured read "
+        "bandwidth: the least a one-token step can cost here. t(n): one verification step of "
+        "n tokens, medians.")
+
+
+def _t_ms(row: dict) -> dict[int, float]:
+    # a saved JSON's keys are strings
+    return {int(n): ms for n, ms in row["t_ms"].items()}
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """t(n) against n per dtype, each with its limit as a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for colour, r in zip(plt.get_cmap("tab10").colors, rows):
+        t_ms, label = _t_ms(r), f"{r['dtype']} ({r['step']})"
+        ax.plot(sorted(t_ms), [t_ms[n] for n in sorted(t_ms)], marker="o", color=colour,
+                label=f"t(n), {label}")
+        ax.axhline(r["limit_ms"], color=colour, linestyle="--",
+                   label=f"streaming limit, {label}")
+    sizes = sorted({n for r in rows for n in _t_ms(r)})
+    ax.set(xlabel="tokens verified in one step (n)", ylabel="ms", xscale="log", ylim=(0, None))
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="step_limit", version_base=None)
+def main(cfg: DictConfig) -> None:
+    if 1 not in cfg.sizes:
+        raise ValueError(f"sizes must include 1, the step the limit bounds; got {cfg.sizes}")
+    bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats)
+    rows = [limit_row(cfg, dtype, bandwidth) for dtype in cfg.dtypes]
+    print(format_table(rows))
+    stem = f"{cfg.target.name}-step-limit"
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
+    print(f"\nJSON: {path}")
+    if cfg.plot:
+        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
+
+
+if __name__ == "__main__":
+    main()

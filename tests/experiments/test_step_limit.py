@@ -1,0 +1,59 @@
+"""The weight-streaming limit: the bytes a step reads, the bandwidth, and the table."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from experiments.common import CONF_DIR
+from experiments.step_limit import (
+    format_table,
+    kv_bytes,
+    limit_row,
+    plot,
+    read_bandwidth,
+    weight_bytes,
+)
+from verify.target import build_tiny_model
+
+
+def _params(model) -> int:
+    return sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_step_reads_every_weight_but_the_unread_embedding_rows(arch):
+    model = build_tiny_model(arch)
+    embedding = model.get_input_embeddings().weight
+    tied = embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    unread = 0 if tied else (embedding.shape[0] - 1) * embedding.shape[1]
+    assert weight_bytes(model) == 4 * (_params(model) - unread)
+    assert weight_bytes(model.to(torch.bfloat16)) == 2 * (_params(model) - unread)
+
+
+def test_the_kv_cache_read_grows_with_the_context():
+    model = build_tiny_model("llama")
+    config = model.config
+    per_position = (2 * config.num_hidden_layers * config.num_key_value_heads
+                    * (config.hidden_size // config.num_attention_heads) * 4)
+    assert kv_bytes(model, 100) == 100 * per_position
+    assert kv_bytes(model, 0) == 0
+
+
+def test_bandwidth_is_a_rate():
+    assert 1e8 < read_bandwidth(gib=0.01, repeats=3) < 1e13
+
+
+def test_a_row_puts_t_n_beside_the_limit(tmp_path):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("step_limit", ["target=tiny_llama", "sizes=[1,2,8]", "context_len=16",
+                                     "repeats=2"])
+    row = limit_row(cfg, "float32", bandwidth=1e10)
+    assert set(row["t_ms"]) == {1, 2, 8} and all(t > 0 for t in row["t_ms"].values())
+    assert row["limit_ms"] == pytest.approx(1000 * (row["weight_bytes"] + row["kv_bytes"]) / 1e10)
+    assert row["t1_over_limit"] == pytest.approx(row["t_ms"][1] / row["limit_ms"])
+    saved = json.loads(json.dumps([row]))  # as read back from its JSON: string keys
+    table = format_table(saved)
+    assert "| float32 | eager |" in table and "t(8) ms" in table
+    assert plot(saved, tmp_path / "limit.png").stat().st_size > 0
