@@ -93,11 +93,15 @@ def _train_entry():
     return entry
 
 
-@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix", "hybrid"])
-def test_train_entry_says_when_a_drafter_has_nothing_to_train(drafter, capsys):
-    # such a drafter has no data or optim defaults (conf/train.yaml's optional entries)
-    cfg = compose_with("train", f"drafter={drafter}", "out_dir=/tmp/unused")
-    assert OmegaConf.is_missing(cfg, "data") and OmegaConf.is_missing(cfg, "optim")
+@pytest.mark.parametrize("drafter, overrides", [
+    ("prompt_lookup", []), ("suffix", []), ("hybrid", []),
+    ("suffix", ["optim.lr=0.1", "data.num_prompts=3"]),  # an override of an absent group composes
+])
+def test_train_entry_says_when_a_drafter_has_nothing_to_train(drafter, overrides, capsys):
+    # such a drafter has no data or optim files (conf/train.yaml's optional entries): the
+    # schema's empty sections stand in
+    cfg = compose_with("train", f"drafter={drafter}", "out_dir=/tmp/unused", *overrides)
+    assert OmegaConf.is_missing(cfg.data, "name") and OmegaConf.is_missing(cfg.optim, "name")
     _train_entry().main(cfg)
     out = capsys.readouterr().out
     assert f"'{drafter}' has nothing to train" in out and "medusa" in out

@@ -108,8 +108,10 @@ class TrainConfig:
     target: TargetConfig = MISSING
     drafter: Any = MISSING
     tree: Any = MISSING
-    data: DataConfig = MISSING
-    optim: OptimConfig = MISSING
+    # Present even for a drafter with nothing to train (its data and optim files are optional),
+    # so that an override of them composes and train.py can say there is nothing to train.
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
