@@ -220,10 +220,12 @@ def profile(cfg: DictConfig) -> list[dict]:
 def product_kernels(model: PreTrainedModel) -> list[str]:
     """The matrix-product kernels `product_times` can time on `model` with this torch build."""
     kernels = ["linear"]
-    if packing_unavailable(model) is None:
+    if packing_unavailable(model) is None:  # MKL's packed GEMM: float32 only
         kernels.append("mkl_packed")
-        if torch.backends.mkldnn.is_available():
-            kernels.append("onednn_packed")
+    weight = next(model.parameters())
+    if (torch.backends.mkldnn.is_available() and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16)):
+        kernels.append("onednn_packed")  # oneDNN packs bfloat16 weights too
     return kernels
 
 

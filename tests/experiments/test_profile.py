@@ -75,3 +75,16 @@ def test_the_weight_products_are_timed_by_kernel_and_bound_the_step_ratio():
     for kernel in kernels:
         for ours, theirs in zip(_products(kernel, weights, 4)(), expected, strict=True):
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_products_are_timed_with_onednn_packing_too():
+    model = load_target(tiny="llama").model.to(torch.bfloat16)
+    kernels = product_kernels(model)
+    assert "mkl_packed" not in kernels  # MKL packs float32 only
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    assert "onednn_packed" in kernels
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)]
+    expected = _products("linear", weights, 4)()
+    for ours, theirs in zip(_products("onednn_packed", weights, 4)(), expected, strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)
