@@ -11,7 +11,9 @@ tensor far larger than the caches (median of `bandwidth_repeats`). So
     limit_ms = (weight bytes + KV bytes) / bandwidth
 
 is the least a step can cost, whatever the kernels; t(n) (a chain of n tokens verified after
-`context_len` cached ones, verify.costs.measure_verify_cost) is printed beside it for each n.
+`context_len` cached ones, verify.costs.measure_verify_cost) is printed beside it for each n and
+each step option (`steps`): `eager`, the model's own products, and `packed`, the weights
+pre-packed (`target.packed_rows=auto` in float32: MKL row counts; `onednn` in bfloat16).
 On a machine where a step streams its weights, t(1) / limit says how much of the step is
 something else (attention over the cache, norms, rotary, Python and dispatch), and
 t(8) / t(1) how far a wider step is from free. Writes JSON (one row per dtype and step
@@ -73,15 +75,23 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
     return data.numel() * 4 / statistics.median(times)
 
 
-def limit_row(cfg: DictConfig, dtype: str, bandwidth: float) -> dict:
-    """One dtype's figures: the bytes a step reads, the limit, and t(n) in ms."""
-    target = load_target_from_config(cfg.target, dtype=dtype)
+# Step options: how the target's products run (target.packed_rows, per dtype; verify/packed.py).
+STEPS = {"eager": {"float32": None, "bfloat16": None},
+         "packed": {"float32": "auto", "bfloat16": "onednn"}}
+
+
+def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
+    """One dtype and step option's figures: the bytes a step reads, the limit, t(n) in ms."""
+    if step not in STEPS:
+        raise ValueError(f"unknown step option {step!r}; known: {sorted(STEPS)}")
+    target = load_target_from_config(cfg.target, dtype=dtype,
+                                     packed_rows=STEPS[step].get(dtype))
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
     cost = measure_verify_cost(target.model, cfg.sizes, cfg.context_len, cfg.repeats)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
-    return {"dtype": dtype, "step": "eager", "weight_bytes": weights, "kv_bytes": cache,
+    return {"dtype": dtype, "step": step, "weight_bytes": weights, "kv_bytes": cache,
             "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
             "t1_over_limit": t_ms[1] / limit_ms,
             "t8_over_t1": t_ms[8] / t_ms[1] if 8 in t_ms else None}
@@ -133,7 +143,7 @@ def main(cfg: DictConfig) -> None:
     if 1 not in cfg.sizes:
         raise ValueError(f"sizes must include 1, the step the limit bounds; got {cfg.sizes}")
     bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats)
-    rows = [limit_row(cfg, dtype, bandwidth) for dtype in cfg.dtypes]
+    rows = [limit_row(cfg, dtype, step, bandwidth) for dtype in cfg.dtypes for step in cfg.steps]
     print(format_table(rows))
     stem = f"{cfg.target.name}-step-limit"
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)

@@ -35,7 +35,7 @@ import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa"
 import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
 from verify.files import remove_orphans, write_atomically
 from verify.fingerprint import model_fingerprint, weights_digest
-from verify.packed import pack_linears, resolve_ladder
+from verify.packed import pack_target
 from verify.verifier import context_window
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,9 @@ def load_target(
         device: where the weights go ("cuda", "cuda:1"); None leaves them on the CPU.
         packed_rows: row counts whose matrix products get pre-packed weights (verify/packed.py,
             float32 on an x86 CPU: cheaper tree steps, each count costs a copy of the
-            weights); "auto" packs 4, 8 and 16 rows where that works, None nothing.
+            weights); "auto" packs 4, 8 and 16 rows where that works (float32), None nothing;
+            "onednn" packs a bfloat16 model's weights once for every row count (faster, but not
+            row-invariant: see verify/packed.py).
     """
     torch_dtype = _torch_dtype(dtype)
     if tiny is not None:
@@ -174,7 +176,7 @@ def load_target(
         target.model.to(device)
     target.model.eval()
     target.fingerprint()
-    pack_linears(target.model, resolve_ladder(target.model, packed_rows))
+    pack_target(target.model, packed_rows)
     return target
 
 

@@ -49,7 +49,7 @@ def test_a_row_puts_t_n_beside_the_limit(tmp_path):
     with initialize_config_dir(CONF_DIR, version_base=None):
         cfg = compose("step_limit", ["target=tiny_llama", "sizes=[1,2,8]", "context_len=16",
                                      "repeats=2"])
-    row = limit_row(cfg, "float32", bandwidth=1e10)
+    row = limit_row(cfg, "float32", "eager", bandwidth=1e10)
     assert set(row["t_ms"]) == {1, 2, 8} and all(t > 0 for t in row["t_ms"].values())
     assert row["limit_ms"] == pytest.approx(1000 * (row["weight_bytes"] + row["kv_bytes"]) / 1e10)
     assert row["t1_over_limit"] == pytest.approx(row["t_ms"][1] / row["limit_ms"])
@@ -57,3 +57,5 @@ def test_a_row_puts_t_n_beside_the_limit(tmp_path):
     table = format_table(saved)
     assert "| float32 | eager |" in table and "t(8) ms" in table
     assert plot(saved, tmp_path / "limit.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="unknown step option 'compiled'"):
+        limit_row(cfg, "float32", "compiled", bandwidth=1e10)

@@ -12,9 +12,11 @@ from tests.verify.test_batch import Scripted
 from verify.loop import generate, generate_batch
 from verify.packed import (
     DEFAULT_LADDER,
+    OneDNNLinear,
     PackedLinear,
     ladder_width,
     pack_linears,
+    pack_target,
     packed_rows,
     packing_unavailable,
     resolve_ladder,
@@ -88,7 +90,7 @@ def test_resolve_ladder_and_refusals():
     assert resolve_ladder(model, [8, 4]) == (8, 4)
     expected = () if packing_unavailable(model) else DEFAULT_LADDER
     assert resolve_ladder(model, "auto") == expected
-    with pytest.raises(ValueError, match="'auto', a list"):
+    with pytest.raises(ValueError, match="'auto', 'onednn', a list"):
         resolve_ladder(model, "yes")
     half = load_target(tiny="llama", dtype="bfloat16").model
     assert resolve_ladder(half, "auto") == ()  # auto: nothing where packing cannot work
@@ -151,3 +153,52 @@ def test_packed_target_decodes_batches_as_each_prompt_alone(pair):
     for prompt, result in zip(rows, batch):
         assert result.tokens.tolist() == references[tuple(prompt.tolist())][:40]
         assert result.tau > 1.3
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="bfloat16 packing needs a CPU torch build with oneDNN")
+
+
+@needs_onednn
+def test_bfloat16_packing_runs_every_row_count_packed(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80).to(torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    pack_target(layer, "onednn")
+    assert isinstance(layer, OneDNNLinear) and packed_rows(layer) == ()  # no tree is padded
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    calls = []
+    product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *rest: calls.append(x.shape[0]) or product(x, *rest))
+    for shape in [(1, 48), (2, 2, 48), (3, 48), (8, 48), (16, 48)]:
+        x = torch.randn(shape).to(torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, weight, bias))  # at this size: the same bits
+    assert calls == [1, 4, 3, 8, 16]  # every row count through the packed product
+    with pytest.raises(ValueError, match="float32"):
+        pack_target(nn.Linear(4, 4).to(torch.bfloat16), [8])  # MKL row counts: float32 only
+    with pytest.raises(ValueError, match="bfloat16 weights"):
+        pack_target(nn.Linear(4, 4), "onednn")
+    auto = nn.Linear(4, 4).to(torch.bfloat16)
+    assert not isinstance(pack_target(auto, "auto"), OneDNNLinear)  # on request only
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_packed_bfloat16_tiny_target_gives_the_unpacked_ones_logits_and_tokens(arch):
+    # tiny widths only: on the default target the packed products round differently by row
+    # count (verify/packed.py), which experiments.correctness measures
+    plain = load_target(tiny=arch, dtype="bfloat16").model
+    packed = load_target(tiny=arch, dtype="bfloat16", packed_rows="onednn").model
+    assert any(isinstance(m, OneDNNLinear) for m in packed.modules())
+    tree = TokenTree.from_choices(5, TreeTopology.from_choices([(0,), (0, 0), (1,)]), [6, 7, 8])
+    logits = []
+    for model in (plain, packed):
+        verifier = TreeVerifier(model)
+        verifier.prefill(torch.arange(3, 13))
+        logits.append(verifier.verify(tree)[0])
+    assert torch.equal(*logits)
+    for prompt in prompts(12, 21):
+        expected = generate(plain, prompt, 30).tokens.tolist()
+        assert generate(packed, prompt, 30).tokens.tolist() == expected
+        assert generate(packed, prompt, 30, drafter=lookup()).tokens.tolist() == expected
