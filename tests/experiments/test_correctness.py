@@ -57,8 +57,11 @@ def test_chi_square_accepts_matching_counts_and_rejects_skewed_ones():
     assert chi_square_test(bad, expected)[1] < 1e-6
 
 
-@pytest.mark.parametrize("drafter, tree", [("draft_model", "tree8"), ("prompt_lookup", "tree8"),
-                                           ("eagle", "tree8"), ("eagle3", "eagle2")])
+# eagle3 on EAGLE-2's tree takes ~100 s one row at a time: CI runs its batched case below (the
+# same tree policy and rule, 8 rows at once) and leaves this one to `make test-all`.
+@pytest.mark.parametrize("drafter, tree", [
+    ("draft_model", "tree8"), ("prompt_lookup", "tree8"), ("eagle", "tree8"),
+    pytest.param("eagle3", "eagle2", marks=pytest.mark.slow)])
 def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
     # eagle on a static tree samples its children (q recorded); eagle3 on EAGLE-2's dynamic
     # tree picks them by top-k (one-hot proposals)
