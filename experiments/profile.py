@@ -51,7 +51,12 @@ from verify.accept import make_rule
 from verify.cache import keep_entries
 from verify.costs import measure_verify_cost
 from verify.loop import generate
-from verify.packed import ladder_width, packed_rows, packing_unavailable
+from verify.packed import (
+    bfloat16_packing_unavailable,
+    ladder_width,
+    packed_rows,
+    packing_unavailable,
+)
 from verify.sampling import SamplingParams
 from verify.target import load_target_from_config
 from verify.tree import TokenTree, TreeTopology
@@ -222,10 +227,10 @@ def product_kernels(model: PreTrainedModel) -> list[str]:
     kernels = ["linear"]
     if packing_unavailable(model) is None:  # MKL's packed GEMM: float32 only
         kernels.append("mkl_packed")
-    weight = next(model.parameters())
-    if (torch.backends.mkldnn.is_available() and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)):
-        kernels.append("onednn_packed")  # oneDNN packs bfloat16 weights too
+        if torch.backends.mkldnn.is_available():
+            kernels.append("onednn_packed")
+    elif bfloat16_packing_unavailable(model) is None:  # target.packed_rows=onednn
+        kernels.append("onednn_packed")
     return kernels
 
 

@@ -134,6 +134,12 @@ def format_table(rows: list[dict], x: str, series: str | None) -> str:
             + f"\n\ntau: held-out prompts decoded with {'; '.join(trees)}.")
 
 
+def format_report(report: dict) -> str:
+    """`format_table` of a saved runs_table JSON: its rows, with the swept keys its config
+    names as the columns."""
+    return format_table(report["rows"], report["config"]["x"], report["config"].get("series"))
+
+
 def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
     """Left: tau against x, one line per series (a log axis when x spans 10x or more). Right:
     held-out top-1 by draft depth (or head), one line per run: what the swept key does to

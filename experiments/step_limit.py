@@ -41,12 +41,7 @@ def weight_bytes(model: PreTrainedModel) -> int:
     """Bytes a one-token forward reads from the weights: every parameter once (tied tensors
     once), except the input embedding table, of which a step reads one row, unless the LM head
     shares it and so reads all of it."""
-    seen, total = set(), 0
-    for param in model.parameters():
-        if param.data_ptr() in seen:
-            continue
-        seen.add(param.data_ptr())
-        total += param.numel() * param.element_size()
+    total = sum({p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}.values())
     embedding = model.get_input_embeddings().weight
     if embedding.data_ptr() != model.get_output_embeddings().weight.data_ptr():
         total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
@@ -75,17 +70,20 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
     return data.numel() * 4 / statistics.median(times)
 
 
-# Step options: how the target's products run (target.packed_rows, per dtype; verify/packed.py).
-STEPS = {"eager": {"float32": None, "bfloat16": None},
-         "packed": {"float32": "auto", "bfloat16": "onednn"}}
+# Step options: eager, the model's own products; packed, its weights pre-packed as
+# target.packed_rows sets per dtype (verify/packed.py).
+STEPS = ("eager", "packed")
+PACKED = {"float32": "auto", "bfloat16": "onednn"}
 
 
 def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
     """One dtype and step option's figures: the bytes a step reads, the limit, t(n) in ms."""
     if step not in STEPS:
         raise ValueError(f"unknown step option {step!r}; known: {sorted(STEPS)}")
+    if step == "packed" and dtype not in PACKED:
+        raise ValueError(f"no packed step for {dtype}; packed: {sorted(PACKED)}")
     target = load_target_from_config(cfg.target, dtype=dtype,
-                                     packed_rows=STEPS[step].get(dtype))
+                                     packed_rows=PACKED[dtype] if step == "packed" else None)
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
     cost = measure_verify_cost(target.model, cfg.sizes, cfg.context_len, cfg.repeats)

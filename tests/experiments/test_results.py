@@ -61,9 +61,10 @@ def test_a_directive_becomes_the_table_the_command_prints(tmp_path):
 
 def test_rows_and_the_readme_block(tmp_path):
     summary = {"baseline": "hf_greedy", "prompts": 2, "methods": {
-        "hf_greedy": {"speedup": {"overall": 1.0}, "tokens_per_s": {"overall": 10.0}},
+        "hf_greedy": {"speedup": {"overall": 1.0}, "tokens_per_s": {"overall": 10.0},
+                      "new_tokens": 20, "seconds": 2.0},
         "eagle/x": {"speedup": {"overall": 1.25}, "tokens_per_s": {"overall": 12.5}, "tau": 1.8,
-                    "identical": 1.0}}}
+                    "identical": 1.0, "new_tokens": 20, "seconds": 1.6}}}
     _report(tmp_path / "reports", "run/b.json", [summary])
     src = tmp_path / "src"
     src.mkdir()

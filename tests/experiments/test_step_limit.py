@@ -59,3 +59,5 @@ def test_a_row_puts_t_n_beside_the_limit(tmp_path):
     assert plot(saved, tmp_path / "limit.png").stat().st_size > 0
     with pytest.raises(ValueError, match="unknown step option 'compiled'"):
         limit_row(cfg, "float32", "compiled", bandwidth=1e10)
+    with pytest.raises(ValueError, match="no packed step for float16"):
+        limit_row(cfg, "float16", "packed", bandwidth=1e10)
