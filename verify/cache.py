@@ -8,6 +8,10 @@ Layers grow into preallocated room (`GrowingLayer`): transformers' `DynamicLayer
 the whole cache with each step's few new entries, a copy of every cached key and value per
 layer per step. At 16 rows of up to 800 tokens that was ~600 MB of copying a step on the
 default target; writing the new entries into room that is already there costs their own size.
+
+A compiled step (verify/compiled.py) needs every step's shapes fixed, so its cache is
+`RoomLayer`s instead: the whole room (B, H, C, D) is attended over, with the slots not in use
+masked, and the count in use is a tensor the compiled graph advances. The same moves apply.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 MIN_ROOM = 256  # slots of room a layer allocates beyond what it needs, at least
+CAPACITY_STEP = 256  # a RoomLayer's capacity grows in steps of this many slots
 
 
 class GrowingLayer(DynamicLayer):
@@ -94,7 +99,7 @@ def new_cache(config: PretrainedConfig) -> DynamicCache:
 
 def allocated_bytes(cache: DynamicCache) -> int:
     """Bytes of key and value memory `cache` holds (a growing layer's whole room)."""
-    return sum(layer.allocated_bytes if isinstance(layer, GrowingLayer)
+    return sum(layer.allocated_bytes if isinstance(layer, (GrowingLayer, RoomLayer))
                else _bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
                for layer in cache.layers)
 
@@ -103,21 +108,97 @@ def _bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
+class RoomLayer(StaticLayer):
+    """A full-attention cache layer of fixed capacity: `keys` and `values` (B, H, C, D) are the
+    whole room, `cumulative_length` (a tensor, so a compiled step can advance it) the slots in
+    use. Unlike transformers' StaticLayer it can be cut back (`set_length`: slots past it are
+    stale, hidden by every mask), grown, and narrowed to some rows: the moves below."""
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> RoomLayer:
+        """A layer of `capacity` slots holding (B, H, S, D) `keys` and `values` at 0 .. S - 1."""
+        layer = cls(max_cache_len=capacity)
+        layer.device = keys.device
+        layer.batch_size, layer.num_heads = keys.shape[:2]
+        layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+        layer.keys, layer.values = (_room(states, capacity) for states in (keys, values))
+        layer.cumulative_length = torch.tensor(keys.shape[-2], device=keys.device)
+        layer.is_initialized = True
+        return layer
+
+    @property
+    def length(self) -> int:
+        return int(self.cumulative_length)
+
+    def set_length(self, size: int) -> None:
+        """Keep slots 0 .. size - 1; the next update writes at `size`."""
+        self.cumulative_length.fill_(size)
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` slots, the entries in use kept (one copy)."""
+        used = self.length
+        self.keys, self.values = (_room(states[..., :used, :], capacity)
+                                  for states in (self.keys, self.values))
+        self.max_cache_len = capacity
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[indices], self.values[indices]
+        self.batch_size = len(indices)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return _bytes(self.keys, self.values)
+
+
+def _room(states: torch.Tensor, capacity: int) -> torch.Tensor:
+    room = states.new_zeros((*states.shape[:2], capacity, states.shape[-1]))
+    room[..., :states.shape[-2], :] = states
+    return room
+
+
+def room_cache(cache: DynamicCache, capacity: int) -> Cache:
+    """A cache of `RoomLayer`s with `capacity` slots holding `cache`'s entries (full-attention
+    layers only: a sliding window keeps no slot order to attend over)."""
+    layers = full_attention_layers(cache)
+    used = cache.get_seq_length()
+    if used > capacity:
+        raise ValueError(f"a cache of {used} slots does not fit in {capacity}")
+    return Cache(layers=[RoomLayer.holding(layer.keys, layer.values, capacity)
+                         for layer in layers])
+
+
+def room_for(slots: int) -> int:
+    """The capacity a cache needing `slots` slots gets: the next multiple of CAPACITY_STEP."""
+    return -(-max(slots, 1) // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def full_attention_layers(cache: Cache) -> list[DynamicLayer | RoomLayer]:
     """The cache's layers, refused unless every one holds full attention (compaction moves
     entries by slot, which a sliding window or a recurrent state does not keep)."""
     for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, GrowingLayer):
+        if type(layer) not in (DynamicLayer, GrowingLayer, RoomLayer):
             raise NotImplementedError(
                 f"cache compaction supports full-attention layers, not {type(layer).__name__}")
     return cache.layers
 
 
-def trim(cache: DynamicCache, size: int) -> None:
-    """Drop every cache slot from `size` on (a view: nothing is copied)."""
+def cache_length(cache: Cache) -> int:
+    """Slots in use: a growing cache's length, a room cache's count (not its capacity)."""
+    layers = cache.layers
+    if layers and isinstance(layers[0], RoomLayer):
+        return layers[0].length
+    return cache.get_seq_length()
+
+
+def trim(cache: Cache, size: int) -> None:
+    """Drop every cache slot from `size` on (a view, or a room's count cut: nothing is
+    copied)."""
     for layer in full_attention_layers(cache):
-        layer.keys = layer.keys[..., :size, :]
-        layer.values = layer.values[..., :size, :]
+        if isinstance(layer, RoomLayer):
+            layer.set_length(size)
+        else:
+            layer.keys = layer.keys[..., :size, :]
+            layer.values = layer.values[..., :size, :]
 
 
 def keep_entries(cache: DynamicCache, start: int, keep: list[int]) -> None:

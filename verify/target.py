@@ -33,6 +33,7 @@ from transformers import (
 
 import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
 import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
+from verify.compiled import compile_step
 from verify.files import remove_orphans, write_atomically
 from verify.fingerprint import model_fingerprint, weights_digest
 from verify.packed import pack_target
@@ -134,6 +135,7 @@ def load_target(
     adapter: str | None = None,
     device: str | None = None,
     packed_rows: str | Sequence[int] | None = None,
+    step: str = "eager",
 ) -> Target:
     """Load a target model in eval mode.
 
@@ -155,6 +157,10 @@ def load_target(
             weights); "auto" packs 4, 8 and 16 rows where that works (float32), None nothing;
             "onednn" packs a bfloat16 model's weights once for every row count (faster, but not
             row-invariant: see verify/packed.py).
+        step: "eager", the model's forward as it is, or "compiled": decoding steps through
+            torch.compile over preallocated room (verify/compiled.py; compiles on first use,
+            ~25-30 s per step shape for the default target). A compiled step packs its own
+            weights, so "auto" packs nothing there.
     """
     torch_dtype = _torch_dtype(dtype)
     if tiny is not None:
@@ -176,7 +182,13 @@ def load_target(
         target.model.to(device)
     target.model.eval()
     target.fingerprint()
+    if step == "compiled":
+        if packed_rows not in (None, [], (), "auto"):
+            raise ValueError(f"a compiled step packs its own weights: target.packed_rows="
+                             f"{packed_rows!r} goes with target.step=eager (or set it to null)")
+        packed_rows = None  # inductor's freezing packs the weights for each compiled graph
     pack_target(target.model, packed_rows)
+    compile_step(target.model, step)
     return target
 
 

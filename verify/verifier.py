@@ -12,16 +12,22 @@ acceptance each row's path moves down to follow its committed tokens and the cac
 to the longest row, so memory stays bounded and positions stay contiguous. With B = 1 there
 are no stale slots and the cached sequence is exactly the committed tokens. The layout and the
 moves on it live in verify/cache.py (the draft engine's cache is laid out the same way).
+
+On a target with a compiled step (`target.step=compiled`, verify/compiled.py) the cache is
+preallocated room and every step's shapes are fixed: trees are padded to a width bucket and
+every mask spans the whole room, (B, 1, N, C); prompts still run the eager model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verify.cache import cache_rows_alone, keep_paths, new_cache, trim
+from verify.cache import (cache_length, cache_rows_alone, keep_paths, new_cache, room_cache,
+                          room_for, trim)
+from verify.compiled import compiled_step, compiled_width
 from verify.features import num_layers, resolve_layers, select_features
 from verify.packed import ladder_width, packed_rows
 from verify.tree import TokenTree, TreeBatch
@@ -34,11 +40,14 @@ def context_window(model: PreTrainedModel) -> int | None:
 
 
 def tree_attention_mask(batch: TreeBatch, lengths: torch.Tensor, cache_size: int,
-                        dtype: torch.dtype) -> torch.Tensor:
+                        dtype: torch.dtype, columns: int | None = None) -> torch.Tensor:
     """(B, 1, N, cache_size + N) additive mask: 0 where a node may attend (its row's
-    lengths[b] committed slots, its ancestors and itself), dtype-min elsewhere."""
+    lengths[b] committed slots, its ancestors and itself), dtype-min elsewhere. With
+    `columns`, (B, 1, N, columns): the slots past the tree are hidden too."""
     committed = torch.arange(cache_size)[None, None, :] < lengths[:, None, None]  # (B, 1, S)
     allowed = torch.cat([committed.expand(-1, batch.width, -1), batch.ancestors], dim=-1)
+    if columns is not None:
+        allowed = torch.nn.functional.pad(allowed, (0, columns - allowed.shape[-1]))
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
@@ -52,6 +61,7 @@ class TreeVerifier:
 
     def __init__(self, model: PreTrainedModel, feature_layers: tuple[int, ...] = ()):
         self.model = model
+        self.step = compiled_step(model)  # None: every forward runs the eager model
         self.feature_layers = resolve_layers(feature_layers, num_layers(model.config))
         self.cache = new_cache(model.config)
         self.lengths = torch.zeros(1, dtype=torch.long)  # (B,) committed tokens per row
@@ -66,7 +76,8 @@ class TreeVerifier:
 
     @property
     def cache_size(self) -> int:
-        return self.cache.get_seq_length()
+        """Cache slots in use (the longest row's; not a room cache's capacity)."""
+        return cache_length(self.cache)
 
     # -- one sequence -------------------------------------------------------------------------
 
@@ -75,6 +86,12 @@ class TreeVerifier:
         """Cache the (T,) tokens after any already committed (B = 1); returns the last
         position's logits (V,) (float, CPU) and the features of all T positions (T, F * H),
         or None without feature layers."""
+        if self.step is not None:
+            if self.cache_size:
+                raise NotImplementedError("a compiled step's verifier prefills a new sequence "
+                                          "only; this one has cached tokens already")
+            logits, features = self.prefill_batch([input_ids])
+            return logits[0].cpu(), None if features is None else features[0]
         positions = torch.arange(self.length, self.length + len(input_ids))
         logits, features = self._forward(input_ids[None], positions[None], None, logits_to_keep=1)
         self.lengths += len(input_ids)
@@ -126,6 +143,8 @@ class TreeVerifier:
             features[row] = None if row_features is None else row_features[0]
 
         self.cache = cache_rows_alone(self.model.config, len(prompts), run_row)
+        if self.step is not None:
+            self.cache = room_cache(self.cache, room_for(self.cache_size + 1))
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         return torch.stack(logits), None if features[0] is None else features
 
@@ -138,15 +157,28 @@ class TreeVerifier:
             raise ValueError(f"{len(batch.tokens)} trees for {len(self.lengths)} sequences")
         width = batch.width
         batch = self._packed_width(batch)
+        self._make_room(batch.width)
         mask, positions = self.batch_inputs(batch)
         self._tree_start = self.cache_size
         logits, features = self._forward(batch.tokens, positions, mask)
         return logits[:, :width], None if features is None else features[:, :width]
 
     def _packed_width(self, batch: TreeBatch) -> TreeBatch:
-        """On a packed target, `batch` padded to the next row count whose weights are packed
-        (verify/packed.py); otherwise `batch` itself."""
+        """`batch` padded to the width the step runs: on a compiled step its next width
+        bucket (verify/compiled.py), on a packed target the next row count whose weights are
+        packed (verify/packed.py); otherwise `batch` itself."""
+        if self.step is not None:
+            return batch.widen(compiled_width(batch.width) or batch.width)
         return batch.widen(ladder_width(packed_rows(self.model), len(batch.tokens), batch.width))
+
+    def _make_room(self, width: int) -> None:
+        """On a room cache, grow it where `width` more slots would not fit."""
+        if self.step is None:
+            return
+        need, capacity = self.cache_size + width, self.cache.layers[0].max_cache_len
+        if need > capacity:
+            for layer in self.cache.layers:
+                layer.grow(room_for(need))
 
     def batch_inputs(self, batch: TreeBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The (B, 1, N, S + N) attention mask over the S cached slots and the trees (None
@@ -154,6 +186,10 @@ class TreeVerifier:
         position ids."""
         positions = self.lengths[:, None] + batch.depths
         size = self.cache_size
+        if self.step is not None:  # the whole room, every step
+            columns = self.cache.layers[0].max_cache_len
+            return tree_attention_mask(batch, self.lengths, size, self.model.dtype,
+                                       columns), positions
         if batch.width == 1 and bool((self.lengths == size).all()):
             return None, positions
         return tree_attention_mask(batch, self.lengths, size, self.model.dtype), positions
@@ -174,18 +210,22 @@ class TreeVerifier:
         trim(self.cache, int(self.lengths.max()) if len(rows) else 0)
 
     def _forward(self, tokens, positions, attention_mask, logits_to_keep=0):
+        # trees wider than every compiled width run the eager model on the same room
+        step = self.step if self.step is not None and compiled_width(tokens.shape[1]) else None
         return batched_forward(self.model, self.cache, tokens, positions, attention_mask,
-                               logits_to_keep, self.feature_layers)
+                               logits_to_keep, self.feature_layers, step)
 
 
 def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
                     positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    logits_to_keep: int | torch.Tensor = 0, feature_layers: tuple[int, ...] = ()
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    logits_to_keep: int | torch.Tensor = 0, feature_layers: tuple[int, ...] = (),
+                    step: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Append (B, n) tokens at (B, n) positions to `cache` in one forward of `model`.
 
-    attention_mask: None for causal attention, or an additive (B, 1, n, cached + n) mask.
+    attention_mask: None for causal attention, or an additive (B, 1, n, cached + n) mask
+    ((B, 1, n, C) over a room cache's C slots).
     logits_to_keep: 0 for all positions, k > 0 for the last k, or a (k,) tensor of positions.
+    step: what runs the forward instead of `model` (a CompiledStep), same arguments.
     Returns float logits (B, n', V) on the model's device and, with feature_layers (absolute
     hidden-state indices, see verify.features), the features (B, n, F * H) on the model's
     device and in its dtype: drafters run there, so nothing is copied.
@@ -193,7 +233,7 @@ def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.T
     device = model.device
     if isinstance(logits_to_keep, torch.Tensor):
         logits_to_keep = logits_to_keep.to(device)
-    out = model(
+    out = (step or model)(
         input_ids=tokens.to(device),
         position_ids=positions.to(device),
         attention_mask=None if attention_mask is None else attention_mask.to(device),

@@ -100,6 +100,27 @@ def test_a_batch_of_four_decodes_each_row_as_alone(row, tree, tiny, conf, plain_
     assert max(step.tree_size for r in results for step in r.steps) > 1, "the drafter never drafted"
 
 
+@pytest.fixture(scope="module")
+def compiled_llama():
+    from verify.target import load_target
+
+    return load_target(tiny="llama", step="compiled")
+
+
+@pytest.mark.parametrize("row", DRAFTERS, ids=[row.label or row.config for row in DRAFTERS])
+def test_on_a_compiled_step_a_batch_decodes_each_row_as_alone(row, conf, compiled_llama):
+    # target.step=compiled (verify/compiled.py): every drafter's trees, batched, against plain
+    # decoding on the same compiled step, on its last tree in the table
+    target = compiled_llama
+    cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
+    drafter = build_drafter(cfg, tree_config(conf, row.trees[-1]), target)
+    expected = generate_batch(target.model, BATCH, BATCH_TOKENS)
+    results = generate_batch(target.model, BATCH, BATCH_TOKENS, drafter=drafter)
+    for result, want in zip(results, expected):
+        assert torch.equal(result.tokens, want.tokens)
+    assert max(step.tree_size for r in results for step in r.steps) > 1, "the drafter never drafted"
+
+
 def test_every_shipped_drafter_has_a_row(conf_dir):
     shipped = {path.stem for path in (conf_dir / "drafter").glob("*.yaml")}
     assert shipped <= {row.config for row in DRAFTERS}

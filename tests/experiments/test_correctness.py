@@ -59,13 +59,16 @@ def test_chi_square_accepts_matching_counts_and_rejects_skewed_ones():
 
 # eagle3 on EAGLE-2's tree takes ~100 s one row at a time: CI runs its batched case below (the
 # same tree policy and rule, 8 rows at once) and leaves this one to `make test-all`.
-@pytest.mark.parametrize("drafter, tree", [
-    ("draft_model", "tree8"), ("prompt_lookup", "tree8"), ("eagle", "tree8"),
-    pytest.param("eagle3", "eagle2", marks=pytest.mark.slow)])
-def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree):
+@pytest.mark.parametrize("drafter, tree, step", [
+    ("draft_model", "tree8", "eager"), ("prompt_lookup", "tree8", "eager"),
+    ("eagle", "tree8", "eager"), ("prompt_lookup", "tree8", "compiled"),
+    pytest.param("eagle3", "eagle2", "eager", marks=pytest.mark.slow)])
+def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree, step):
     # eagle on a static tree samples its children (q recorded); eagle3 on EAGLE-2's dynamic
-    # tree picks them by top-k (one-hot proposals)
-    cfg = correctness_cfg(f"tree={tree}", "distribution.samples=2000", drafter=drafter)
+    # tree picks them by top-k (one-hot proposals); the compiled target step samples from
+    # its own logits, which must be the target's distribution too
+    cfg = correctness_cfg(f"tree={tree}", "distribution.samples=2000", f"target.step={step}",
+                          drafter=drafter)
     rows = {row["rule"]: row for row in distribution_rows(cfg)}
     assert rows["sampling"]["passed"], rows["sampling"]
     assert rows["sampling"]["detail"]["draft_tokens_per_sample"] > 0.5  # drafts were tested

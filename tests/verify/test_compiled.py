@@ -1,0 +1,122 @@
+"""target.step=compiled: the decoding step through torch.compile over preallocated room gives
+the eager step's logits (float32, within rounding), the same greedy tokens, trees that equal
+one-token decoding on the same step, and a room cache that keeps exactly what it should
+through commits, growth and finished rows, without compiling again for any of them."""
+
+import pytest
+import torch
+
+from drafters.prompt_lookup import PromptLookupDrafter
+from verify.cache import CAPACITY_STEP, RoomLayer, room_cache, room_for
+from verify.compiled import compiled_width
+from verify.loop import generate, generate_batch
+from verify.target import load_target
+from verify.tree import TokenTree, TreeTopology
+from verify.verifier import TreeVerifier
+
+# float32: compiled kernels fuse and reorder the eager ones' sums; the logits agree to rounding
+TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+PROMPT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 40, 41])
+TREE = TokenTree(torch.tensor([41, 42, 43, 44, 40, 42]), torch.tensor([-1, 0, 0, 1, 2, 3]))
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return load_target(tiny="llama").model
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return load_target(tiny="llama", step="compiled").model
+
+
+def test_step_logits_and_features_equal_the_eager_step(eager, compiled):
+    outputs = []
+    for model in (eager, compiled):
+        verifier = TreeVerifier(model, feature_layers=(-1,))
+        prefill_logits, _ = verifier.prefill(PROMPT)
+        tree_logits, features = verifier.verify(TREE)
+        verifier.commit([0, 1, 3])
+        plain_logits, _ = verifier.verify(TokenTree(torch.tensor([7]), torch.tensor([-1])))
+        outputs.append((prefill_logits, tree_logits, features, plain_logits))
+    assert isinstance(TreeVerifier(compiled).step, type(compiled.compiled_step))
+    for eager_out, compiled_out in zip(*outputs):
+        torch.testing.assert_close(compiled_out, eager_out, **TOLERANCE)
+
+
+def test_greedy_decoding_through_room_growth_equals_eager(compiled, eager):
+    # 250 prompt tokens + 40 new ones pass the first room of 256 slots: the cache grows
+    prompt = torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(1))
+    expected = generate(eager, prompt, 40).tokens
+    graphs = dict(compiled.compiled_step.compile_s)
+    assert torch.equal(generate(compiled, prompt, 40).tokens, expected)
+    # a larger room is a symbolic size: no graph was compiled for it
+    assert set(compiled.compiled_step.compile_s) - set(graphs) <= {(1, False, False, "0")}
+
+
+def test_trees_equal_one_token_decoding_on_the_compiled_step(compiled):
+    plain = generate(compiled, PROMPT, 60).tokens
+    drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [0, 0], [0, 0, 0]]),
+                                  min_ngram=1)
+    result = generate(compiled, PROMPT, 60, drafter=drafter)
+    assert torch.equal(result.tokens, plain)
+    assert result.tau > 1  # trees were verified and accepted, not only lone roots
+
+
+def test_a_batch_whose_rows_finish_early_equals_each_row_alone(compiled):
+    prompts = [PROMPT, PROMPT[:9], PROMPT[3:]]
+    alone = [generate(compiled, p, 30).tokens for p in prompts]
+    # an EOS id that some rows produce: they leave the batch, which narrows the room's rows
+    eos = int(alone[1][5])
+    expected = [generate(compiled, p, 30, eos_token_id=eos).tokens for p in prompts]
+    rows = generate_batch(compiled, prompts, 30, eos_token_id=eos,
+                          drafter=PromptLookupDrafter(TreeTopology.chain(3), min_ngram=1))
+    assert len({len(r.tokens) for r in rows}) > 1  # rows did finish at different steps
+    for row, want in zip(rows, expected):
+        assert torch.equal(row.tokens, want)
+
+
+def test_room_layer_moves_keep_the_accepted_entries():
+    keys = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).reshape(2, 1, 5, 2)
+    from transformers import DynamicCache
+
+    dynamic = DynamicCache()
+    dynamic.update(keys, keys + 100, 0)
+    cache = room_cache(dynamic, room_for(5))
+    layer = cache.layers[0]
+    assert isinstance(layer, RoomLayer) and layer.keys.shape == (2, 1, CAPACITY_STEP, 2)
+    assert layer.length == 5 and torch.equal(layer.keys[:, :, :5], keys)
+    layer.grow(2 * CAPACITY_STEP)
+    assert layer.keys.shape[-2] == 2 * CAPACITY_STEP and torch.equal(layer.keys[:, :, :5], keys)
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys[:, :, :5], keys[1:]) and layer.length == 5
+    layer.set_length(3)
+    assert layer.length == 3
+
+
+def test_widths_are_padded_to_buckets_and_wider_ones_run_eagerly():
+    assert [compiled_width(n) for n in (1, 3, 5, 16, 17, 64)] == [1, 4, 8, 16, 32, 64]
+    assert compiled_width(65) is None
+
+
+def test_a_wide_tree_runs_the_eager_model_on_the_same_room(compiled, eager):
+    # 70 nodes: wider than every compiled width
+    chain = TokenTree.from_choices(int(PROMPT[-1]), TreeTopology.chain(69),
+                                   [40 + i % 5 for i in range(69)])
+    results = []
+    for model in (eager, compiled):
+        verifier = TreeVerifier(model)
+        verifier.prefill(PROMPT[:-1])
+        results.append(verifier.verify(chain)[0])
+    torch.testing.assert_close(results[1], results[0], **TOLERANCE)
+
+
+def test_bad_settings_are_refused(compiled):
+    with pytest.raises(ValueError, match="target.step is one of"):
+        load_target(tiny="llama", step="fast")
+    with pytest.raises(ValueError, match="packs its own weights"):
+        load_target(tiny="llama", step="compiled", packed_rows=[4, 8])
+    verifier = TreeVerifier(compiled)
+    verifier.prefill(PROMPT)
+    with pytest.raises(NotImplementedError, match="prefills a new sequence only"):
+        verifier.prefill(PROMPT)
