@@ -25,8 +25,15 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verify.cache import (cache_length, cache_rows_alone, keep_paths, new_cache, room_cache,
-                          room_for, trim)
+from verify.cache import (
+    cache_length,
+    cache_rows_alone,
+    keep_paths,
+    new_cache,
+    room_cache,
+    room_for,
+    trim,
+)
 from verify.compiled import compiled_step, compiled_width
 from verify.features import num_layers, resolve_layers, select_features
 from verify.packed import ladder_width, packed_rows
