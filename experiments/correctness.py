@@ -52,16 +52,24 @@ class WrongResidualRule(SpeculativeSamplingRule):
         return p
 
 
+REFERENCES = ("hf", "plain")
+
+
 def greedy_row(target: Target, drafter, questions, max_new_tokens: int,
-               pad_rows: int = 1) -> dict:
+               pad_rows: int = 1, reference: str | None = None) -> dict:
     """Token-for-token comparison with the target's plain greedy decoding: Hugging Face
-    `generate`, or with pad_rows > 1 this loop's plain decoding at the same padded shape
-    (what that mode promises to match)."""
+    `generate` ("hf"), or this loop's plain decoding on the same target step and padded
+    shape ("plain": what pad_rows > 1 and target.step=compiled promise to match). None: "hf",
+    or "plain" when pad_rows > 1."""
+    reference_name = reference or ("plain" if pad_rows > 1 else "hf")
+    if reference_name not in REFERENCES:
+        raise ValueError(f"greedy.reference is one of {list(REFERENCES)} or null, "
+                         f"not {reference!r}")
     identical, divergences, tally = 0, [], TokensPerForward()
     for question in tqdm(questions, desc="greedy vs plain", leave=False):
         ids = target.encode_prompt(question.prompt)
         eos = target.eos_token_ids
-        reference = (hf_generate(target, ids, max_new_tokens) if pad_rows == 1 else
+        reference = (hf_generate(target, ids, max_new_tokens) if reference_name == "hf" else
                      generate(target.model, ids, max_new_tokens, eos_token_id=eos,
                               pad_rows=pad_rows).tokens)
         result = generate(target.model, ids, max_new_tokens, drafter=drafter,
@@ -75,7 +83,8 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int,
                                                     first)})
     n = len(questions)
     padded = f", every forward padded to {pad_rows} rows" if pad_rows > 1 else ""
-    return {"rule": "greedy", "check": f"token match vs plain greedy, {n} prompts{padded}",
+    against = "Hugging Face greedy" if reference_name == "hf" else "this loop's plain greedy"
+    return {"rule": "greedy", "check": f"token match vs {against}, {n} prompts{padded}",
             "value": identical / n, "passed": identical == n, "exact_claimed": True,
             "detail": {"identical": identical, "prompts": n, "divergences": divergences,
                        # pooled over every prompt's steps, as the bench's tau (runs saved
@@ -185,7 +194,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     drafter = build_drafter(cfg.drafter, cfg.tree, target)
     questions = pick_questions(cfg.data_root, cfg.greedy.num_prompts)
     rows = [greedy_row(target, drafter, questions, cfg.greedy.max_new_tokens,
-                       cfg.greedy.pad_rows)]
+                       cfg.greedy.pad_rows, cfg.greedy.get("reference"))]
     if cfg.distribution.enabled:
         rows += distribution_rows(cfg)
     if cfg.chain.enabled:

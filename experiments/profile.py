@@ -49,6 +49,7 @@ from experiments.common import save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from verify.accept import make_rule
 from verify.cache import keep_entries
+from verify.compiled import compiled_step
 from verify.costs import measure_verify_cost
 from verify.loop import generate
 from verify.packed import (
@@ -147,6 +148,10 @@ def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) ->
 def profile_sizes(model: PreTrainedModel, sizes: list[int], context_len: int, repeats: int,
                   seed: int) -> dict[int, dict[str, float]]:
     """{n: {part: median seconds}} over `repeats` rounds in which the sizes take turns."""
+    if compiled_step(model) is not None:
+        raise ValueError("the profile times the eager model's parts, which a compiled step "
+                         "fuses into one graph: profile target.step=eager, and time the "
+                         "compiled step with experiments.step_limit")
     vocab = model.config.vocab_size
     verifier = TreeVerifier(model)
     generator = torch.Generator().manual_seed(seed)

@@ -12,8 +12,10 @@ tensor far larger than the caches (median of `bandwidth_repeats`). So
 
 is the least a step can cost, whatever the kernels; t(n) (a chain of n tokens verified after
 `context_len` cached ones, verify.costs.measure_verify_cost) is printed beside it for each n and
-each step option (`steps`): `eager`, the model's own products, and `packed`, the weights
-pre-packed (`target.packed_rows=auto` in float32: MKL row counts; `onednn` in bfloat16).
+each step option (`steps`): `eager`, the model's own products; `packed`, the weights
+pre-packed (`target.packed_rows=auto` in float32: MKL row counts; `onednn` in bfloat16); and
+`compiled`, `target.step=compiled` (verify/compiled.py), whose compile time is printed and
+saved (`compile_s`, every graph's first call: compiling, or loading inductor's disk cache).
 On a machine where a step streams its weights, t(1) / limit says how much of the step is
 something else (attention over the cache, norms, rotary, Python and dispatch), and
 t(8) / t(1) how far a wider step is from free. Writes JSON (one row per dtype and step
@@ -71,8 +73,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
 
 
 # Step options: eager, the model's own products; packed, its weights pre-packed as
-# target.packed_rows sets per dtype (verify/packed.py).
-STEPS = ("eager", "packed")
+# target.packed_rows sets per dtype (verify/packed.py); compiled, target.step=compiled.
+STEPS = ("eager", "packed", "compiled")
 PACKED = {"float32": "auto", "bfloat16": "onednn"}
 
 
@@ -83,31 +85,36 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
     if step == "packed" and dtype not in PACKED:
         raise ValueError(f"no packed step for {dtype}; packed: {sorted(PACKED)}")
     target = load_target_from_config(cfg.target, dtype=dtype,
-                                     packed_rows=PACKED[dtype] if step == "packed" else None)
+                                     packed_rows=PACKED[dtype] if step == "packed" else None,
+                                     step="compiled" if step == "compiled" else "eager")
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
     cost = measure_verify_cost(target.model, cfg.sizes, cfg.context_len, cfg.repeats)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
+    compiled = getattr(target.model, "compiled_step", None)
     return {"dtype": dtype, "step": step, "weight_bytes": weights, "kv_bytes": cache,
             "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
             "t1_over_limit": t_ms[1] / limit_ms,
-            "t8_over_t1": t_ms[8] / t_ms[1] if 8 in t_ms else None}
+            "t8_over_t1": t_ms[8] / t_ms[1] if 8 in t_ms else None,
+            "compile_s": sum(compiled.compile_s.values()) if compiled else None}
 
 
 def format_table(rows: list[dict]) -> str:
     """Markdown: one line per dtype and step option, t(n) beside the limit."""
     sizes = sorted({n for r in rows for n in _t_ms(r)})
     header = ["dtype", "step", "weights MB", "KV MB", "bandwidth GB/s", "limit ms",
-              *[f"t({n}) ms" for n in sizes], "t(1) / limit", "t(8) / t(1)"]
+              *[f"t({n}) ms" for n in sizes], "t(1) / limit", "t(8) / t(1)", "compile s"]
     table = [[r["dtype"], r["step"], f"{r['weight_bytes'] / 1e6:.0f}",
               f"{r['kv_bytes'] / 1e6:.1f}", f"{r['bandwidth_gb_s']:.1f}", f"{r['limit_ms']:.1f}",
               *[cell(_t_ms(r).get(n), ".1f") for n in sizes],
-              f"{r['t1_over_limit']:.2f}", cell(r["t8_over_t1"], ".2f")] for r in rows]
+              f"{r['t1_over_limit']:.2f}", cell(r["t8_over_t1"], ".2f"),
+              cell(r.get("compile_s"), ".0f")] for r in rows]
     return markdown_table(header, table) + (
         "\n\nlimit = (weights + KV cache at the context length) / the measured read "
         "bandwidth: the least a one-token step can cost here. t(n): one verification step of "
-        "n tokens, medians.")
+        "n tokens, medians. compile s: a compiled step's graphs, compiled (or loaded from "
+        "inductor's disk cache) on first use.")
 
 
 def _t_ms(row: dict) -> dict[int, float]:

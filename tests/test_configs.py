@@ -32,6 +32,7 @@ COMMANDS = {
     "simulate": (),
     "reproduce": (),
     "step_limit": ("target",),
+    "distill_speed": ("target",),
     "results": (),
 }
 # Benchmark presets live in conf/experiment/bench/ (experiment=bench/<name>); the top-level

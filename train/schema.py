@@ -32,6 +32,9 @@ class TargetConfig:
     device: str | None = None   # where it loads; training then moves it to train.py's device=
     # "auto", a list of row counts or null (verify/packed.py); training loads the target unpacked
     packed_rows: Any = None
+    # "eager" or "compiled" (verify/compiled.py): the decoding step that self-distillation runs;
+    # a target that trains (Medusa-2's adapter) always loads eager
+    step: str = "eager"
 
 
 @dataclass

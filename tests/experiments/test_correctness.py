@@ -215,3 +215,25 @@ def test_the_greedy_rows_tau_pools_the_prompts_steps(monkeypatch):
     questions = [types.SimpleNamespace(prompt=i, question_id=str(i)) for i in (0, 1)]
     row = greedy_row(target, object(), questions, 4)
     assert row["passed"] and row["detail"]["tau"] == pytest.approx(8 / 5)
+
+
+def test_the_greedy_reference_is_hf_or_this_loops_plain_decoding(monkeypatch):
+    import types
+
+    import experiments.correctness as correctness
+
+    # the loop's plain decoding writes 0..3; Hugging Face writes 0, 1, 9, 9
+    monkeypatch.setattr(correctness, "generate",
+                        lambda model, ids, n, **kwargs: GenerationResult(torch.arange(4), []))
+    monkeypatch.setattr(correctness, "hf_generate", lambda t, ids, n: torch.tensor([0, 1, 9, 9]))
+    monkeypatch.setattr(correctness, "divergence_margin", lambda *args: {"margin": None})
+    target = types.SimpleNamespace(encode_prompt=lambda prompt: torch.tensor([prompt]),
+                                   eos_token_ids=[], model=None)
+    questions = [types.SimpleNamespace(prompt=0, question_id="0")]
+    plain = greedy_row(target, object(), questions, 4, reference="plain")
+    assert plain["passed"] and "this loop's plain greedy" in plain["check"]
+    hf = greedy_row(target, object(), questions, 4)
+    assert not hf["passed"] and hf["detail"]["divergences"][0]["position"] == 2
+    assert "Hugging Face greedy" in hf["check"]
+    with pytest.raises(ValueError, match="greedy.reference is one of"):
+        greedy_row(target, object(), questions, 4, reference="vllm")

@@ -120,3 +120,10 @@ def test_bad_settings_are_refused(compiled):
     verifier.prefill(PROMPT)
     with pytest.raises(NotImplementedError, match="prefills a new sequence only"):
         verifier.prefill(PROMPT)
+
+
+def test_the_profile_refuses_a_compiled_step_and_names_the_command_that_times_it(compiled):
+    from experiments.profile import profile_sizes
+
+    with pytest.raises(ValueError, match="experiments.step_limit"):
+        profile_sizes(compiled, [1], context_len=4, repeats=1, seed=0)

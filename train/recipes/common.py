@@ -42,9 +42,12 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
 
 def training_target(cfg: DictConfig, env: DistEnv, frozen: bool = True) -> Target:
     """The target after seeding with cfg.seed, unpacked (packed weights serve decoding only),
-    on env.device; frozen unless the recipe trains it too (Medusa-2's adapter)."""
+    on env.device; frozen unless the recipe trains it too (Medusa-2's adapter). A frozen one
+    keeps `target.step` for the decoding that self-distillation runs; one that trains loads
+    eager (a compiled step freezes the weights it sees at its first call)."""
     torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target, packed_rows=None)
+    target = load_target_from_config(cfg.target, packed_rows=None,
+                                     step=cfg.target.get("step", "eager") if frozen else "eager")
     target.model.to(env.device)
     if frozen:
         target.model.requires_grad_(False)
