@@ -35,8 +35,10 @@ from transformers import PreTrainedModel
 
 from experiments.common import CONF_DIR, save_figure, write_report
 from experiments.table import cell, markdown_table
-from verify.costs import measure_verify_cost
+from verify.costs import measure_verify_cost, time_step
 from verify.target import load_target_from_config
+from verify.tree import TokenTree
+from verify.verifier import TreeVerifier
 
 
 def weight_bytes(model: PreTrainedModel) -> int:
@@ -90,6 +92,8 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
     cost = measure_verify_cost(target.model, cfg.sizes, cfg.context_len, cfg.repeats)
+    operators = (operator_times(target.model, cfg.context_len, cfg.repeats, cfg.operators)
+                 if cfg.operators else None)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
     compiled = getattr(target.model, "compiled_step", None)
@@ -97,7 +101,29 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
             "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
             "t1_over_limit": t_ms[1] / limit_ms,
             "t8_over_t1": t_ms[8] / t_ms[1] if 8 in t_ms else None,
-            "compile_s": sum(compiled.compile_s.values()) if compiled else None}
+            "compile_s": sum(compiled.compile_s.values()) if compiled else None,
+            "operators_ms": operators}
+
+
+@torch.no_grad()
+def operator_times(model: PreTrainedModel, context_len: int, steps: int, top: int
+                   ) -> dict[str, float]:
+    """{operator: ms per one-token step} of the `top` operators by self time over `steps`
+    steps after `context_len` cached tokens (torch.profiler), the rest as "other". In a
+    compiled step the fused kernels count as the compiled region's own time, and the products
+    and attention as the library operators they call."""
+    verifier = TreeVerifier(model)
+    verifier.prefill(torch.randint(model.config.vocab_size, (context_len,)))
+    root = TokenTree(torch.tensor([0]), torch.tensor([-1]))
+    time_step(verifier, root)  # one-off costs (a compiled step's graph) before profiling
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(steps):
+            time_step(verifier, root)
+    selves = sorted(((event.key, event.self_cpu_time_total / 1000 / steps)
+                     for event in profile.key_averages()), key=lambda item: -item[1])
+    kept = dict(selves[:top])
+    kept["other"] = sum(ms for _, ms in selves[top:])
+    return kept
 
 
 def format_table(rows: list[dict]) -> str:
@@ -110,11 +136,27 @@ def format_table(rows: list[dict]) -> str:
               *[cell(_t_ms(r).get(n), ".1f") for n in sizes],
               f"{r['t1_over_limit']:.2f}", cell(r["t8_over_t1"], ".2f"),
               cell(r.get("compile_s"), ".0f")] for r in rows]
-    return markdown_table(header, table) + (
+    text = markdown_table(header, table) + (
         "\n\nlimit = (weights + KV cache at the context length) / the measured read "
         "bandwidth: the least a one-token step can cost here. t(n): one verification step of "
         "n tokens, medians. compile s: a compiled step's graphs, compiled (or loaded from "
         "inductor's disk cache) on first use.")
+    operators = format_operators(rows)
+    return text + ("\n\n" + operators if operators else "")
+
+
+def format_operators(rows: list[dict]) -> str:
+    """Markdown: each row's heaviest operators in a one-token step, ms (rows profiled with
+    operators=N only)."""
+    profiled = [r for r in rows if r.get("operators_ms")]
+    if not profiled:
+        return ""
+    lines = []
+    for r in profiled:
+        table = [[name, f"{ms:.2f}"] for name, ms in r["operators_ms"].items()]
+        lines += [f"{r['dtype']}, {r['step']} step, n = 1 (torch.profiler, self time):", "",
+                  markdown_table(["operator", "ms per step"], table), ""]
+    return "\n".join(lines).rstrip()
 
 
 def _t_ms(row: dict) -> dict[int, float]:

