@@ -107,7 +107,15 @@ def compiled_llama():
     return load_target(tiny="llama", step="compiled")
 
 
-@pytest.mark.parametrize("row", DRAFTERS, ids=[row.label or row.config for row in DRAFTERS])
+# Two rows run in CI: EAGLE (the graphs with hidden states, a batch drafter) and suffix (a
+# model-free drafter forked per row); the rest (~30 s of compiling and decoding) under
+# `make test-all`.
+COMPILED_IN_CI = {"eagle", "suffix"}
+COMPILED_ROWS = [row if row.config in COMPILED_IN_CI and not row.label
+                 else pytest.param(row, marks=pytest.mark.slow) for row in DRAFTERS]
+
+
+@pytest.mark.parametrize("row", COMPILED_ROWS, ids=[row.label or row.config for row in DRAFTERS])
 def test_on_a_compiled_step_a_batch_decodes_each_row_as_alone(row, conf, compiled_llama):
     # target.step=compiled (verify/compiled.py): every drafter's trees, batched, against plain
     # decoding on the same compiled step, on its last tree in the table
