@@ -14,12 +14,14 @@ A compiled graph is specialised to its input shapes, except the sizes it takes a
 - C, the rows B (batches) and the tree width N are symbols, so a growing cache, a batch
   that loses finished rows and trees of any size reuse the graphs; dynamo's automatic
   dynamic shapes are off, so nothing else changes without a compile announced here.
-A one-token step (N = 1) gets a graph of its own: with N fixed at one, products run as
-matrix-vector kernels. So a run compiles two graphs per kind of forward (one row or a batch;
-with or without hidden states): ~40 s and ~60 s for the default target on 2 cores, printed
-(`CompiledStep.compile_s`). `TreeVerifier.compile_graphs` compiles them on a throwaway cache
-before a decode starts, so no timed step ever pays for one. Each graph holds its own packed
-copy of the weights.
+In float32 a one-token step (N = 1) gets a graph of its own: with N fixed at one, products run
+as matrix-vector kernels. So a run compiles two graphs per kind of forward (one row or a
+batch; with or without hidden states): ~30-40 s each for the default target on 2 cores,
+printed (`CompiledStep.compile_s`). In half precision one-token steps are padded to two nodes
+and run the tree graph, one graph per kind of forward: two graphs rounded a bfloat16 row
+apart, where one graph gives a tree's rows the one-token step's bits (`min_width`).
+`TreeVerifier.compile_graphs` compiles them on a throwaway cache before a decode starts, so no
+timed step ever pays for one. Each graph holds its own packed copy of the weights.
 
 Compiled and eager kernels round differently (float32 ulps; bfloat16 more): the compiled step
 is exact against its own plain decoding where a tree's rows equal the one-token step's, which
@@ -59,6 +61,12 @@ class CompiledStep:
         # set while a graph compiles, which is on a call (measured: passed as torch.compile's
         # `options` it did not take effect, and float32 t(8) stayed unpacked, ~60 ms not ~44)
         self.freezing = freezing
+        # Half precision: one-token steps run the tree graph too (padded to two nodes, the pad
+        # discarded). Measured on the default target in bfloat16: the one-token graph's rows
+        # round apart from the tree graph's (trees matched plain decoding on 4 of 13 prompts),
+        # one graph for both matched on 13 of 13, and t(2) = t(1) there. float32 keeps its
+        # faster matrix-vector graph: its trees matched plain decoding on every prompt.
+        self.min_width = 2 if model.dtype in (torch.bfloat16, torch.float16) else 1
         self.compile_s: dict[tuple, float] = {}
 
     @property

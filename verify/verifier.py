@@ -171,8 +171,11 @@ class TreeVerifier:
         return logits[:, :width], None if features is None else features[:, :width]
 
     def _packed_width(self, batch: TreeBatch) -> TreeBatch:
-        """On a packed target, `batch` padded to the next row count whose weights are packed
-        (verify/packed.py); otherwise `batch` itself."""
+        """`batch` padded to the width the step runs: on a compiled step at least its
+        `min_width` (verify/compiled.py), on a packed target the next row count whose weights
+        are packed (verify/packed.py); otherwise `batch` itself."""
+        if self.step is not None:
+            return batch.widen(max(batch.width, self.step.min_width))
         return batch.widen(ladder_width(packed_rows(self.model), len(batch.tokens), batch.width))
 
     def compile_graphs(self, rows: int) -> None:
@@ -182,8 +185,9 @@ class TreeVerifier:
         middle of a decode. Nothing to do on an eager model."""
         features = bool(self.feature_layers)
         rows = min(rows, 2)  # the rows are a symbol: two stand for any batch
-        if self.step is None or all(graph_key(rows, width, features) in self.step.compile_s
-                                    for width in (1, 2)):
+        if self.step is None or all(
+                graph_key(rows, max(width, self.step.min_width), features) in self.step.compile_s
+                for width in (1, 2)):
             return
         scratch = TreeVerifier(self.model, self.feature_layers)
         scratch.prefill_batch([torch.zeros(1, dtype=torch.long)] * rows)

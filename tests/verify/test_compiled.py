@@ -126,3 +126,13 @@ def test_the_profile_refuses_a_compiled_step_and_names_the_command_that_times_it
 
     with pytest.raises(ValueError, match="experiments.step_limit"):
         profile_sizes(compiled, [1], context_len=4, repeats=1, seed=0)
+
+
+def test_half_precision_runs_one_token_steps_through_the_tree_graph():
+    # bfloat16: the one-token graph's rows round apart from the tree graph's; one graph for
+    # both keeps a tree's rows the one-token step's (verify/compiled.py, min_width)
+    model = load_target(tiny="llama", dtype="bfloat16", step="compiled").model
+    plain = generate(model, PROMPT, 40).tokens
+    drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [0, 0]]), min_ngram=1)
+    assert torch.equal(generate(model, PROMPT, 40, drafter=drafter).tokens, plain)
+    assert {graph[0] for graph in model.compiled_step.compile_s} == {"trees"}
