@@ -17,9 +17,9 @@ A compiled graph is specialised to its input shapes, except the sizes it takes a
 In float32 a one-token step (N = 1) gets a graph of its own: with N fixed at one, products run
 as matrix-vector kernels. So a run compiles two graphs per kind of forward (one row or a
 batch; with or without hidden states): ~30-40 s each for the default target on 2 cores,
-printed (`CompiledStep.compile_s`). In half precision one-token steps are padded to two nodes
-and run the tree graph, one graph per kind of forward: two graphs rounded a bfloat16 row
-apart, where one graph gives a tree's rows the one-token step's bits (`min_width`).
+printed (`CompiledStep.compile_s`). In half precision one row's one-token steps are padded to
+two nodes and run the tree graph: two graphs rounded a bfloat16 row apart, where one graph
+gives a tree's rows the one-token step's bits (`min_width`).
 `TreeVerifier.compile_graphs` compiles them on a throwaway cache before a decode starts, so no
 timed step ever pays for one. Each graph holds its own packed copy of the weights.
 
@@ -61,17 +61,24 @@ class CompiledStep:
         # set while a graph compiles, which is on a call (measured: passed as torch.compile's
         # `options` it did not take effect, and float32 t(8) stayed unpacked, ~60 ms not ~44)
         self.freezing = freezing
-        # Half precision: one-token steps run the tree graph too (padded to two nodes, the pad
-        # discarded). Measured on the default target in bfloat16: the one-token graph's rows
-        # round apart from the tree graph's (trees matched plain decoding on 4 of 13 prompts),
-        # one graph for both matched on 13 of 13, and t(2) = t(1) there. float32 keeps its
-        # faster matrix-vector graph: its trees matched plain decoding on every prompt.
+        # Half precision, one row: one-token steps run the tree graph too (padded to two
+        # nodes, the pad discarded). Measured on the default target in bfloat16: the one-token
+        # graph's rows round apart from the tree graph's (trees matched plain decoding on 4 of
+        # 13 prompts), one graph for both matched on 13 of 13, and t(2) = t(1) there. float32
+        # keeps its faster matrix-vector graph: its trees matched plain decoding on every
+        # prompt. Batches keep both graphs: padding every row doubled a plain batch's products
+        # (self-distillation in bfloat16 ran at 0.84x eager), and a batch's rows are not
+        # the one-row step's bits in any case (other matrix shapes).
         self.min_width = 2 if model.dtype in (torch.bfloat16, torch.float16) else 1
         self.compile_s: dict[tuple, float] = {}
 
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def width_for(self, rows: int, width: int) -> int:
+        """The width a forward of `rows` trees of `width` nodes runs at (`min_width`, one row)."""
+        return max(width, self.min_width) if rows == 1 else width
 
     def __call__(self, **inputs) -> object:
         rows, width = inputs["input_ids"].shape

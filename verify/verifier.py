@@ -171,11 +171,11 @@ class TreeVerifier:
         return logits[:, :width], None if features is None else features[:, :width]
 
     def _packed_width(self, batch: TreeBatch) -> TreeBatch:
-        """`batch` padded to the width the step runs: on a compiled step at least its
-        `min_width` (verify/compiled.py), on a packed target the next row count whose weights
-        are packed (verify/packed.py); otherwise `batch` itself."""
+        """`batch` padded to the width the step runs: on a compiled step one row's at least
+        the step's `min_width` (verify/compiled.py), on a packed target the next row count
+        whose weights are packed (verify/packed.py); otherwise `batch` itself."""
         if self.step is not None:
-            return batch.widen(max(batch.width, self.step.min_width))
+            return batch.widen(self.step.width_for(len(batch.tokens), batch.width))
         return batch.widen(ladder_width(packed_rows(self.model), len(batch.tokens), batch.width))
 
     def compile_graphs(self, rows: int) -> None:
@@ -186,7 +186,7 @@ class TreeVerifier:
         features = bool(self.feature_layers)
         rows = min(rows, 2)  # the rows are a symbol: two stand for any batch
         if self.step is None or all(
-                graph_key(rows, max(width, self.step.min_width), features) in self.step.compile_s
+                graph_key(rows, self.step.width_for(rows, width), features) in self.step.compile_s
                 for width in (1, 2)):
             return
         scratch = TreeVerifier(self.model, self.feature_layers)
