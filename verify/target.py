@@ -158,9 +158,9 @@ def load_target(
             "onednn" packs a bfloat16 model's weights once for every row count (faster, but not
             row-invariant: see verify/packed.py).
         step: "eager", the model's forward as it is, or "compiled": decoding steps through
-            torch.compile over preallocated room (verify/compiled.py; compiles on first use,
-            ~25-30 s per step shape for the default target). A compiled step packs its own
-            weights, so "auto" packs nothing there.
+            torch.compile over preallocated room (verify/compiled.py; its graphs compile
+            before the first decode, ~30-40 s each for the default target). A compiled step
+            packs its own weights, so "auto" packs nothing there.
     """
     torch_dtype = _torch_dtype(dtype)
     if tiny is not None:
