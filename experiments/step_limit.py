@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from experiments.common import CONF_DIR, save_figure, write_report
 from experiments.table import cell, markdown_table
+from verify.compiled import compiled_step
 from verify.costs import measure_verify_cost, time_step
 from verify.target import load_target_from_config
 from verify.tree import TokenTree
@@ -96,7 +97,7 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
                  if cfg.operators else None)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
-    compiled = getattr(target.model, "compiled_step", None)
+    compiled = compiled_step(target.model)
     return {"dtype": dtype, "step": step, "weight_bytes": weights, "kv_bytes": cache,
             "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
             "t1_over_limit": t_ms[1] / limit_ms,

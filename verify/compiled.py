@@ -72,10 +72,6 @@ class CompiledStep:
         self.min_width = 2 if model.dtype in (torch.bfloat16, torch.float16) else 1
         self.compile_s: dict[tuple, float] = {}
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
     def width_for(self, rows: int, width: int) -> int:
         """The width a forward of `rows` trees of `width` nodes runs at (`min_width`, one row)."""
         return max(width, self.min_width) if rows == 1 else width
