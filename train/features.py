@@ -115,7 +115,8 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
     is nothing to train on."""
     sources = [answer_sequences(answers)]
     if data.sharegpt_tokens:
-        path = conversation_file(data.conversations, target) if data.conversations else None
+        given = data.get("conversations")
+        path = conversation_file(given, target) if given else None
         sources.append(list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
                                                data.sharegpt_tokens, seed=data.seed, path=path)))
     sources = [source for source in sources if source]

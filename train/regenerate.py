@@ -149,8 +149,8 @@ def regenerate_pool(target: Target, records: Sequence[Record], regen: RegenConfi
     while queue or pool:
         while queue and len(pool) < regen.batch_size:
             pool.append(_Job.start(*queue.pop()))
-        asking = [(job, prompt) for job in pool
-                  if (prompt := job.next_prompt(target, regen.max_context_tokens)) is not None]
+        asking = [(job, prompt) for job in pool if job.outcome is None
+                  and (prompt := job.next_prompt(target, regen.max_context_tokens)) is not None]
         if asking:
             _answer_round(target, asking, regen)
         yield from (job.outcome for job in pool if job.outcome is not None)

@@ -1,0 +1,171 @@
+"""train.regenerate: every assistant turn answered again by the target, given its own earlier
+answers; sharded by rank, resumable after a kill, with an exact account; training reads the
+result only with the target that made it."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import train.regenerate as regenerate_module
+from train.conversations import read_records
+from train.distributed import DistEnv
+from train.regenerate import (
+    CONF_DIR,
+    RegenConfig,
+    conversation_file,
+    read_outcomes,
+    regenerate,
+)
+from verify.loop import generate, until_eos
+from verify.target import Target, load_target
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "[UNK]", "user", "assistant", "system"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_target(seed: int = 0) -> Target:
+    """A tiny random llama whose 256 ids are all words of a ChatML word-level tokenizer, so
+    any answer decodes to text and encodes back to the same ids."""
+    words = SPECIAL + [f"w{i}" for i in range(len(SPECIAL), 256)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="[UNK]",
+                                   chat_template=CHATML)
+    tiny = load_target(tiny="llama", seed=seed)
+    return Target(tiny.model, fast, f"tiny-chat-{seed}")
+
+
+def conversation(i: int, answers: int = 2) -> tuple[str, list[dict]]:
+    turns = []
+    for k in range(answers):
+        turns += [{"from": "human", "value": f"w{10 + i} w{20 + k}"},
+                  {"from": "gpt", "value": "w99 w98 w97"}]
+    return f"c{i}", turns
+
+
+REGEN = dict(max_new_tokens=6, max_context_tokens=64, batch_size=3)
+
+
+@dataclass(frozen=True)
+class FakeRanks(DistEnv):
+    """A rank of a world run one rank after another in this process (no process group)."""
+
+    def barrier(self) -> None:
+        pass
+
+
+def run(target, records, folder, rank=0, world_size=1, **settings):
+    env = FakeRanks(rank, world_size, torch.device("cpu"))
+    return regenerate(target, records, RegenConfig(**{**REGEN, **settings}), folder, env)
+
+
+def written(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "conversations.jsonl").read_text().splitlines()]
+
+
+def test_each_answer_is_the_targets_own_given_its_earlier_answers(tmp_path):
+    target = chat_target()
+    records = [conversation(i, answers=2) for i in range(4)]
+    account = run(target, records, tmp_path)
+    assert account["input"] == account["done"] == 4 and account["answers"] == 8
+    for (record_id, turns), out in zip(records, written(tmp_path)):
+        messages = out["conversations"]
+        assert out["id"] == record_id and [m["role"] for m in messages] == ["user",
+                                                                          "assistant"] * 2
+        assert [m["content"] for m in messages[::2]] == [t["value"] for t in turns[::2]]
+        for k in (1, 3):  # answer k: the target's greedy reply to everything before it
+            prompt = target.tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True,
+                                                          return_dict=True)["input_ids"]
+            new = generate(target.model, torch.tensor([prompt]), REGEN["max_new_tokens"],
+                           eos_token_id=target.eos_token_ids).tokens
+            expected = target.decode(until_eos(new.tolist(), target.eos_token_ids)).strip()
+            assert messages[k]["content"] == expected != "w99 w98 w97"
+
+
+def test_the_account_sums_to_the_input_with_reasons(tmp_path):
+    target = chat_target()
+    long_prompt = ("long", [{"from": "human", "value": " ".join(["w30"] * 80)},
+                            {"from": "gpt", "value": "w1"}])
+    no_answer = ("empty", [{"from": "gpt", "value": "w40"}, {"from": "human", "value": "w41"}])
+    grows = ("grows", conversation(7, answers=12)[1])  # its context passes 64 tokens mid-way
+    account = run(target, [conversation(0), long_prompt, no_answer, grows], tmp_path)
+    assert account["input"] == 4 and account["done"] == 2 and account["failed"] == 0
+    assert account["skipped_by_reason"] == {"too long": 1, "empty": 1}
+    assert 0 < account["dropped_turns"] < 12  # the long one was cut, not dropped
+    grown = next(c for c in written(tmp_path) if c["id"] == "grows")["conversations"]
+    assert grown[-1]["role"] == "assistant" and len(grown) == 2 * (12 - account["dropped_turns"])
+
+
+def test_a_killed_run_resumes_where_it_stopped(tmp_path, monkeypatch):
+    target = chat_target()
+    records = [conversation(i) for i in range(5)]
+    run(target, records, tmp_path / "whole")
+
+    appended = []
+    real_append = regenerate_module.RankLog.append
+
+    def dying_append(self, outcome):
+        if len(appended) == 2:
+            with self.path.open("a") as f:
+                f.write('{"id": "c9", "sta')  # the kill cuts a line short
+            raise KeyboardInterrupt
+        appended.append(outcome.id)
+        real_append(self, outcome)
+
+    monkeypatch.setattr(regenerate_module.RankLog, "append", dying_append)
+    with pytest.raises(KeyboardInterrupt):
+        run(target, records, tmp_path / "cut")
+    monkeypatch.setattr(regenerate_module.RankLog, "append", real_append)
+    account = run(target, records, tmp_path / "cut")
+    assert account["this_run"]["conversations"] == 3  # the two finished ones were skipped
+    assert written(tmp_path / "cut") == written(tmp_path / "whole")
+    assert account["input"] == account["done"] == 5
+
+
+def test_two_ranks_share_the_work_and_give_the_one_rank_result(tmp_path):
+    target = chat_target()
+    records = [conversation(i, answers=1 + i % 3) for i in range(7)]
+    run(target, records, tmp_path / "one")
+    assert run(target, records, tmp_path / "two", rank=1, world_size=2) == {}
+    account = run(target, records, tmp_path / "two", rank=0, world_size=2)
+    logs = [read_outcomes(tmp_path / f"two/ranks/rank-00{r}.jsonl") for r in (0, 1)]
+    assert [len(log) for log in logs] == [4, 3]  # conversation i on rank i % 2
+    assert written(tmp_path / "two") == written(tmp_path / "one")
+    assert account["done"] == 7 and account["this_run"]["ranks"] == 2
+
+
+def test_training_reads_a_regeneration_only_with_the_target_that_made_it(tmp_path):
+    target = chat_target(seed=0)
+    run(target, [conversation(0), conversation(1)], tmp_path)
+    path = conversation_file(tmp_path, target)
+    ids = [record_id for record_id, _ in read_records(path)]
+    assert ids == ["c0", "c1"]
+    with pytest.raises(ValueError, match="regenerated by another target"):
+        conversation_file(tmp_path, chat_target(seed=1))
+    assert conversation_file(path, chat_target(seed=1)) == path  # a file is plain text
+    with pytest.raises(FileNotFoundError, match="python -m train.regenerate"):
+        conversation_file(tmp_path / "ranks", target)
+
+
+def test_a_target_without_chat_template_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="chat template"):
+        run(load_target(tiny="llama"), [conversation(0)], tmp_path)
+
+
+def test_the_command_and_the_data_option_compose():
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("regenerate", ["regen.conversations=8", "target.dtype=bfloat16"])
+        assert cfg.regen.conversations == 8 and cfg.target.name == "smollm2-135m-instruct"
+        with pytest.raises(Exception):
+            compose("regenerate", ["regen.conversation=8"])  # misspelt: refused
+        train_cfg = compose("train", ["drafter=eagle3", "data=regenerated",
+                                      "data.conversations=/some/folder"])
+        assert train_cfg.data.name == "regenerated"
+        assert train_cfg.data.conversations == "/some/folder"
