@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +33,13 @@ from verify.files import (
     remove_orphans,
     save_tensors_atomically,
     shard_path,
+    write_json,
 )
 from verify.target import Target, cache_root
 
 TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
+MANIFEST_FILE = "manifest.json"  # written when every shard of a cache is there
+FEATURE_BYTES = 2  # float16
 
 
 @dataclass
@@ -106,13 +110,14 @@ def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
 
 
 def training_features(data, target: Target, answers: list[Answer], heldout: list[Answer],
-                      layers: Sequence[int]) -> tuple[FeatureSet | LiveFeatures, FeatureSet]:
+                      layers: Sequence[int], env: DistEnv | None = None
+                      ) -> tuple[FeatureSet | LiveFeatures, FeatureSet]:
     """Features at `layers` of the training sequences (self-distilled `answers`, then
     `data.sharegpt_tokens` tokens of ShareGPT conversations prefilled) and of the held-out
     answers. `data`: the run's data config (sharegpt_tokens, max_sequence_tokens, seed,
     cache_dir, cache_hidden: false computes the training features live, batch by batch; the
-    held-out ones, a few thousand tokens, are cached either way). Raises ValueError when there
-    is nothing to train on."""
+    held-out ones, a few thousand tokens, are cached either way). Under torchrun (`env`), the
+    ranks extract shares of each cache. Raises ValueError when there is nothing to train on."""
     sources = [answer_sequences(answers)]
     if data.sharegpt_tokens:
         given = data.get("conversations")
@@ -126,23 +131,28 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
     if not data.cache_hidden:
         train = LiveFeatures(target, [s for source in sources for s in source], layers)
     else:  # one cache per source, so that a mix reuses what each source alone extracted
-        parts = [extract_features(target, source, layers, cache) for source in sources]
+        parts = [extract_features(target, source, layers, cache, env=env) for source in sources]
         train = FeatureSet([s for part in parts for s in part.sequences], parts[0].layers,
                            parts[0].folder)
-    return train, extract_features(target, answer_sequences(heldout), layers, cache)
+    return train, extract_features(target, answer_sequences(heldout), layers, cache, env=env)
 
 
 def extract_features(target: Target, sequences: Sequence[TokenSequence], layers: Sequence[int],
-                     cache_dir: str | Path | None = None, tokens_per_batch: int = 8192
-                     ) -> FeatureSet:
+                     cache_dir: str | Path | None = None, tokens_per_batch: int = 8192,
+                     env: DistEnv | None = None) -> FeatureSet:
     """The target's features at `layers` (indices into HF's hidden_states, -1 the last normed
     state) over `sequences`, from shards in the cache where present.
 
     Sequences are batched by length, each batch at most `tokens_per_batch` tokens with padding
     (one sequence at least), and one batch makes one shard. The cache folder under `cache_dir`
     (default: cache_root() / "features") is named by the target, the layers, the batching and
-    every token id and mask, so another setting never reads these shards.
+    every token id and mask, so another setting never reads these shards. Under torchrun
+    (`env`), rank r extracts the missing shards b with b % world_size == r; the batching does
+    not depend on the ranks, so the shards are those one process writes. When all are there,
+    the main rank writes manifest.json. Before extracting, the bytes to write are printed, and
+    refused (DiskSpaceError) when the disk has less free.
     """
+    env = env or DistEnv(0, 1, torch.device("cpu"))
     layers = resolve_layers(layers, num_layers(target.model.config))
     folder = feature_folder(cache_dir, target, layers, sequences, tokens_per_batch)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
@@ -150,26 +160,63 @@ def extract_features(target: Target, sequences: Sequence[TokenSequence], layers:
     folder.mkdir(parents=True, exist_ok=True)
     remove_orphans(folder)
     shards = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)}
-    todo = {b: batch for b, batch in shards.items() if not shard_path(folder, b).exists()}
-    if todo:
-        _extract(target, layers, todo, folder)
+    missing = {b: batch for b, batch in shards.items() if not shard_path(folder, b).exists()}
+    if missing:
+        check_disk_space(target, layers, missing, folder, env.is_main)
+        _extract(target, layers, {b: batch for b, batch in missing.items()
+                                  if b % env.world_size == env.rank}, folder, env)
+    env.barrier()  # every rank reads every shard
     found = [s for b in shards for s in read_or_rebuild(
         shard_path(folder, b), _read_shard,
-        lambda b=b: _extract(target, layers, {b: shards[b]}, folder))]
+        lambda b=b: _extract(target, layers, {b: shards[b]}, folder, env))]
+    if env.is_main and not (folder / MANIFEST_FILE).exists():
+        write_json(folder / MANIFEST_FILE, {
+            "target": target.fingerprint(), "layers": list(layers), "shards": len(shards),
+            "sequences": len(sequences), "tokens": sum(len(ids) for ids, _ in sequences),
+            "bytes": feature_bytes(target, layers, shards.values())})
     # found[k] is sequence order[k]: back to the caller's order
     given = [found[k] for k in sorted(range(len(order)), key=order.__getitem__)]
     return FeatureSet(given, layers, folder)
 
 
+class DiskSpaceError(OSError):
+    """An offline feature extraction would write more than the disk has free."""
+
+
+def feature_bytes(target: Target, layers: tuple[int, ...],
+                  batches: Iterable[list[TokenSequence]]) -> int:
+    """Bytes of float16 features over the sequences of `batches`: tokens x layers x hidden x 2."""
+    tokens = sum(len(ids) for batch in batches for ids, _ in batch)
+    return tokens * len(layers) * target.model.config.hidden_size * FEATURE_BYTES
+
+
+def check_disk_space(target: Target, layers: tuple[int, ...],
+                     missing: dict[int, list[TokenSequence]], folder: Path, report: bool) -> None:
+    """Print what the missing shards will take (`report`: one rank says it) and refuse before
+    writing any when the disk holding `folder` has less free."""
+    needed = feature_bytes(target, layers, missing.values())
+    free = shutil.disk_usage(folder).free
+    tokens = sum(len(ids) for batch in missing.values() for ids, _ in batch)
+    if report:
+        print(f"features: {tokens:,} tokens x {len(layers)} layers x "
+              f"{target.model.config.hidden_size} x {FEATURE_BYTES} bytes -> "
+              f"{needed / 2**30:.2f} GiB float16 in {folder} ({free / 2**30:.1f} GiB free)")
+    if needed > free:
+        raise DiskSpaceError(
+            f"the features would take {needed / 2**30:.2f} GiB and {folder} has "
+            f"{free / 2**30:.2f} GiB free: set data.cache_hidden=false to compute them live "
+            "(nothing on disk), data.cache_dir= to another disk, or fewer tokens")
+
+
 def _extract(target: Target, layers: tuple[int, ...], todo: dict[int, list[TokenSequence]],
-             folder: Path) -> None:
-    """Shard b of `folder` for every batch b in `todo`, after an estimate of their size
-    (tokens x F x H x 2 bytes) and with a progress bar in tokens."""
+             folder: Path, env: DistEnv) -> None:
+    """Shard b of `folder` for every batch b in `todo`, with a progress bar in tokens (this
+    rank's share)."""
     tokens = sum(len(ids) for batch in todo.values() for ids, _ in batch)
-    hidden = target.model.config.hidden_size
-    print(f"features: {tokens:,} tokens x {len(layers)} layers x {hidden} -> "
-          f"{tokens * len(layers) * hidden * 2 / 2**30:.2f} GiB float16 in {folder}")
-    with tqdm(total=tokens, unit="tok", desc="extracting features") as bar:
+    if env.world_size > 1:
+        print(f"features: rank {env.rank} extracts {len(todo)} shard(s), {tokens:,} tokens")
+    with tqdm(total=tokens, unit="tok", desc="extracting features",
+              disable=not env.is_main) as bar:
         for b, batch in todo.items():
             states = prefill_features(target.model, [ids for ids, _ in batch], layers)
             _write_shard(shard_path(folder, b), [SequenceFeatures(ids, mask, f)

@@ -1,6 +1,11 @@
 """Prefill features: padded batches give each sequence the states of its own unpadded forward,
 layers in declared order, and a shard cache that is reused and survives interruption."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ from train.distill import Answer
 from train.features import answer_sequences, extract_features, feature_folder, training_features
 from verify.target import load_target
 
+ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [5, 9, 3, 12, 7]
 # 24 tokens a batch: lengths 3, 5, 7 | 9, 12, the 9 padded to 12
 BATCH = dict(tokens_per_batch=24)
@@ -81,7 +87,7 @@ def test_shards_are_reused_and_only_missing_ones_computed(target, tmp_path, monk
     sequences = make_sequences()
     first = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
     assert sorted(p.name for p in first.folder.iterdir()) == [
-        "shard-00000.safetensors", "shard-00001.safetensors"]  # no temporary files left
+        "manifest.json", "shard-00000.safetensors", "shard-00001.safetensors"]  # no temp files
     calls = count_forwards(monkeypatch)
     again = extract_features(target, sequences, [-1], cache_dir=tmp_path, **BATCH)
     assert calls == [] and again.folder == first.folder
@@ -183,3 +189,40 @@ def test_a_mix_of_sources_reuses_each_sources_cache(target, tmp_path, monkeypatc
     assert [len(s.input_ids) for s in mixed] == [7, 4, *LENGTHS]
     assert torch.equal(mixed[2].input_ids, conversations[0][0])
     assert torch.equal(mixed[0].loss_mask, torch.tensor([False] * 3 + [True] * 4))
+
+
+def test_two_ranks_extract_shares_of_exactly_the_one_process_features(tmp_path):
+    """A 2-process gloo extraction writes the shards one process writes, each rank its share,
+    and a manifest when all are there."""
+    script = Path(__file__).with_name("extract_ranks.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--master_port=29533", str(script), str(tmp_path / "two"), str(tmp_path / "f.pt")]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    shares = sorted(line for line in done.stdout.splitlines() if "extracts" in line)
+    assert len(shares) == 2 and all("0 shard" not in line for line in shares)  # both worked
+    sys.path.insert(0, str(script.parent))
+    try:
+        from extract_ranks import make_sequences
+    finally:
+        sys.path.pop(0)
+    one = extract_features(load_target(tiny="llama"), make_sequences(), [-1, 1],
+                           tmp_path / "one", tokens_per_batch=16)
+    two = torch.load(tmp_path / "f.pt")
+    assert len(two) == len(one) and all(torch.equal(a, s.features) for a, s in zip(two, one))
+    manifest = json.loads(next((tmp_path / "two").rglob("manifest.json")).read_text())
+    assert manifest["shards"] == len(list(one.folder.glob("shard-*"))) > 2
+    assert manifest["bytes"] == manifest["tokens"] * 2 * 64 * 2  # 2 layers x hidden 64 x fp16
+
+
+def test_an_extraction_larger_than_the_free_disk_is_refused_before_writing(target, tmp_path,
+                                                                           monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    # 36 tokens x 1 layer x 64 x 2 bytes = 4,608 bytes to write; 4,000 free
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda _: usage._replace(free=4000))
+    with pytest.raises(features.DiskSpaceError, match="data.cache_hidden=false"):
+        extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH)
+    assert not list(tmp_path.rglob("shard-*"))
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda _: usage._replace(free=4608))
+    extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH)

@@ -46,7 +46,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     layers = resolve_layers(ecfg.feature_layers or default_layers(ecfg.variant, total), total)
     answers, heldout_answers = distilled_data(cfg.data, target, env)
     stored = layers if layers[-1] == total else (*layers, total)  # + the state the loss reads
-    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored)
+    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored,
+                                            env=env)
     vocab = most_frequent_tokens(train_set.learned_tokens(), ecfg.draft_vocab_size)
     draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head, ecfg.inputs,
                        ecfg.layout)

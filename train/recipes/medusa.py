@@ -68,7 +68,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     if cfg.data.sharegpt_tokens and mcfg.variant == "medusa2":
         raise ValueError("data.sharegpt_tokens trains Medusa-1 on prefilled states; Medusa-2 "
                          "trains the target too and reads distilled answers (data.num_prompts)")
-    rows = _prefilled_rows(cfg, target, train_set, heldout, mcfg)
+    rows = _prefilled_rows(cfg, target, train_set, heldout, mcfg, env)
     heads = _build_heads(mcfg, target, train_set, rows)
     peft_model = _add_lora(target, mcfg) if mcfg.variant == "medusa2" else None
     if peft_model is None:
@@ -97,7 +97,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
 
 
 def _prefilled_rows(cfg: DictConfig, target: Target, train_set: list[Answer],
-                    heldout: list[Answer], mcfg: MedusaConfig) -> Rows | None:
+                    heldout: list[Answer], mcfg: MedusaConfig, env: DistEnv) -> Rows | None:
     """With data.sharegpt_tokens: the training rows (answers and ShareGPT conversations read
     by prefill, last-layer states, as EAGLE-1's features and sharing their cache); else None,
     and Medusa-1 reads the states cached with the distilled answers."""
@@ -107,7 +107,8 @@ def _prefilled_rows(cfg: DictConfig, target: Target, train_set: list[Answer],
         raise ValueError("Medusa-1 on ShareGPT (data.sharegpt_tokens) reads cached states: "
                          "set data.cache_hidden=true")
     last = num_layers(target.model.config)
-    features, _ = training_features(cfg.data, target, train_set, heldout, (last,))
+    features, _ = training_features(cfg.data, target, train_set, heldout, (last,),
+                                     env=env)
     lm_head = target.model.get_output_embeddings() if mcfg.labels == "target" else None
     print(f"Medusa labels on prefilled text: the {mcfg.labels}'s tokens")
     hidden, targets = feature_rows(features, mcfg.num_heads, lm_head)
