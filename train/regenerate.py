@@ -130,36 +130,38 @@ def _answer_all(target: Target, records: list[Record], regen: RegenConfig, log: 
     bar = tqdm(total=len(records), unit="conv", desc=f"regenerating (rank {env.rank})",
                disable=not env.is_main)
     started = time.perf_counter()
-    for outcome in regenerate_pool(target, records, regen):
-        log.append(outcome)
-        total += outcome.tokens
-        bar.update(1)
+    for finished, tokens in regenerate_pool(target, records, regen):
+        for outcome in finished:
+            log.append(outcome)
+        total += tokens
+        bar.update(len(finished))
         bar.set_postfix(tok_per_s=f"{total / (time.perf_counter() - started):.1f}")
     bar.close()
     return total
 
 
 def regenerate_pool(target: Target, records: Sequence[Record], regen: RegenConfig
-                    ) -> Iterator[Outcome]:
-    """The outcome of every record, in the order they finish. Up to regen.batch_size
-    conversations are open at once; each round answers the next assistant turn of every open
-    one in one batched decode, and a finished conversation's place goes to the next record, so
-    rows stay full although conversations have different numbers of turns."""
+                    ) -> Iterator[tuple[list[Outcome], int]]:
+    """Rounds of answers: after each, the outcomes of the conversations it finished and the
+    tokens it generated. Up to regen.batch_size conversations are open at once; a round
+    answers the next assistant turn of every open one in one batched decode, and a finished
+    conversation's place goes to the next record, so rows stay full although conversations
+    have different numbers of turns."""
     queue, pool = list(records)[::-1], []
     while queue or pool:
         while queue and len(pool) < regen.batch_size:
             pool.append(_Job.start(*queue.pop()))
         asking = [(job, prompt) for job in pool if job.outcome is None
                   and (prompt := job.next_prompt(target, regen.max_context_tokens)) is not None]
-        if asking:
-            _answer_round(target, asking, regen)
-        yield from (job.outcome for job in pool if job.outcome is not None)
+        tokens = _answer_round(target, asking, regen) if asking else 0
+        yield [job.outcome for job in pool if job.outcome is not None], tokens
         pool = [job for job in pool if job.outcome is None]
 
 
 def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen: RegenConfig
-                  ) -> None:
-    """One batched decode: each job's prompt (P_i,) answered, the answer handed to the job.
+                  ) -> int:
+    """One batched decode: each job's prompt (P_i,) answered, the answer handed to the job;
+    the tokens generated.
     Sampling is seeded by regen.seed and the first job's id and round, so a resumed run draws
     what it would have."""
     first = asking[0][0]
@@ -171,6 +173,7 @@ def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen
                              generator=generator)
     for (job, _), result in zip(asking, results):
         job.answered(target, result.tokens, regen.max_new_tokens)
+    return sum(len(result.tokens) for result in results)
 
 
 @dataclass
