@@ -33,11 +33,15 @@ COMMANDS = {
     "reproduce": (),
     "step_limit": ("target",),
     "distill_speed": ("target",),
+    "regenerate": ("target",),
     "results": (),
 }
 # Benchmark presets live in conf/experiment/bench/ (experiment=bench/<name>); the top-level
 # experiment options are train.py's.
 BENCH_PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "bench").glob("*.yaml"))
+# Regeneration presets: conf/experiment/regenerate/ (python -m train.regenerate experiment=...)
+REGENERATE_PRESETS = sorted(
+    p.stem for p in (Path(CONF_DIR) / "experiment" / "regenerate").glob("*.yaml"))
 CASES = [(command, group, option) for command, groups in COMMANDS.items()
          for group in groups for option in GROUPS[group]]
 
@@ -145,6 +149,30 @@ def test_each_bench_preset_composes_and_names_the_checkpoints_it_needs(preset):
     paths = {str(v) for c in entries for v in c.drafter.values()} | {
         str(v) for v in cfg.drafter.values()}
     assert {f"/runs/{name}" for name in needed} <= paths  # each checkpoint reaches a drafter
+
+
+@pytest.mark.parametrize("preset", REGENERATE_PRESETS)
+def test_each_regeneration_preset_says_how_to_run_it_and_composes(preset):
+    text = (Path(CONF_DIR) / "experiment" / "regenerate" / f"{preset}.yaml").read_text()
+    assert f"train.regenerate experiment=regenerate/{preset}" in text.splitlines()[1]
+    assert all(word in text for word in ("Time:", "Memory:", "Disk:"))
+    cfg = compose_with("regenerate", f"experiment=regenerate/{preset}")
+    assert cfg.regen.conversations > 0 and cfg.target.name
+
+
+def test_the_8b_presets_fit_together():
+    """The regeneration preset feeds the training preset, whose draft the bench preset reads:
+    one target, online features under FSDP2, the EAGLE-3 tree settings."""
+    regen = compose_with("regenerate", "experiment=regenerate/llama8b")
+    training = compose_with("train", "experiment=llama8b_eagle3", "data.conversations=/r")
+    bench = compose_with("bench", "experiment=bench/llama8b", "checkpoints.eagle3=/c")
+    assert regen.target.name == training.target.name == bench.target.name
+    assert training.dist.strategy == "fsdp" and not training.data.cache_hidden
+    assert training.data.name == "regenerated" and training.drafter.name == "eagle3"
+    assert regen.regen.max_context_tokens == training.data.max_sequence_tokens
+    assert (bench.tree.total_tokens, bench.tree.depth, bench.tree.top_k) == (60, 6, 10)
+    header = (Path(CONF_DIR) / "experiment" / "llama8b_eagle3.yaml").read_text()
+    assert all(word in header for word in ("Time:", "Memory:", "Disk:"))
 
 
 def test_the_reproduce_preset_is_the_run_the_write_ups_read():
