@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,22 +162,37 @@ def extract_features(target: Target, sequences: Sequence[TokenSequence], layers:
     remove_orphans(folder)
     shards = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)}
     missing = {b: batch for b, batch in shards.items() if not shard_path(folder, b).exists()}
+    started = time.perf_counter()
     if missing:
         check_disk_space(target, layers, missing, folder, env.is_main)
         _extract(target, layers, {b: batch for b, batch in missing.items()
                                   if b % env.world_size == env.rank}, folder, env)
     env.barrier()  # every rank reads every shard
+    seconds = time.perf_counter() - started
     found = [s for b in shards for s in read_or_rebuild(
         shard_path(folder, b), _read_shard,
         lambda b=b: _extract(target, layers, {b: shards[b]}, folder, env))]
     if env.is_main and not (folder / MANIFEST_FILE).exists():
-        write_json(folder / MANIFEST_FILE, {
-            "target": target.fingerprint(), "layers": list(layers), "shards": len(shards),
-            "sequences": len(sequences), "tokens": sum(len(ids) for ids, _ in sequences),
-            "bytes": feature_bytes(target, layers, shards.values())})
+        write_manifest(folder, target, layers, shards, missing, seconds, env.world_size)
     # found[k] is sequence order[k]: back to the caller's order
     given = [found[k] for k in sorted(range(len(order)), key=order.__getitem__)]
     return FeatureSet(given, layers, folder)
+
+
+def write_manifest(folder: Path, target: Target, layers: tuple[int, ...],
+                   shards: dict[int, list[TokenSequence]], extracted: dict[int, list],
+                   seconds: float, ranks: int) -> None:
+    """manifest.json: what the cache holds and, for the shards this run extracted, how fast
+    (tokens over the wall time until every rank was done)."""
+    tokens = sum(len(ids) for batch in shards.values() for ids, _ in batch)
+    new_tokens = sum(len(ids) for batch in extracted.values() for ids, _ in batch)
+    write_json(folder / MANIFEST_FILE, {
+        "target": target.fingerprint(), "layers": list(layers), "shards": len(shards),
+        "sequences": sum(len(batch) for batch in shards.values()), "tokens": tokens,
+        "bytes": feature_bytes(target, layers, shards.values()),
+        "bytes_per_token": len(layers) * target.model.config.hidden_size * FEATURE_BYTES,
+        "extracted": {"tokens": new_tokens, "seconds": round(seconds, 2), "ranks": ranks,
+                      "tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)}})
 
 
 class DiskSpaceError(OSError):
