@@ -75,7 +75,8 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
                 env: DistEnv, logger: Logger, log_every: int,
                 save: Callable[[int], None], save_every: int,
                 label: str = "head") -> dict[str, float]:
-    """Run steps start_step .. optim.max_steps - 1; returns the last logged metrics.
+    """Run steps start_step .. optim.max_steps - 1; returns the last logged metrics and this
+    run's throughput (`speed`).
 
     objective(**batch) -> (loss, counts (K, 3)): per head (Medusa) or unrolled step (EAGLE),
     named `label`, [rows with a target, top-1 hits, top-5 hits], summed over ranks for the
@@ -87,10 +88,13 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     params = [p for group in optimizer.param_groups for p in group["params"]]
     metrics: dict[str, float] = {}
     window, skipped = _Window(), 0
+    started, tokens = time.perf_counter(), 0
     bar = tqdm(range(start_step, optim.max_steps), initial=start_step, total=optim.max_steps,
                desc="training", disable=not env.is_main)
     for step in bar:
-        loss, counts, norm = _forward_backward(objective, make_batch(step), params, optim, env)
+        batch = make_batch(step)
+        tokens += batch["input_ids"].numel() if "input_ids" in batch else 0
+        loss, counts, norm = _forward_backward(objective, batch, params, optim, env)
         if math.isfinite(loss) and math.isfinite(norm):
             optimizer.step()
             window.add(loss, counts)
@@ -106,7 +110,17 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
         if done % save_every == 0 or done == optim.max_steps:
             _check_finite_weights(params, done)
             save(done)
-    return metrics
+    return {**metrics, **speed(optim.max_steps - start_step, tokens,
+                               time.perf_counter() - started, env)}
+
+
+def speed(steps: int, tokens: int, seconds: float, env: DistEnv) -> dict[str, float]:
+    """This invocation's training throughput, checkpoints included: steps/s, and tokens/s over
+    every rank's padded (B, T) batches (sequence-batch recipes; 0 for row batches)."""
+    tokens = int(all_reduce_sum(torch.tensor([tokens]), env)[0])
+    return {"train/steps": steps, "train/seconds": round(seconds, 2),
+            "train/steps_per_s": round(steps / max(seconds, 1e-9), 3),
+            "train/tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
 
 
 def _forward_backward(objective: torch.nn.Module, batch: dict, params: list[torch.Tensor],

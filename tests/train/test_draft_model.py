@@ -146,6 +146,10 @@ def test_the_run_reports_its_folder_and_how_to_use_it(trained):
     # a reduced vocabulary covers part of the held-out answers, and caps top-1 there
     assert saved["accuracy"]["top1"][0] <= saved["accuracy"]["vocab_coverage"] < 1
     assert saved["decoding"]["draft_ms_per_forward"] > 0
+    # the training speed of the run, as experiments.scale_speed reads it
+    training = saved["training"]
+    assert training["steps"] == saved["config"]["optim"]["max_steps"] and training["ranks"] == 1
+    assert training["tokens_per_s"] > 0 and training["seconds"] > 0
 
 
 def test_the_saved_folder_loads_as_a_plain_hugging_face_model(trained):

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from verify.target import Target, load_target_from_config
 
 CHECKPOINT_DIR = "checkpoint"
 EVAL_FILE = "eval.json"
+SPEED_FILE = "speed.json"  # the last invocation's training throughput (train.loop.speed)
 
 # save(folder, extra): write the drafter's checkpoint to `folder`, calling `extra(tmp)` on the
 # folder being written so the training state lands in the same atomic save.
@@ -84,9 +86,13 @@ def train(cfg: DictConfig, env: DistEnv, group: str | None, training: Training) 
                 step, training.optimizer, training.scheduler, cfg, training.peft_model))
         env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
 
-    train_steps(model, training.optimizer, training.scheduler, training.make_batch, start,
-                cfg.optim, env, logger, cfg.logger.log_every, save, cfg.save_every,
-                label=training.label)
+    metrics = train_steps(model, training.optimizer, training.scheduler, training.make_batch,
+                          start, cfg.optim, env, logger, cfg.logger.log_every, save,
+                          cfg.save_every, label=training.label)
+    if env.is_main:  # what eval.json reports as the run's training speed
+        write_json(Path(cfg.out_dir) / SPEED_FILE, {
+            "ranks": env.world_size, **{k.removeprefix("train/"): v for k, v in metrics.items()
+                                        if k.startswith("train/")}})
     return logger
 
 
@@ -110,10 +116,14 @@ def trained_drafter(cfg: DictConfig, target: Target, tree: Mapping,
 
 
 def write_eval(cfg: DictConfig, results: dict) -> dict:
-    """`results` with where the checkpoint and eval.json are, written to eval.json after the
-    run's resolved config (what experiments.runs_table reads); returns them."""
+    """`results` with where the checkpoint and eval.json are and the training speed, written
+    to eval.json after the run's resolved config (what experiments.runs_table reads); returns
+    them."""
     path = Path(cfg.out_dir) / EVAL_FILE
     results = {**results, "checkpoint": str(checkpoint_dir(cfg)), "eval": str(path)}
+    speed = Path(cfg.out_dir) / SPEED_FILE
+    if speed.is_file():
+        results["training"] = json.loads(speed.read_text())
     write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True), **results})
     return results
 
