@@ -34,6 +34,7 @@ COMMANDS = {
     "step_limit": ("target",),
     "distill_speed": ("target",),
     "regenerate": ("target",),
+    "scale_speed": ("target",),
     "results": (),
 }
 # Benchmark presets live in conf/experiment/bench/ (experiment=bench/<name>); the top-level
