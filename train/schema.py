@@ -110,6 +110,21 @@ class EvalConfig:
     chain: int = 4  # draft model: the chain its tau check decodes
 
 
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass
+class DistConfig:
+    """How a torchrun job spreads training over its ranks (a single process ignores it).
+
+    ddp: every rank holds the whole draft and averages gradients (DistributedDataParallel).
+    fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) shards the draft's weights, gradients
+    and optimizer state over the ranks, and the frozen target too when it computes features
+    every step (data.cache_hidden=false). Checkpoints are full either way: the same files."""
+
+    strategy: str = "ddp"
+
+
 @dataclass
 class TrainConfig:
     target: TargetConfig = MISSING
@@ -121,6 +136,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 0
     out_dir: str = MISSING
     resume: bool = True  # continue from out_dir's checkpoint when there is one
@@ -138,6 +154,9 @@ def check_settings(cfg) -> None:
     if cfg.optim.max_nonfinite_skips < 0:
         raise ValueError(f"optim.max_nonfinite_skips must be >= 0, got "
                          f"{cfg.optim.max_nonfinite_skips}")
+    if cfg.dist.strategy not in STRATEGIES:
+        raise ValueError(f"dist.strategy must be one of {STRATEGIES}, got "
+                         f"{cfg.dist.strategy!r}")
 
 
 def register_configs() -> None:
