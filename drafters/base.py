@@ -33,12 +33,14 @@ CONFIG_FILE = "config.json"  # beside a trained drafter's weights: its settings 
 
 
 def save_module(module: torch.nn.Module, folder: str | Path, weights_file: str, config: dict,
-                extra: Callable[[Path], None] | None = None) -> None:
+                extra: Callable[[Path], None] | None = None, state: dict | None = None) -> None:
     """Write `module`'s state dict (safetensors `weights_file`) and `config` (config.json) to
     `folder`, atomically, replacing what was there; `extra(tmp)` may add files (a training
-    checkpoint's state)."""
+    checkpoint's state). `state`: the state dict to write instead of `module.state_dict()`
+    (training gathers a sharded module's whole tensors: train.sharding.full_state_dict)."""
+    state = module.state_dict() if state is None else state
     # safetensors refuses views into larger storages: give it compact copies
-    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / weights_file))

@@ -321,10 +321,12 @@ def read_vocab(folder: str | Path) -> torch.Tensor | None:
 
 def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, folder: str | Path,
                      target: Target, info: dict,
-                     extra: Callable[[Path], None] | None = None) -> None:
+                     extra: Callable[[Path], None] | None = None, state: dict | None = None
+                     ) -> None:
     """Write a distilled draft as a Hugging Face model folder (with the target's tokenizer)
     to `folder`, atomically, replacing what was there. `info` (its settings, beside the
-    target's name) goes to treedraft.json; `extra(tmp)` may add files (training state).
+    target's name) goes to treedraft.json; `extra(tmp)` may add files (training state);
+    `state`: the model's state dict as gathered by training under fsdp.
 
     A reduced head (V' rows) is saved inside a full (V, H) head: the rows of vocab_ids are the
     draft's, the others the target's own when the widths agree (zeros otherwise), so
@@ -332,7 +334,8 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
     and keeps the V' rows only. Hugging Face's assisted generation should be given a draft
     trained over the whole vocabulary (draft_vocab_size: null), whose rows are all trained.
     """
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = model.state_dict() if state is None else state
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     head_key = head_weight_key(model)
     if vocab_ids is not None:
         target_head = target.model.get_output_embeddings().weight.detach().cpu()

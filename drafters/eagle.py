@@ -308,14 +308,14 @@ class EagleDrafter(EngineDrafter):
 
 
 def save_draft(draft: EagleDraft, folder: str | Path, target: Target,
-               extra: Callable[[Path], None] | None = None) -> None:
+               extra: Callable[[Path], None] | None = None, state: dict | None = None) -> None:
     """Write the draft (draft.safetensors + config.json recording its target and the target's
     fingerprint) to `folder`, atomically, replacing what was there; `extra(tmp)` may add
-    files (training state)."""
+    files (training state); `state`: its state dict as gathered by training under fsdp."""
     hidden = draft.lm_head.weight.shape[1]
     config = {"target": target_record(target, hidden, draft.target_vocab_size),
               **draft.hyperparameters}
-    save_module(draft, folder, WEIGHTS_FILE, config, extra)
+    save_module(draft, folder, WEIGHTS_FILE, config, extra, state)
 
 
 def load_draft(folder: str | Path, target: Target, allow_other_target: bool = False

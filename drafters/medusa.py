@@ -221,16 +221,16 @@ class MedusaDrafter(StatelessBatchDrafter):
 
 
 def save_heads(heads: MedusaHeads, folder: str | Path, target: Target,
-               extra: Callable[[Path], None] | None = None) -> None:
+               extra: Callable[[Path], None] | None = None, state: dict | None = None) -> None:
     """Write `heads` to `folder` (heads.safetensors + config.json recording the target and its
     fingerprint), atomically, replacing what was there. `extra(tmp)` may add files (a training
-    checkpoint's state).
+    checkpoint's state); `state`: their state dict as gathered by training under fsdp.
 
     Only the heads' own weights are saved: a shared LM head belongs to the target.
     """
     config = {"target": target_record(target, heads.hidden_size, heads.target_vocab_size),
               **heads.hyperparameters}
-    save_module(heads, folder, WEIGHTS_FILE, config, extra)
+    save_module(heads, folder, WEIGHTS_FILE, config, extra, state)
 
 
 def load_heads(folder: str | Path, target: Target, allow_other_target: bool = False

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters.base import CONFIG_FILE, read_config
 from drafters.medusa import ADAPTER_DIR
+from train.sharding import load_full_optimizer_state, load_full_state_dict
 from verify.files import load_tensors, readable_folder
 from verify.fingerprint import describe_difference
 from verify.target import Target
@@ -35,11 +36,12 @@ NOT_TRAINING_KEYS = ("out_dir", "resume", "save_every", "device", "logger", "eva
 WAYS_OUT = "use another out_dir, or resume=false to start over"
 
 
-def training_state(step: int, optimizer: torch.optim.Optimizer, scheduler, cfg: DictConfig,
+def training_state(step: int, optimizer_state: dict, scheduler, cfg: DictConfig,
                    peft_model=None) -> Callable[[Path], None]:
     """What resuming after `step` steps needs, as an `extra` writer for a drafter's save: the
-    optimizer, schedule and RNG, and the run's resolved config (what a resume must match)."""
-    state = {"step": step, "optimizer": optimizer.state_dict(),
+    optimizer's state (whole: train.sharding.full_optimizer_state), schedule and RNG, and the
+    run's resolved config (what a resume must match)."""
+    state = {"step": step, "optimizer": optimizer_state,
              "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
     run_config = OmegaConf.to_container(cfg, resolve=True)
 
@@ -114,11 +116,12 @@ def _training_keys(config: dict, prefix: str = "") -> dict:
 
 def load_checkpoint(found: Path, module: torch.nn.Module, weights_file: str,
                     optimizer: torch.optim.Optimizer, scheduler, peft_model=None) -> int:
-    """Restore a checkpoint into freshly built objects; returns the step it was taken after.
-    Strict: missing, unexpected or misshapen tensors are refused, by name."""
+    """Restore a checkpoint into freshly built objects (sharded ones too, train.sharding);
+    returns the step it was taken after. Strict: missing, unexpected or misshapen tensors are
+    refused, by name."""
     tensors = [*module.parameters(), *module.buffers()]
     device = str(tensors[0].device) if tensors else "cpu"
-    module.load_state_dict(load_tensors(found / weights_file, device=device))
+    load_full_state_dict(module, load_tensors(found / weights_file, device=device))
     if peft_model is not None:
         _load_adapter(found / ADAPTER_DIR / "adapter_model.safetensors", peft_model)
     return restore_training_state(found, optimizer, scheduler)
@@ -143,7 +146,7 @@ def restore_training_state(found: Path, optimizer: torch.optim.Optimizer, schedu
     except (RuntimeError, EOFError, OSError) as error:  # torch's errors name no file
         raise ValueError(f"{path} cannot be read (truncated or corrupt?): {error}; "
                          f"{WAYS_OUT}") from error
-    optimizer.load_state_dict(state["optimizer"])
+    load_full_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     return int(state["step"])

@@ -1,4 +1,5 @@
-"""torchrun support: one process per device, gradients averaged by DDP.
+"""torchrun support: one process per device, gradients averaged across ranks (DDP or FSDP, see
+train.sharding).
 
 `torchrun --nproc_per_node=N train.py ...` sets RANK / WORLD_SIZE / LOCAL_RANK; a plain
 `python train.py` sees none of them and runs as rank 0 of 1 with no process group. Gloo serves
@@ -54,3 +55,19 @@ def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
         values = values.clone()
         dist.all_reduce(values)
     return values
+
+
+def global_mean(total: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """total / rows: a loss summed over the `rows` that count in this rank's share of a batch,
+    as a mean over the whole global batch when gradients flow across ranks.
+
+    In a torchrun training step (a process group, gradients on) the rows are summed over ranks
+    and the mean multiplied by the world size: DDP and FSDP average the ranks' gradients, and
+    that average is then the gradient of the global batch's mean, however unevenly its rows
+    fall between ranks (as a single process on the same batch computes it). Anywhere else (one
+    process; rank 0 evaluating alone, under no_grad) the plain mean over this rank's rows."""
+    if not (torch.is_grad_enabled() and dist.is_initialized() and dist.get_world_size() > 1):
+        return total / rows.clamp_min(1)
+    summed = rows.detach().clone()
+    dist.all_reduce(summed)
+    return total * dist.get_world_size() / summed.clamp_min(1)

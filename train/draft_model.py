@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from drafters.base import shallow_config
 from drafters.draft_model import DraftModelConfig, truncated_copy
 from drafters.vocab import copy_linear
+from train.distributed import global_mean
 from train.loop import hit_counts
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "tv")
@@ -123,6 +124,6 @@ class DistillLoss(nn.Module):
             target_logits = self.target_head(features[:, :-1].to(self.target_head.weight))
         rows = learn[:, 1:]
         per_row = divergence(target_logits, draft_logits, self.kind)
-        loss = (per_row * rows).sum() / rows.sum().clamp_min(1)
+        loss = global_mean((per_row * rows).sum(), rows.sum())  # torchrun: over the global batch
         counts = hit_counts(draft_logits.detach().float(), target_logits.argmax(-1), rows)
         return loss, counts[None]

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from drafters.eagle import EagleConfig, EagleDraft
 from drafters.vocab import copy_linear
+from train.distributed import global_mean
 from train.loop import hit_counts
 
 
@@ -86,13 +87,13 @@ class EagleLoss(nn.Module):
 
     def _step_loss(self, hidden, target_states, target_probs, valid):
         logits = self.draft.logits(hidden).float()
-        count = valid.sum().clamp_min(1)
         ce = -(target_probs * logits.log_softmax(-1)).sum(-1)
-        loss = self.config.ce_weight * (ce * valid).sum() / count
+        loss = self.config.ce_weight * (ce * valid).sum()
         if self.config.feature_weight:
             l1 = nn.functional.smooth_l1_loss(hidden.float(), target_states.float(),
                                               reduction="none").mean(-1)
-            loss = loss + self.config.feature_weight * (l1 * valid).sum() / count
+            loss = loss + self.config.feature_weight * (l1 * valid).sum()
+        loss = global_mean(loss, valid.sum())  # torchrun: over the global batch
         return loss, hit_counts(logits.detach(), target_probs.argmax(-1), valid)
 
 

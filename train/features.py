@@ -101,6 +101,12 @@ class LiveFeatures:
         return (ids[mask] for ids, mask in self.sequences)
 
 
+def live_target(train_set: FeatureSet | LiveFeatures, target: Target) -> torch.nn.Module | None:
+    """The target's model when it computes `train_set`'s features batch by batch (what
+    dist.strategy=fsdp shards with the draft), else None."""
+    return target.model if isinstance(train_set, LiveFeatures) else None
+
+
 def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
     """Distilled answers as sequences: input_ids = prompt + response (P + R,), loss on the
     response."""

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from train.distributed import DistEnv, all_reduce_sum
 from train.logger import Logger
 from train.schema import OptimConfig
+from train.sharding import full_value, local_part
 
 
 def batch_indices(step: int, num_items: int, batch_size: int, seed: int,
@@ -108,7 +109,7 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
             logger.log(metrics, step=done)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics[f'{label}0/top1']:.2f}")
         if done % save_every == 0 or done == optim.max_steps:
-            _check_finite_weights(params, done)
+            _check_finite_weights(params, done, env)
             save(done)
     return {**metrics, **speed(optim.max_steps - start_step, tokens,
                                time.perf_counter() - started, env)}
@@ -129,8 +130,8 @@ def _forward_backward(objective: torch.nn.Module, batch: dict, params: list[torc
     with autocast(optim, env.device):
         loss, counts = objective(**batch)
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
-    return loss.item(), counts.detach().cpu(), float(norm)
+    norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)  # fsdp: sharded, whole below
+    return loss.item(), counts.detach().cpu(), float(full_value(norm))
 
 
 def _skip(step: int, loss: float, norm: float, skipped: int, limit: int) -> int:
@@ -145,12 +146,14 @@ def _skip(step: int, loss: float, norm: float, skipped: int, limit: int) -> int:
     return skipped + 1
 
 
-def _check_finite_weights(params: list[torch.Tensor], done: int) -> None:
-    """Refuse to save weights that are not finite over the last good checkpoint."""
-    bad = sum(int(not torch.isfinite(p).all()) for p in params)
-    if bad:
-        raise NonFiniteError(f"{bad} weight tensor(s) are not finite after step {done}: not "
-                             "saved, the last checkpoint stays as it was")
+def _check_finite_weights(params: list[torch.Tensor], done: int, env: DistEnv) -> None:
+    """Refuse to save weights that are not finite over the last good checkpoint. Each rank
+    checks what it holds (under fsdp its shards) and all refuse together, so that none waits
+    in a save the others left."""
+    bad = sum(int(not torch.isfinite(local_part(p)).all()) for p in params)
+    if all_reduce_sum(torch.tensor(bad), env):
+        raise NonFiniteError(f"weight tensors are not finite after step {done} ({bad} on rank "
+                             f"{env.rank}): not saved, the last checkpoint stays as it was")
 
 
 class _Window:
@@ -168,8 +171,10 @@ class _Window:
 
     def flush(self, env: DistEnv, lr: float, label: str) -> dict[str, float]:
         counts = all_reduce_sum(self.counts, env)  # (K, 3)
+        # averaged over ranks: with train.distributed.global_mean, the global batch's loss
+        losses = all_reduce_sum(torch.tensor(sum(self.losses), dtype=torch.float64), env)
         elapsed = time.perf_counter() - self.start
-        metrics = {"loss": sum(self.losses) / len(self.losses), "lr": lr,
+        metrics = {"loss": float(losses) / env.world_size / len(self.losses), "lr": lr,
                    "rows_per_s": float(counts[0, 0]) / elapsed}
         for k, (rows, top1, top5) in enumerate(counts.tolist()):
             metrics[f"{label}{k}/top1"] = top1 / max(rows, 1)

@@ -2,7 +2,8 @@
 
 - `training_target`: the target as training reads it (seeded, unpacked, on the rank's device);
 - `train`: resume from out_dir's checkpoint when a run left one, then train to optim.max_steps
-  with a checkpoint every save_every steps (rank 0 writes, every rank waits for it);
+  with a checkpoint every save_every steps (rank 0 writes, every rank waits for it), the ranks
+  of a torchrun job sharing the work as dist.strategy says (train.sharding);
 - `trained_drafter`, `write_eval`, `decoding_metrics`: the end-of-training evaluation decodes
   with the saved checkpoint and lands in eval.json, next to the run's resolved config.
 """
@@ -17,13 +18,13 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel
 
 from drafters import build_drafter
 from train.checkpoint import find_checkpoint, training_state
 from train.distributed import DistEnv
 from train.logger import Logger, build_logger
 from train.loop import train_steps
+from train.sharding import full_optimizer_state, full_state_dict, unshard_for_one_rank, wrap
 from verify.files import write_json
 from verify.protocol import Drafter
 from verify.target import Target, load_target_from_config
@@ -32,9 +33,10 @@ CHECKPOINT_DIR = "checkpoint"
 EVAL_FILE = "eval.json"
 SPEED_FILE = "speed.json"  # the last invocation's training throughput (train.loop.speed)
 
-# save(folder, extra): write the drafter's checkpoint to `folder`, calling `extra(tmp)` on the
-# folder being written so the training state lands in the same atomic save.
-SaveCheckpoint = Callable[[Path, Callable[[Path], None]], None]
+# save(folder, state, extra): write the drafter's checkpoint to `folder`, its weights from
+# `state` (the trained module's state dict, whole), calling `extra(tmp)` on the folder being
+# written so the training state lands in the same atomic save.
+SaveCheckpoint = Callable[[Path, dict, Callable[[Path], None]], None]
 
 
 def checkpoint_dir(cfg: DictConfig) -> Path:
@@ -59,10 +61,12 @@ def training_target(cfg: DictConfig, env: DistEnv, frozen: bool = True) -> Targe
 @dataclass
 class Training:
     """What a recipe hands `train`: `objective(**make_batch(step))` -> (loss, counts (K, 3));
-    `save` writes the drafter's checkpoint (SaveCheckpoint); `restore(found)` checks a found
-    checkpoint against this run and loads it into these objects, returning its step."""
+    `trained`, the part of the objective whose weights the checkpoint holds (the draft, the
+    heads); `save` writes the drafter's checkpoint (SaveCheckpoint); `restore(found)` checks a
+    found checkpoint against this run and loads it into these objects, returning its step."""
 
     objective: torch.nn.Module
+    trained: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     make_batch: Callable[[int], dict]
@@ -70,25 +74,34 @@ class Training:
     restore: Callable[[Path], int]
     label: str = "head"  # what a metric row is: a Medusa head, an unrolled EAGLE step, a depth
     peft_model: Any = None  # an adapted target (Medusa-2): saved with the training state
+    # the frozen target when it computes features every step (LiveFeatures): fsdp shards it too
+    feature_model: torch.nn.Module | None = None
 
 
 def train(cfg: DictConfig, env: DistEnv, group: str | None, training: Training) -> Logger:
     """Resume when out_dir holds a checkpoint (and cfg.resume), train to optim.max_steps, save
-    every save_every steps and after the last; the run's logger (for finish_run on rank 0)."""
-    start = resume_step(cfg, training.restore)
-    objective = training.objective
-    model = DistributedDataParallel(objective) if env.world_size > 1 else objective
+    every save_every steps and after the last; the run's logger (for finish_run on rank 0).
+    Afterwards every module is whole on every rank again: rank 0 evaluates alone."""
+    if cfg.dist.strategy == "fsdp" and env.world_size > 1 and training.peft_model is not None:
+        raise ValueError("dist.strategy=fsdp does not shard a LoRA-adapted target (Medusa-2) "
+                         "yet: use dist.strategy=ddp")
+    model = wrap(training.objective, cfg.dist.strategy, env, training.optimizer,
+                 training.feature_model)
+    start = resume_step(cfg, training.restore)  # after wrap: fsdp restores into the shards
     logger = build_logger(cfg.logger, cfg, Path(cfg.out_dir), env.rank, group)
 
     def save(step: int) -> None:
+        weights = full_state_dict(training.trained)  # every rank: fsdp gathers to rank 0
+        optimizer_state = full_optimizer_state(training.optimizer)
         if env.is_main:
-            training.save(checkpoint_dir(cfg), training_state(
-                step, training.optimizer, training.scheduler, cfg, training.peft_model))
+            training.save(checkpoint_dir(cfg), weights, training_state(
+                step, optimizer_state, training.scheduler, cfg, training.peft_model))
         env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
 
     metrics = train_steps(model, training.optimizer, training.scheduler, training.make_batch,
                           start, cfg.optim, env, logger, cfg.logger.log_every, save,
                           cfg.save_every, label=training.label)
+    unshard_for_one_rank(training.objective, *filter(None, [training.feature_model]))
     if env.is_main:  # what eval.json reports as the run's training speed
         write_json(Path(cfg.out_dir) / SPEED_FILE, {
             "ranks": env.world_size, **{k.removeprefix("train/"): v for k, v in metrics.items()

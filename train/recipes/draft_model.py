@@ -39,6 +39,7 @@ from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
     heldout_accuracy,
+    live_target,
     prompts_of,
     sequence_batcher,
     training_features,
@@ -46,6 +47,7 @@ from train.features import (
 from train.logger import finish_run
 from train.loop import adamw
 from train.recipes import common
+from train.sharding import load_full_state_dict
 from verify.features import LAST, num_layers, resolve_layers
 from verify.files import load_tensors
 from verify.target import Target
@@ -76,12 +78,12 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         load_weights(found, draft, vocab)
         return restore_training_state(found, optimizer, scheduler)
 
-    def save(folder: Path, extra) -> None:
-        save_draft_model(draft, vocab, folder, target, settings, extra)
+    def save(folder: Path, state: dict, extra) -> None:
+        save_draft_model(draft, vocab, folder, target, settings, extra, state)
 
     logger = common.train(cfg, env, group, common.Training(
-        objective, optimizer, scheduler, sequence_batcher(train_set, cfg, env), save, restore,
-        label="depth"))
+        objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env), save,
+        restore, label="depth", feature_model=live_target(train_set, target)))
     if not env.is_main:
         return {}
     results = evaluate(cfg, target, objective, heldout, vocab)
@@ -111,7 +113,7 @@ def load_weights(folder: Path, draft: torch.nn.Module, vocab: torch.Tensor | Non
     head_key = head_weight_key(draft)
     if vocab is not None:
         state[head_key] = state[head_key][vocab.to(device)]
-    draft.load_state_dict(state)
+    load_full_state_dict(draft, state)  # a sharded draft too (resuming under fsdp)
 
 
 def evaluate(cfg: DictConfig, target: Target, objective: DistillLoss, heldout: FeatureSet,

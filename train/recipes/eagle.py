@@ -27,6 +27,7 @@ from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
     heldout_accuracy,
+    live_target,
     prompts_of,
     sequence_batcher,
     training_features,
@@ -59,9 +60,9 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         return load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
 
     logger = common.train(cfg, env, group, common.Training(
-        objective, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
-        save=lambda folder, extra: save_draft(draft, folder, target, extra),
-        restore=restore, label="step"))
+        objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
+        save=lambda folder, state, extra: save_draft(draft, folder, target, extra, state),
+        restore=restore, label="step", feature_model=live_target(train_set, target)))
     if not env.is_main:
         return {}
     results = evaluate(cfg, target, objective, heldout)

@@ -83,8 +83,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         return load_checkpoint(found, heads, WEIGHTS_FILE, optimizer, scheduler, peft_model)
 
     logger = common.train(cfg, env, group, common.Training(
-        objective, optimizer, scheduler, make_batch,
-        save=lambda folder, extra: save_heads(heads, folder, target, extra),
+        objective, heads, optimizer, scheduler, make_batch,
+        save=lambda folder, state, extra: save_heads(heads, folder, target, extra, state),
         restore=restore, peft_model=peft_model))
     if not env.is_main:
         return {}
