@@ -102,6 +102,7 @@ def test_a_truncated_checkpoint_file_is_named(train_cfg, tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("save_every=0", "save_every must be at least 1, got 0"),
     ("optim.max_steps=0", "optim.max_steps must be at least 1, got 0"),
+    ("dist.strategy=zero3", r"dist.strategy must be one of \('ddp', 'fsdp'\), got 'zero3'"),
 ])
 def test_settings_a_run_cannot_mean_are_refused_by_name(train_cfg, override, message):
     with pytest.raises(ValueError, match=message):
@@ -145,9 +146,11 @@ def test_the_run_reports_where_things_went_and_tree_search_reads_its_table(train
 
 def test_the_command_line_entry_names_runs_by_their_overrides(tmp_path):
     # As a user runs it, from another folder: the run lands under results/ there, in a folder
-    # named by the overrides that can be handed back as an override value unquoted.
+    # named by the overrides that can be handed back as an override value unquoted (not by
+    # dist.strategy: how ranks share the work; one process trains unwrapped under fsdp too).
     command = [sys.executable, str(ROOT / "train.py"), "experiment=smoke", "drafter.num_heads=3",
-               f"data.cache_dir={tmp_path / 'cache'}", "hydra.run.dir=hydra"]
+               "dist.strategy=fsdp", f"data.cache_dir={tmp_path / 'cache'}",
+               "hydra.run.dir=hydra"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "results/train/tiny-llama/medusa/drafter.num_heads-3+experiment-smoke"
