@@ -40,7 +40,10 @@ def init_distributed(device: str = "auto") -> DistEnv:
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo")
+        # GPUs: NCCL for their tensors, gloo for the CPU ones (metric counts, gathered
+        # checkpoints), which NCCL alone refuses
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if chosen.type == "cuda"
+                                else "gloo")
     return DistEnv(rank, world_size, chosen)
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from train.distributed import DistEnv
+from train.schema import STRATEGIES
 
 
 def wrap(objective: nn.Module, strategy: str, env: DistEnv, optimizer: torch.optim.Optimizer,
@@ -38,8 +39,8 @@ def wrap(objective: nn.Module, strategy: str, env: DistEnv, optimizer: torch.opt
         return objective
     if strategy == "ddp":
         return DistributedDataParallel(objective)
-    if strategy != "fsdp":
-        raise ValueError(f"dist.strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"dist.strategy must be one of {STRATEGIES}, got {strategy!r}")
     from torch.distributed.fsdp import fully_shard
 
     if optimizer.state:
