@@ -8,6 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import train.regenerate  # noqa: F401  (registers regenerate_schema, conf/regenerate.yaml's)
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters import tree_policy
 from drafters.adaptive import measured_cost
@@ -61,7 +62,9 @@ def test_every_group_is_used_and_every_config_file_is_a_command_or_an_option():
 @pytest.mark.parametrize("command, group, option", CASES)
 def test_every_group_option_composes_with_every_command_using_it(command, group, option):
     # export writes one folder, `out=` (the issue's spelling); the others a results tree
-    where = "out=/tmp/unused" if command == "export" else "out_dir=/tmp/unused"
+    # (regenerate's folder is regen.out_dir)
+    where = {"export": "out=/tmp/unused", "regenerate": "regen.out_dir=/tmp/unused"}.get(
+        command, "out_dir=/tmp/unused")
     cfg = compose_with(command, f"{group}={option}", where)
     # every option names itself for result tables and file names (presets change others)
     assert group == "experiment" or cfg[group].name

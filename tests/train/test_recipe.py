@@ -219,7 +219,7 @@ def test_medusa1_trains_on_prefilled_conversations(train_cfg, monkeypatch):
                       torch.arange(40) % 10 >= 4) for _ in range(12)]
     asked = []
 
-    def fake_sharegpt(tokenizer, max_tokens, total, seed=None):
+    def fake_sharegpt(tokenizer, max_tokens, total, seed=None, path=None):
         asked.append(total)
         return iter(conversations)
     monkeypatch.setattr(features_module, "sharegpt_sequences", fake_sharegpt)
