@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,6 +50,7 @@ from verify.loop import generate
 from verify.protocol import Drafter
 from verify.sampling import SamplingParams
 from verify.target import Target, hf_generate, load_target_from_config
+from verify.timing import device_clock
 
 COMPARE_FORMAT = "<drafter>:<tree>[:key=value,...]"
 
@@ -291,7 +291,7 @@ def run_benchmark(cfg: DictConfig) -> dict:
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
     prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
                for q in questions]
-    records = time_methods(methods, prompts, cfg)
+    records = time_methods(methods, prompts, cfg, device=target.model.device)
     params = sampling_params(cfg)
     baseline = baseline_name(params)
     # greedy: every method's output must be the baseline's, token for token; sampled outputs
@@ -316,11 +316,14 @@ MEMORY_PROTOCOL = ("drafters with memory start every repeat (and the first after
 
 
 def time_methods(methods: dict[str, Method], prompts: list[Prompt], cfg: DictConfig,
-                 desc: str = "bench") -> dict[str, list[dict]]:
+                 desc: str = "bench", device: torch.device | str = "cpu"
+                 ) -> dict[str, list[dict]]:
     """Run every method on every prompt, `cfg.repeats` times over all prompts, after
-    `cfg.warmup` untimed prompts; returns each method's records, timed. A method with a
+    `cfg.warmup` untimed prompts; returns each method's records, timed (on the target's
+    `device`: an accelerator is synchronised before each clock reading). A method with a
     `forget` (a drafter with memory) is emptied before every repeat (MEMORY_PROTOCOL), so no
     prompt is ever drafted from its own earlier answer."""
+    clock = device_clock(device)
     for prompt in prompts[: cfg.warmup]:  # first calls pay one-off costs; keep them out
         for run in methods.values():
             run(prompt.ids, min(cfg.max_new_tokens, 16), cfg.seed)
@@ -332,9 +335,9 @@ def time_methods(methods: dict[str, Method], prompts: list[Prompt], cfg: DictCon
                 # every method samples prompt i of run r from the same seed
                 seed = cfg.seed + repeat * len(prompts) + index
                 for name, run in methods.items():
-                    start = time.perf_counter()
+                    start = clock()
                     record = run(prompt.ids, cfg.max_new_tokens, seed)
-                    record.update(seconds=time.perf_counter() - start, repeat=repeat,
+                    record.update(seconds=clock() - start, repeat=repeat,
                                   category=prompt.category, question_id=prompt.question_id)
                     records[name].append(record)
                 bar.update()

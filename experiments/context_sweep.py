@@ -99,7 +99,8 @@ def sweep(cfg: DictConfig) -> tuple[list[dict], str]:
     rows = []
     with single_thread() if cfg.target.tiny else nullcontext():
         for length in lengths:
-            records = time_methods(methods, prompts[length], cfg, desc=f"{length} tokens")
+            records = time_methods(methods, prompts[length], cfg, desc=f"{length} tokens",
+                                   device=target.model.device)
             summary = BenchSummary.from_json(summarise(records, baseline, reference))
             cost = measure_verify_cost(target.model, sizes, length, cfg.cost_repeats)
             rows += [_row(length, name, figures, cost)

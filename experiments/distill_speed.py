@@ -14,7 +14,6 @@ prompt's forward that the compiled step leaves to the eager model: it is not tim
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import hydra
@@ -26,6 +25,7 @@ from experiments.table import cell, markdown_table
 from train.distill import answer_batch, encode_until
 from train.prompts import interleave, load_prompt_files
 from verify.target import load_target_from_config
+from verify.timing import device_clock
 
 
 def step_row(cfg: DictConfig, step: str, prompts_text: list[str]) -> tuple[dict, list]:
@@ -34,15 +34,16 @@ def step_row(cfg: DictConfig, step: str, prompts_text: list[str]) -> tuple[dict,
     prompts = encode_until(target, prompts_text, cfg.num_prompts + cfg.batch_size,
                            cfg.max_prompt_tokens)
     warmup, timed = prompts[:cfg.batch_size], prompts[cfg.batch_size:]
-    start = time.perf_counter()
+    clock = device_clock(target.model.device)  # an accelerator's queued work included
+    start = clock()
     answer_batch(target, warmup, cfg.max_new_tokens, keep_hidden=True)
-    warmup_s = time.perf_counter() - start
+    warmup_s = clock() - start
     answers, seconds = [], 0.0
     for first in range(0, len(timed), cfg.batch_size):
-        start = time.perf_counter()
+        start = clock()
         answers += answer_batch(target, timed[first:first + cfg.batch_size],
                                 cfg.max_new_tokens, keep_hidden=True)
-        seconds += time.perf_counter() - start
+        seconds += clock() - start
     tokens = sum(len(a.response) for a in answers)
     row = {"step": step, "dtype": cfg.target.dtype, "prompts": len(timed),
            "batch_size": cfg.batch_size, "tokens": tokens, "seconds": seconds,

@@ -32,7 +32,6 @@ smallest t(n)/t(1) a better kernel could reach on this machine.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -60,6 +59,7 @@ from verify.packed import (
 )
 from verify.sampling import SamplingParams
 from verify.target import load_target_from_config
+from verify.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import TreeVerifier
 
@@ -70,25 +70,24 @@ PARTS = ("inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy", "acce
 
 class ModuleTimer:
     """Seconds spent inside the model's embedding, attention, MLP and LM head modules, summed
-    per kind over one forward (forward pre/post hooks; CUDA is synchronised at each)."""
+    per kind over one forward (forward pre/post hooks; an accelerator is synchronised at
+    each, verify.timing)."""
 
     def __init__(self, model: PreTrainedModel):
         self.seconds: dict[str, float] = defaultdict(float)
         self._started: dict[int, float] = {}  # id(module) -> when its forward began
         self._handles = []
-        self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        self._clock = device_clock(model.device)
         for kind, module in _modules(model):
             self._handles += [module.register_forward_pre_hook(self._start),
                               module.register_forward_hook(self._stop(kind))]
 
     def _start(self, module, args) -> None:
-        self._sync()
-        self._started[id(module)] = time.perf_counter()
+        self._started[id(module)] = self._clock()
 
     def _stop(self, kind: str):
         def hook(module, args, output) -> None:
-            self._sync()
-            self.seconds[kind] += time.perf_counter() - self._started.pop(id(module))
+            self.seconds[kind] += self._clock() - self._started.pop(id(module))
         return hook
 
     def reset(self) -> None:
@@ -114,33 +113,32 @@ def _modules(model: PreTrainedModel) -> Iterator[tuple[str, torch.nn.Module]]:
 def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) -> dict[str, float]:
     """Seconds of each part of one step verifying `tree`; the cache is left as it was."""
     model, cached = verifier.model, verifier.length
+    clock = device_clock(model.device)
     times: dict[str, float] = {}
-    start = time.perf_counter()
+    start = clock()
     tokens, mask, positions = verifier.step_inputs(tree)
-    times["inputs"] = time.perf_counter() - start
+    times["inputs"] = clock() - start
     timer.reset()
-    start = time.perf_counter()
+    start = clock()
     with torch.no_grad():
         out = model(input_ids=tokens[None].to(model.device),
                     position_ids=positions[None].to(model.device),
                     attention_mask=None if mask is None else mask.to(model.device),
                     cache=verifier.cache, use_cache=True)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    forward = time.perf_counter() - start
+    forward = clock() - start
     times.update({part: timer.seconds.get(part, 0.0) for part in MODEL_PARTS})
     times["model_rest"] = forward - sum(times[part] for part in MODEL_PARTS)
-    start = time.perf_counter()
+    start = clock()
     logits = out.logits[0, :len(tree)].float().cpu()
-    times["to_host"] = time.perf_counter() - start
+    times["to_host"] = clock() - start
     for rule_name, params in (("greedy", SamplingParams()), ("sampling", SamplingParams(1.0))):
         rule = make_rule(rule_name, params)
-        start = time.perf_counter()
+        start = clock()
         rule(tree, logits, params, torch.Generator().manual_seed(0))
-        times[f"accept_{rule_name}"] = time.perf_counter() - start
-    start = time.perf_counter()
+        times[f"accept_{rule_name}"] = clock() - start
+    start = clock()
     keep_entries(verifier.cache, cached, list(range(len(tree))))  # the whole chain accepted
-    times["commit"] = time.perf_counter() - start
+    times["commit"] = clock() - start
     keep_entries(verifier.cache, cached, [])  # back to the context alone
     return times
 
@@ -179,9 +177,10 @@ def loop_overhead(model: PreTrainedModel, context_len: int, steps: int, parts: d
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(model.config.vocab_size, (context_len,), generator=generator)
     generate(model, prompt, 4)  # warm-up
-    start = time.perf_counter()
+    clock = device_clock(model.device)
+    start = clock()
     result = generate(model, prompt, steps + 1)
-    wall = (time.perf_counter() - start - result.prefill_s) / len(result.steps)
+    wall = (clock() - start - result.prefill_s) / len(result.steps)
     measured = sum(v for k, v in parts.items() if k != "accept_sampling")
     return max(wall - measured, 0.0)
 
@@ -242,9 +241,10 @@ def product_kernels(model: PreTrainedModel) -> list[str]:
 def _products(kernel: str, weights: list[torch.Tensor], n: int):
     """A function running every (out, in) weight's product with n rows under `kernel`, in
     order, and returning the (n, out) results (the weights packed for n rows first where the
-    kernel packs). Every kernel gets the same rows."""
+    kernel packs). Every kernel gets the same rows, on the weights' device."""
     generator = torch.Generator().manual_seed(0)
-    inputs = {width: torch.randn(n, width, generator=generator).to(weights[0].dtype)
+    inputs = {width: torch.randn(n, width, generator=generator).to(weights[0].device,
+                                                                  weights[0].dtype)
               for width in sorted({w.shape[1] for w in weights})}
     if kernel == "linear":
         calls = [(F.linear, (inputs[w.shape[1]], w)) for w in weights]
@@ -269,6 +269,7 @@ def product_times(model: PreTrainedModel, sizes: list[int], repeats: int) -> lis
     """One row per n: ms (medians over `repeats`) of all the model's weight products with n
     rows, per kernel of `product_kernels`, and the fastest."""
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)]
+    clock = device_clock(model.device)
     rows = []
     for n in sizes:
         row = {"n": n}
@@ -276,10 +277,10 @@ def product_times(model: PreTrainedModel, sizes: list[int], repeats: int) -> lis
             run = _products(kernel, weights, n)
             times = []
             for i in range(repeats + 1):
-                start = time.perf_counter()
+                start = clock()
                 run()
                 if i:  # the first run pays one-off costs
-                    times.append(time.perf_counter() - start)
+                    times.append(clock() - start)
             row[kernel] = 1000 * statistics.median(times)
             del run  # one kernel's packed copies in memory at a time
         row["best"] = min(row[k] for k in product_kernels(model))

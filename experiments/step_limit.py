@@ -25,7 +25,6 @@ option) and a PNG under `out_dir`.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import hydra
@@ -38,6 +37,7 @@ from experiments.table import cell, markdown_table
 from verify.compiled import compiled_step
 from verify.costs import measure_verify_cost, time_step
 from verify.target import load_target_from_config
+from verify.timing import device_clock
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
 
@@ -62,16 +62,19 @@ def kv_bytes(model: PreTrainedModel, length: int) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * length * itemsize
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
-    """Bytes per second of reading a `gib`-GiB float32 tensor (its sum), median of `repeats`:
-    the rate at which this machine streams memory far larger than its caches."""
-    data = torch.ones(int(gib * 2**30) // 4)
+def read_bandwidth(gib: float = 1.0, repeats: int = 10, device: torch.device | str = "cpu"
+                   ) -> float:
+    """Bytes per second of reading a `gib`-GiB float32 tensor (its sum) on `device` (where the
+    target's weights live: a GPU's own memory), median of `repeats`: the rate at which it
+    streams memory far larger than its caches."""
+    data = torch.ones(int(gib * 2**30) // 4, device=device)
+    clock = device_clock(device)  # a GPU's sum is queued: wait for it before reading the time
     data.sum()  # first touch: page faults and thread start-up are not bandwidth
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         data.sum()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return data.numel() * 4 / statistics.median(times)
 
 
@@ -190,7 +193,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     if 1 not in cfg.sizes:
         raise ValueError(f"sizes must include 1, the step the limit bounds; got {cfg.sizes}")
-    bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats)
+    bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats,
+                               cfg.target.get("device") or "cpu")
     rows = [limit_row(cfg, dtype, step, bandwidth) for dtype in cfg.dtypes for step in cfg.steps]
     print(format_table(rows))
     stem = f"{cfg.target.name}-step-limit"

@@ -9,7 +9,6 @@ target forward; one prompt is the batch of one.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from verify.features import LAST
 from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
+from verify.timing import Clock, device_clock
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier, context_window
 
@@ -131,10 +131,11 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
                          model.config.hidden_size)
     verifier = TreeVerifier(model, features.layers)
     verifier.compile_graphs(len(rows))  # a compiled step's graphs, once, before the clock
-    start = time.perf_counter()
+    clock = device_clock(model.device)  # synchronises an accelerator before each reading
+    start = clock()
     logits, prompt_features = verifier.prefill_batch(rows)
     first = _first_tokens(logits, params, generator)
-    prefill_s = time.perf_counter() - start
+    prefill_s = clock() - start
     # a batch drafter drafts every row in step; any other drafter drafts row by row, one fork each
     batch_drafter = drafter if isinstance(drafter, BatchDrafter) else None
     row_drafters = [None] * len(rows) if batch_drafter else _fork(drafter, len(rows))
@@ -155,7 +156,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     while active:
         drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
         _step(verifier, batch_drafter if drafting else None, active, rule, params, generator,
-              features, pad_rows, drafting)
+              features, clock, pad_rows, drafting)
         active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
     for sequence in sequences:
         sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
@@ -252,33 +253,34 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: list[_Sequence],
           rule: AcceptanceRule, params: SamplingParams, generator: torch.Generator | None,
-          features: _Features, pad_rows: int = 1, drafting: bool = True) -> None:
+          features: _Features, clock: Clock, pad_rows: int = 1, drafting: bool = True) -> None:
     """One target forward for every active row: draft each row's tree, verify them together,
     accept per row, commit, and tell the drafters. A batch drafter's time is shared out evenly
     among the rows, so the rows' draft times add up to the step's either way. Without
-    `drafting`, every tree is its root alone and no drafter is asked or told anything."""
+    `drafting`, every tree is its root alone and no drafter is asked or told anything. `clock`
+    reads the time (verify.timing.device_clock: after the device's queued work)."""
     if drafting:
-        trees, draft_s = _propose(verifier, batch_drafter, active, params, generator)
+        trees, draft_s = _propose(verifier, batch_drafter, active, params, generator, clock)
     else:
         trees = [TokenTree(torch.tensor(s.tokens[-1:]), torch.tensor([-1])) for s in active]
         draft_s = [0.0] * len(active)
-    start = time.perf_counter()
+    start = clock()
     batch = TreeBatch.pad(trees, pad_rows)
     logits, tree_features = verifier.verify_batch(batch)
     acceptances = rule.accept_batch(trees, batch, logits, params, generator)
     verifier.commit_batch([acceptance.path for acceptance in acceptances])
-    verify_s = time.perf_counter() - start
-    start = time.perf_counter()
+    verify_s = clock() - start
+    start = clock()
     if batch_drafter is not None:
         batch_drafter.update_batch(trees, acceptances)
-    update_s = (time.perf_counter() - start) / len(active)
+    update_s = (clock() - start) / len(active)
     for row, (sequence, tree, acceptance) in enumerate(zip(active, trees, acceptances)):
-        start = time.perf_counter()
+        start = clock()
         if sequence.drafter is not None and drafting:
             sequence.drafter.update(tree, acceptance)
         sequence.result.steps.append(StepStats(
             acceptance.num_accepted, len(tree), tree.depth,
-            draft_s[row] + update_s + time.perf_counter() - start, verify_s))
+            draft_s[row] + update_s + clock() - start, verify_s))
         sequence.tokens.extend([int(t) for t in tree.tokens[acceptance.path[1:]]]
                                + [acceptance.bonus])
         if tree_features is not None:
@@ -289,15 +291,17 @@ def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: li
 
 def _propose(verifier: TreeVerifier, batch_drafter: BatchDrafter | None,
              active: list[_Sequence], params: SamplingParams,
-             generator: torch.Generator | None) -> tuple[list[TokenTree], list[float]]:
-    """Every active row's tree (a lone root without a drafter) and its draft seconds."""
+             generator: torch.Generator | None, clock: Clock
+             ) -> tuple[list[TokenTree], list[float]]:
+    """Every active row's tree (a lone root without a drafter) and its draft seconds, as
+    `clock` reads them."""
     contexts = [DraftContext(s.context(), s.features, params, generator) for s in active]
     for sequence in active:
         sequence.features_seen = True
     if batch_drafter is not None:
-        start = time.perf_counter()
+        start = clock()
         proposed = batch_drafter.propose_batch(contexts)
-        share = (time.perf_counter() - start) / len(active)
+        share = (clock() - start) / len(active)
         if len(proposed) != len(active):
             raise ValueError(f"propose_batch returned {len(proposed)} trees for "
                              f"{len(active)} sequences")
@@ -306,13 +310,13 @@ def _propose(verifier: TreeVerifier, batch_drafter: BatchDrafter | None,
         return trees, [share] * len(active)
     trees, draft_s = [], []
     for sequence, ctx, cached in zip(active, contexts, verifier.lengths.tolist()):
-        start = time.perf_counter()
+        start = clock()
         if sequence.drafter is None:
             trees.append(TokenTree(ctx.tokens[-1:], torch.tensor([-1])))
         else:
             trees.append(_checked(sequence.drafter.propose(ctx), ctx.tokens, verifier.model,
                                   cached))
-        draft_s.append(time.perf_counter() - start)
+        draft_s.append(clock() - start)
     return trees, draft_s
 
 
