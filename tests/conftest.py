@@ -1,7 +1,9 @@
-"""Test-wide environment: no network, no W&B runs. Set before any test imports transformers."""
+"""Test-wide environment: no network, no W&B runs. Set before any test imports transformers.
+Tests marked `cuda` run on a CUDA GPU and are skipped without one."""
 
 import os
 
+import pytest
 import torch
 
 os.environ["WANDB_MODE"] = "disabled"
@@ -11,3 +13,28 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Tests run tiny models, whose 64-wide matmuls are slower split over threads than on one
 # (and CI's second core is busy with pytest itself).
 torch.set_num_threads(1)
+
+# Where `cuda`-marked tests run: a GPU by default; "cpu" runs them on the CPU instead (what
+# `scripts/gpu_check.sh --dry-run` does, so their code is exercised on a machine without one).
+CUDA_TEST_DEVICE = "TREEDRAFT_CUDA_TEST_DEVICE"
+
+
+def cuda_test_device() -> torch.device:
+    return torch.device(os.environ.get(CUDA_TEST_DEVICE) or "cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip every `cuda`-marked test when it would run on CUDA and no GPU is visible."""
+    if cuda_test_device().type != "cuda" or torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU (torch.cuda.is_available() is False; "
+                                   f"{CUDA_TEST_DEVICE}=cpu runs it on the CPU)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cuda_device() -> torch.device:
+    """The device a `cuda`-marked test runs on: the GPU, or $TREEDRAFT_CUDA_TEST_DEVICE."""
+    return cuda_test_device()

@@ -321,12 +321,26 @@ def _read_shard(path: Path) -> list[SequenceFeatures]:
 
 def sequence_batcher(features: FeatureSet | LiveFeatures, cfg, env: DistEnv):
     """make_batch(step) -> the padded batch (pad_batch) of this rank's share of the step's
-    cfg.optim.batch_sequences sequences, on env.device."""
+    cfg.optim.batch_sequences sequences, on env.device (batch_to_device)."""
     def make_batch(step: int) -> dict:
         picked = batch_indices(step, len(features), cfg.optim.batch_sequences, cfg.seed, env)
         batch = pad_batch(features.take(picked.tolist()))
-        return {k: v.to(env.device) for k, v in batch.items()}
+        return batch_to_device(batch, env.device)
     return make_batch
+
+
+def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device
+                    ) -> dict[str, torch.Tensor]:
+    """A host batch's tensors on `device`. For a CUDA device they go through pinned
+    (page-locked) memory with non-blocking copies: a copy from pageable memory is staged
+    through a driver buffer while the host waits, a pinned one is a direct DMA the host need
+    not wait for (the copy is queued on the current stream, so the step's kernels still see
+    it landed; the caching host allocator keeps the pinned buffer until the copy is done).
+    Elsewhere a plain `.to(device)`, as before."""
+    if device.type != "cuda":
+        return {key: value.to(device) for key, value in batch.items()}
+    return {key: value.pin_memory().to(device, non_blocking=True)
+            for key, value in batch.items()}
 
 
 def pad_batch(chosen: list[SequenceFeatures]) -> dict:

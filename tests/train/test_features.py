@@ -226,3 +226,68 @@ def test_an_extraction_larger_than_the_free_disk_is_refused_before_writing(targe
     assert not list(tmp_path.rglob("shard-*"))
     monkeypatch.setattr(features.shutil, "disk_usage", lambda _: usage._replace(free=4608))
     extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH)
+
+
+def _feature_set() -> features.FeatureSet:
+    sequences = [features.SequenceFeatures(ids, mask, torch.randn(len(ids), 8).half())
+                 for ids, mask in make_sequences()]
+    return features.FeatureSet(sequences, (-1,), Path("unused"))
+
+
+def _batcher_cfg():
+    return OmegaConf.create({"seed": 0, "optim": {"batch_sequences": 3}})
+
+
+def test_on_the_cpu_batches_are_the_padded_sequences_and_nothing_is_pinned(monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("pin_memory on a CPU run")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    feature_set = _feature_set()
+    env = features.DistEnv(0, 1, torch.device("cpu"))
+    batch = features.sequence_batcher(feature_set, _batcher_cfg(), env)(0)
+    picked = features.batch_indices(0, len(feature_set), 3, 0, env)
+    expected = features.pad_batch(feature_set.take(picked.tolist()))
+    assert batch.keys() == expected.keys()
+    for key in expected:
+        assert batch[key].device.type == "cpu"
+        assert torch.equal(batch[key], expected[key])
+
+
+def test_for_a_cuda_device_batches_go_through_pinned_memory_without_blocking(monkeypatch):
+    # No GPU here: pin_memory and the copy to "cuda" are recorded instead of run.
+    pinned, copies = [], []
+    real_to = torch.Tensor.to
+
+    def pin_memory(self, *args, **kwargs):
+        pinned.append(self)
+        return self
+
+    def to(self, *args, **kwargs):
+        device = torch.device(args[0]) if args and isinstance(args[0], (str, torch.device)) \
+            else None
+        if device is not None and device.type == "cuda":
+            copies.append((self, device, kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "learn": torch.ones(2, 3).bool()}
+    moved = features.batch_to_device(batch, torch.device("cuda", 0))
+    assert moved.keys() == batch.keys()
+    assert [id(t) for t in pinned] == [id(t) for t in batch.values()]
+    assert [(id(t), device, blocking) for t, device, blocking in copies] == [
+        (id(t), torch.device("cuda", 0), True) for t in batch.values()]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_batches_land_on_it_equal_to_the_host_batch(cuda_device):
+    feature_set = _feature_set()
+    env = features.DistEnv(0, 1, cuda_device)
+    batch = features.sequence_batcher(feature_set, _batcher_cfg(), env)(0)
+    host = features.sequence_batcher(feature_set, _batcher_cfg(),
+                                     features.DistEnv(0, 1, torch.device("cpu")))(0)
+    for key, value in host.items():
+        assert batch[key].device == cuda_device
+        assert torch.equal(batch[key].cpu(), value)
