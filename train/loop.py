@@ -7,6 +7,7 @@ with nothing to save but the step.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -61,10 +62,35 @@ def adamw(module: torch.nn.Module, optim: OptimConfig
 
 
 def autocast(optim: OptimConfig, device: torch.device):
-    """bf16 matmuls where asked for (the loss itself is taken in float32)."""
+    """bf16 matmuls where asked for and the device has them (the loss itself is taken in
+    float32); float32 otherwise (autocast_dtype)."""
+    dtype = autocast_dtype(optim, device)
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def autocast_dtype(optim: OptimConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype training's matmuls autocast to on `device`, None for float32 throughout.
+
+    bfloat16 when optim.autocast_bf16 asks for it, on the CPU (any CPU runs it; AVX512-BF16
+    ones fast) and on a GPU with native bfloat16 (compute capability 8.0 and up: Ampere,
+    Hopper; emulated bfloat16 on older GPUs is slower than float32). A GPU without it falls
+    back to float32 with a warning: its half type, float16, has too narrow a range for
+    gradients without a GradScaler (loss scaling), which this loop does not have."""
     if not optim.autocast_bf16:
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        _warn_no_bf16(str(device))
+        return None
+    return torch.bfloat16
+
+
+@functools.cache
+def _warn_no_bf16(device: str) -> None:
+    """Say once per device (autocast is entered every step) why training runs in float32."""
+    name = torch.cuda.get_device_name(torch.device(device))
+    print(f"warning: {device} ({name}) has no native bfloat16, so training runs in float32 "
+          "despite optim.autocast_bf16=true (float16 autocast would need a GradScaler, which "
+          "this loop does not have); set optim.autocast_bf16=false to silence this")
 
 
 class NonFiniteError(FloatingPointError):

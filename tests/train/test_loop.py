@@ -1,6 +1,6 @@
 """The shared optimisation loop's guard: a non-finite loss or gradient stops training naming the
 step and batch (or is skipped, counted, up to a limit), and no checkpoint gets non-finite
-weights."""
+weights. Autocast: bfloat16 where the device has it, float32 with a warning on a GPU without."""
 
 import math
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import train.loop
 from train.distributed import DistEnv
 from train.logger import NullLogger
-from train.loop import NonFiniteError, adamw, train_steps
+from train.loop import NonFiniteError, adamw, autocast, autocast_dtype, train_steps
 from train.schema import OptimConfig
 
 SINGLE = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
@@ -71,3 +72,60 @@ def test_skipped_batches_are_counted_up_to_the_limit(capsys):
     assert "2 of 2 allowed" in capsys.readouterr().out
     with pytest.raises(NonFiniteError, match="at step 4 .*1 batch\\(es\\) skipped"):
         run(bad_steps={1, 3}, skips=1)
+
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """gpu(bf16=...): pretend cuda:0 is a GPU with or without native bfloat16; returns the
+    including_emulation arguments is_bf16_supported was asked with."""
+    asked = []
+    train.loop._warn_no_bf16.cache_clear()
+
+    def pretend(bf16: bool):
+        def is_bf16_supported(including_emulation=True):
+            asked.append(including_emulation)
+            return bf16
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+        return asked
+    yield pretend
+    train.loop._warn_no_bf16.cache_clear()
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_the_cpu_autocasts_to_bfloat16_when_asked(asked):
+    optim = OptimConfig(name="test", max_steps=1, autocast_bf16=asked)
+    assert autocast_dtype(optim, torch.device("cpu")) == (torch.bfloat16 if asked else None)
+    context = autocast(optim, torch.device("cpu"))
+    if asked:
+        assert isinstance(context, torch.autocast) and context.fast_dtype == torch.bfloat16
+    else:
+        assert not isinstance(context, torch.autocast)
+
+
+def test_a_gpu_with_native_bfloat16_autocasts_to_it(gpu, capsys):
+    asked = gpu(bf16=True)
+    optim = OptimConfig(name="test", max_steps=1)
+    assert autocast_dtype(optim, CUDA) == torch.bfloat16
+    assert asked == [False]  # native only: emulated bfloat16 is slower than float32
+    assert capsys.readouterr().out == ""
+
+
+def test_a_gpu_without_bfloat16_trains_in_float32_and_says_so_once(gpu, capsys):
+    gpu(bf16=False)
+    optim = OptimConfig(name="test", max_steps=1)
+    assert [autocast_dtype(optim, CUDA) for _ in range(3)] == [None] * 3
+    assert not isinstance(autocast(optim, CUDA), torch.autocast)
+    printed = capsys.readouterr().out
+    assert printed.count("warning:") == 1
+    assert "Tesla T4" in printed and "float32" in printed and "GradScaler" in printed
+
+
+def test_without_autocast_asked_a_gpu_is_not_even_queried(gpu, capsys):
+    asked = gpu(bf16=False)
+    optim = OptimConfig(name="test", max_steps=1, autocast_bf16=False)
+    assert autocast_dtype(optim, CUDA) is None
+    assert asked == [] and capsys.readouterr().out == ""
