@@ -15,7 +15,7 @@ from drafters import build_drafter
 from experiments.common import CONF_DIR
 from train import run_training
 from verify.loop import generate, generate_batch
-from verify.target import load_target
+from verify.target import hf_generate, load_target
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
 
@@ -65,6 +65,11 @@ def test_the_target_and_its_outputs_are_on_the_device(target, cuda_device):
 def test_plain_decoding_on_the_device_equals_the_cpu(plain):
     on_cpu = generate(load_target(tiny="llama").model, PROMPT, NEW_TOKENS).tokens
     assert torch.equal(plain.cpu(), on_cpu)
+
+
+def test_hugging_face_greedy_generate_on_the_device_equals_plain_decoding(target, plain):
+    # the reference of experiments.correctness and the baseline of experiments.bench
+    assert torch.equal(hf_generate(target, PROMPT, NEW_TOKENS), plain)
 
 
 @pytest.mark.parametrize("name, tree, overrides", DRAFTERS, ids=[d[0] for d in DRAFTERS])

@@ -317,9 +317,11 @@ def hf_generate(target: Target, ids: torch.Tensor, max_new_tokens: int,
                 **generate_kwargs) -> torch.Tensor:
     """The (M,) new tokens of Hugging Face `generate` from a (T,) prompt, stopping at the
     target's EOS: greedy unless `do_sample=True` (with temperature=, top_p=, top_k=); other
-    keywords (prompt_lookup_num_tokens=, assistant_model=) pass through."""
+    keywords (prompt_lookup_num_tokens=, assistant_model=) pass through. The prompt goes to
+    the model's device; the tokens come back on the CPU, as this loop's do."""
     eos, pad = list(target.eos_token_ids) or None, target.eos_token_id
     generate_kwargs = {"do_sample": False, **generate_kwargs}
-    out = target.model.generate(ids[None], max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                pad_token_id=pad if pad is not None else 0, **generate_kwargs)
-    return out[0, len(ids):]
+    out = target.model.generate(ids[None].to(target.model.device), max_new_tokens=max_new_tokens,
+                                eos_token_id=eos, pad_token_id=pad if pad is not None else 0,
+                                **generate_kwargs)
+    return out[0, len(ids):].cpu()
