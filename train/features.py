@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from verify.files import (
     write_json,
 )
 from verify.target import Target, cache_root
+from verify.timing import device_clock
 
 TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
 MANIFEST_FILE = "manifest.json"  # written when every shard of a cache is there
@@ -168,13 +168,14 @@ def extract_features(target: Target, sequences: Sequence[TokenSequence], layers:
     remove_orphans(folder)
     shards = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)}
     missing = {b: batch for b, batch in shards.items() if not shard_path(folder, b).exists()}
-    started = time.perf_counter()
+    clock = device_clock(target.model.device)  # an accelerator's queued work included
+    started = clock()
     if missing:
         check_disk_space(target, layers, missing, folder, env.is_main)
         _extract(target, layers, {b: batch for b, batch in missing.items()
                                   if b % env.world_size == env.rank}, folder, env)
     env.barrier()  # every rank reads every shard
-    seconds = time.perf_counter() - started
+    seconds = clock() - started
     found = [s for b in shards for s in read_or_rebuild(
         shard_path(folder, b), _read_shard,
         lambda b=b: _extract(target, layers, {b: shards[b]}, folder, env))]

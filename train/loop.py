@@ -20,6 +20,7 @@ from train.distributed import DistEnv, all_reduce_sum
 from train.logger import Logger
 from train.schema import OptimConfig
 from train.sharding import full_value, local_part
+from verify.timing import device_clock
 
 
 def batch_indices(step: int, num_items: int, batch_size: int, seed: int,
@@ -115,7 +116,8 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     params = [p for group in optimizer.param_groups for p in group["params"]]
     metrics: dict[str, float] = {}
     window, skipped = _Window(), 0
-    started, tokens = time.perf_counter(), 0
+    clock = device_clock(env.device)  # a GPU's queued steps are waited for before the end time
+    started, tokens = clock(), 0
     bar = tqdm(range(start_step, optim.max_steps), initial=start_step, total=optim.max_steps,
                desc="training", disable=not env.is_main)
     for step in bar:
@@ -138,7 +140,7 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
             _check_finite_weights(params, done, env)
             save(done)
     return {**metrics, **speed(optim.max_steps - start_step, tokens,
-                               time.perf_counter() - started, env)}
+                               clock() - started, env)}
 
 
 def speed(steps: int, tokens: int, seconds: float, env: DistEnv) -> dict[str, float]:
@@ -189,6 +191,7 @@ class _Window:
         self.reset()
 
     def reset(self) -> None:
+        # perf_counter suffices: every step's loss.item() has waited for the device already
         self.start, self.losses, self.counts = time.perf_counter(), [], None
 
     def add(self, loss: float, counts: torch.Tensor) -> None:
