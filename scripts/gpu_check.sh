@@ -127,9 +127,11 @@ hydra() {
   echo "hydra.run.dir=$OUT/logs/hydra/$1"
 }
 
-# 1. The CUDA tests.
+# 1. The CUDA tests, from the files that mark any (collecting the whole suite to select them
+# would cost seconds the dry run does not have).
+mapfile -t CUDA_TEST_FILES < <(grep -rlE "pytest\.mark\.cuda" tests --include="*.py" | sort)
 run_step cuda-tests "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
-  --junitxml="$OUT/pytest-cuda.xml"
+  --junitxml="$OUT/pytest-cuda.xml" "${CUDA_TEST_FILES[@]}"
 
 # 2. Conversations answered by the default target.
 run_step regenerate "$PYTHON" -m train.regenerate target=smollm2 "${REGEN[@]}" \
@@ -204,7 +206,7 @@ summary = {"dry_run": dry_run, "device": device,
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(f"\n== summary ({out / 'summary.json'}):")
 for s in steps:
-    print(f"  {s['step']:<32} exit {s['exit_status']}  {s['seconds']:8.1f} s")
+    print(f"  {s['step']:<36} exit {s['exit_status']}  {s['seconds']:7.1f} s")
 for r in rows:
     verdict = {True: "pass", False: "FAIL", None: "measured"}[r["passed"]]
     print(f"  correctness {r['dtype']:<9} {r['drafter']}/{r['tree']}: {r['value']:.3g} "
