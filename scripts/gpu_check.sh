@@ -5,38 +5,45 @@
 #   bash scripts/gpu_check.sh --dry-run [FOLDER]   # the same steps on the CPU, smallest sizes
 #                                                  # (`device=cpu` means the same)
 #
-# FOLDER defaults to $OUT, else results/gpu-check/<date>-<time>. In order, each step's output
-# in FOLDER/logs/<step>.log, its wall time in FOLDER/summary.json:
-#   1. cuda-tests: `pytest -m cuda` (tests/test_cuda.py and the other cuda-marked tests: tiny
-#      targets decoding, sampling, compiled, training on the GPU); JUnit XML in pytest-cuda.xml.
+# FOLDER defaults to $OUT, else results/gpu-check/<date>-<time> in the repository. In order,
+# each step's output in FOLDER/logs/<step>.log, its exit status and wall time in
+# FOLDER/summary.json:
+#   1. cuda-tests: pytest -m cuda (tests/test_cuda.py and every other cuda-marked test: tiny
+#      targets decoding with four drafters, sampling, the compiled step, training, pinned
+#      batches, all on the GPU); JUnit XML in FOLDER/pytest-cuda.xml.
 #   2. regenerate: the default target (SmolLM2-135M-Instruct, bfloat16) answers 64
-#      conversations, 64 new tokens each (python -m train.regenerate) -> regen/.
+#      conversations, 64 new tokens a turn (python -m train.regenerate) -> regen/.
 #   3. train-eagle3: online EAGLE-3 training on those answers (data=regenerated, features
-#      computed live, data.cache_hidden=false), sized to ~2 minutes -> train/eagle3/.
-#   4. train-eagle: a short EAGLE-1 training on the same answers -> train/eagle/.
+#      computed live: data.cache_hidden=false), EAGLE3_STEPS steps (1200, meant as ~2 minutes)
+#      -> train/eagle3/ (checkpoint, eval.json).
+#   4. train-eagle: a short EAGLE-1 training on the same answers, EAGLE_STEPS steps (300)
+#      -> train/eagle/.
 #   5. correctness-<drafter>-<dtype>: python -m experiments.correctness on the default target
-#      on the GPU (target.device=cuda), greedy rows, for prompt_lookup (tree8), eagle and eagle3
-#      (eagle2 trees, the checkpoints of steps 3-4), in float32 and bfloat16 ->
-#      correctness/<dtype>/<drafter>-<tree>.json. The distribution and chain rows are left
-#      out: they run on a tiny target on the CPU whatever the target's device (the CPU suite
-#      has them).
+#      on the GPU (target.device=cuda), its greedy row (13 prompts, 64 new tokens against
+#      Hugging Face greedy) for prompt_lookup (tree8), eagle and eagle3 (eagle2 trees, the
+#      checkpoints of steps 3-4), in float32 and bfloat16 -> correctness/<dtype>/*.json. The
+#      distribution and chain rows are left out: they decode a tiny target on the CPU
+#      whatever the target's device, as the CPU suite does.
 #   6. bench: python -m experiments.bench, the three drafters against Hugging Face greedy and
-#      the peers on 13 Spec-Bench prompts, 64 new tokens -> bench/.
+#      the peers, 13 Spec-Bench prompts, 64 new tokens -> bench/.
 # A step that crashes stops the script (non-zero exit). A correctness row that fails its check
 # is a measurement and does not stop it; at the end the script fails if a float32 row did
-# (float32 is claimed exact on every drafter), while bfloat16 rows are reported only (near ties
-# round apart in bfloat16, as measured on the CPU: README, Exactness).
+# (float32 is claimed exact for every drafter), while bfloat16 rows are reported only (near
+# ties round apart in bfloat16, as measured on the CPU: README, Exactness).
 #
-# Expected time on one GPU: under 8 minutes (an estimate: ~1.5 min tests and compiling, 2.5 min
-# training, 3 min correctness, 1 min bench); nothing in this project has run on a GPU yet, so
-# the first run's summary.json gives the real figures, and the step counts below may need
-# resizing to keep train-eagle3 near 2 minutes. The dry run: ~90 s on 2 CPU cores; there the
-# correctness rows, bench and EAGLE checkpoints use a tiny random target, and regeneration and
-# the EAGLE-3 training the default target at the smallest sizes (a tiny target has no
-# tokenizer).
+# Expected time on one GPU: under 8 minutes. That is an estimate (~1.5 min tests and
+# compiling, ~3 min training, ~2.5 min correctness, ~1 min bench): nothing in this project has
+# run on a GPU yet. The first run's summary.json gives the real figures; resize EAGLE3_STEPS
+# from it to keep train-eagle3 near 2 minutes.
+# The dry run (~100 s on a 2-core CPU shared with other work) executes every step at its
+# smallest size: the cuda tests on the CPU (TREEDRAFT_CUDA_TEST_DEVICE=cpu); regeneration
+# (2 conversations, 8 tokens) and the EAGLE-3 training (2 steps) on the default target, which a
+# tiny target cannot stand in for (it has no tokenizer or chat template); the correctness rows
+# and bench on a tiny random target, with EAGLE checkpoints from seconds-long
+# experiment=eagle_smoke runs on it (one more step: train-eagle3-tiny).
 #
-# Once run on hardware, its figures go into the README (Results and Limits) and
-# docs/results/, generated from the JSON it wrote, as every other figure there.
+# Once run on hardware, its figures go into the README (Results, Limits) and docs/results/,
+# generated from the JSON it wrote, as every other figure there.
 set -euo pipefail
 
 usage() {
@@ -54,9 +61,10 @@ for arg in "$@"; do
     *) [[ -z "$FOLDER" ]] || usage; FOLDER=$arg ;;
   esac
 done
-FOLDER=${FOLDER:-${OUT:-results/gpu-check/$(date +%Y-%m-%d-%H%M%S)}}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FOLDER=${FOLDER:-${OUT:-$ROOT/results/gpu-check/$(date +%Y-%m-%d-%H%M%S)}}
 OUT=$(realpath -m "$FOLDER")  # absolute: every command runs from the repository root
-cd "$(dirname "$0")/.."
+cd "$ROOT"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
 fi
@@ -135,7 +143,7 @@ run_step cuda-tests "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
 
 # 2. Conversations answered by the default target.
 run_step regenerate "$PYTHON" -m train.regenerate target=smollm2 "${REGEN[@]}" \
-  regen.out_dir="$OUT/regen" device="$DEVICE"
+  regen.out_dir="$OUT/regen" device="$DEVICE" "$(hydra regenerate)"
 
 # 3-4. EAGLE-3 online on those answers; EAGLE-1 short. In the dry run the checkpoints the
 # tiny target decodes with come from eagle_smoke runs on it.
