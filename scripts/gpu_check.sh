@@ -35,7 +35,7 @@
 # compiling, ~3 min training, ~2.5 min correctness, ~1 min bench): nothing in this project has
 # run on a GPU yet. The first run's summary.json gives the real figures; resize EAGLE3_STEPS
 # from it to keep train-eagle3 near 2 minutes.
-# The dry run (~100 s on a 2-core CPU shared with other work) executes every step at its
+# The dry run (80-130 s on a 2-core CPU shared with other work) executes every step at its
 # smallest size: the cuda tests on the CPU (TREEDRAFT_CUDA_TEST_DEVICE=cpu); regeneration
 # (2 conversations, 8 tokens) and the EAGLE-3 training (2 steps) on the default target, which a
 # tiny target cannot stand in for (it has no tokenizer or chat template); the correctness rows
