@@ -225,7 +225,9 @@ def propose_children(logits: torch.Tensor, count: int, params: SamplingParams,
     q = warp(logits, params)
     # Sorting log q + Gumbel noise is sequential sampling without replacement; log 0 = -inf
     # keeps tokens without mass out whatever the noise.
-    uniform = torch.rand(q.shape, generator=generator).clamp_min(torch.finfo(torch.float32).tiny)
+    # drawn where q is (a GPU draft's logits stay on it), by a generator on that device
+    uniform = torch.rand(q.shape, generator=generator, device=q.device).clamp_min(
+        torch.finfo(torch.float32).tiny)
     keys = q.log() - (-uniform.log()).log()
     values, tokens = keys.topk(count)
     return tokens[values > float("-inf")].tolist(), q

@@ -90,11 +90,14 @@ def test_a_batch_decodes_each_row_as_alone(target, name, tree, overrides):
         assert torch.equal(result.tokens, want)
 
 
-@pytest.mark.parametrize("name, tree", [("prompt_lookup", "tree8"), ("eagle", "eagle2")])
-def test_sampling_runs_with_a_generator_on_the_device(target, cuda_device, name, tree):
-    # acceptance samples from logits where the target left them: the generator goes with them
-    # (as experiments.bench makes it); equal seeds give equal samples
-    drafter = drafter_for(target, name, tree, {})  # one draft: a fresh one has other weights
+@pytest.mark.parametrize("name, tree, overrides", [
+    ("prompt_lookup", "tree8", {}), ("eagle", "eagle2", {}),
+    ("draft_model", "chain4", {"num_layers": 1})])  # a static tree's children sampled on the GPU
+def test_sampling_runs_with_a_generator_on_the_device(target, cuda_device, name, tree,
+                                                      overrides):
+    # acceptance and sampled drafts draw from logits where the models left them: the generator
+    # goes with them (as experiments.bench makes it); equal seeds give equal samples
+    drafter = drafter_for(target, name, tree, overrides)  # one: a fresh one has other weights
 
     def sample(seed: int) -> torch.Tensor:
         generator = torch.Generator(cuda_device).manual_seed(seed)

@@ -111,7 +111,7 @@ class SpeculativeSamplingRule(AcceptanceRule):
                 raise ValueError(f"node {child} drafts token {token}, which its recorded draft "
                                  "distribution gives probability 0: the drafter is inconsistent")
             ratio = p[token] / q_child[token]
-            if torch.rand((), generator=generator) < ratio:
+            if torch.rand((), generator=generator, device=p.device) < ratio:
                 return child, p
             p = self.residual(p, q_child)
             if q is not None:
