@@ -65,8 +65,10 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FOLDER=${FOLDER:-${OUT:-$ROOT/results/gpu-check/$(date +%Y-%m-%d-%H%M%S)}}
 OUT=$(realpath -m "$FOLDER")  # absolute: every command runs from the repository root
 cd "$ROOT"
+# The project's .venv (make setup), else the machine's python3 (a GPU image's own torch);
+# PYTHON= picks another.
 if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
 # No network on a GPU machine here, and no W&B runs: figures go to JSON only.
