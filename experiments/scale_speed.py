@@ -67,9 +67,9 @@ def regeneration_row(cfg: DictConfig, ranks: int, scratch: Path) -> dict:
 
 
 def training_run(cfg: DictConfig, drafter: str, ranks: int, online: bool, steps: int,
-                 scratch: Path) -> tuple[dict, dict | None]:
+                 scratch: Path, strategy: str = "ddp") -> tuple[dict, dict | None]:
     """A short training run's eval.json and its feature manifest (None when online)."""
-    name = f"{drafter}-{'online' if online else 'offline'}-{ranks}"
+    name = f"{drafter}-{'online' if online else 'offline'}-{ranks}-{strategy}"
     out, cache = scratch / name, scratch / f"cache-{name}"
     train = cfg.training
     run(command(ranks, None, "train.py", cfg.port) + [
@@ -80,6 +80,7 @@ def training_run(cfg: DictConfig, drafter: str, ranks: int, online: bool, steps:
         f"data.cache_hidden={str(not online).lower()}", f"data.cache_dir={cache}",
         f"optim.max_steps={steps}", f"optim.warmup_steps={min(steps, 10)}",
         f"save_every={steps}", "eval.num_prompts=1", "eval.max_new_tokens=8",
+        f"dist.strategy={strategy}",
         f"out_dir={out}", f"hydra.run.dir={out}/hydra"], scratch)
     results = json.loads((out / "eval.json").read_text())
     manifests = [json.loads(p.read_text()) for p in (cache / "features").rglob("manifest.json")]
@@ -97,9 +98,11 @@ def feature_row(drafter: str, ranks: int, manifest: dict) -> dict:
             "bytes_per_token": manifest["bytes_per_token"]}
 
 
-def training_row(drafter: str, online: bool, results: dict) -> dict:
+def training_row(drafter: str, online: bool, results: dict, strategy: str = "ddp") -> dict:
     speed = results["training"]
-    return {"part": "training", "setting": f"{drafter}, {'online' if online else 'offline'}",
+    shared = f", {strategy}" if speed["ranks"] > 1 else ""
+    return {"part": "training",
+            "setting": f"{drafter}, {'online' if online else 'offline'}{shared}",
             "ranks": speed["ranks"], "tokens": None, "seconds": speed["seconds"],
             "tokens_per_s": speed["tokens_per_s"], "steps_per_s": speed["steps_per_s"]}
 
@@ -120,11 +123,15 @@ def evaluate(cfg: DictConfig, scratch: Path) -> list[dict]:
                 online, _ = training_run(cfg, drafter, 1, True, cfg.training.steps, scratch)
                 rows += [training_row(drafter, False, results),
                          training_row(drafter, True, online)]
-    if "features" in cfg.parts:
-        drafter = cfg.training.drafters[-1]
-        for ranks in [r for r in cfg.ranks if r > 1]:
+    drafter = cfg.training.drafters[-1]
+    for ranks in [r for r in cfg.ranks if r > 1]:
+        if "features" in cfg.parts:
             _, manifest = training_run(cfg, drafter, ranks, False, 2, scratch)
             rows.append(feature_row(drafter, ranks, manifest))
+        if "training" in cfg.parts:  # the frozen target sharded too: the 8B preset's setting
+            results, _ = training_run(cfg, drafter, ranks, True, cfg.training.steps, scratch,
+                                      strategy="fsdp")
+            rows.append(training_row(drafter, True, results, "fsdp"))
     return rows
 
 

@@ -26,8 +26,9 @@ def test_rows_come_from_the_files_the_commands_write(tmp_path, monkeypatch):
             return
         online = "data.cache_hidden=false" in args
         folder.mkdir(parents=True)
+        ranks = 2 if "torch.distributed.run" in args else 1
         (folder / "eval.json").write_text(json.dumps({"training": {
-            "ranks": 1, "seconds": 4.0, "tokens_per_s": 50.0 if online else 200.0,
+            "ranks": ranks, "seconds": 4.0, "tokens_per_s": 50.0 if online else 200.0,
             "steps_per_s": 1.0}}))
         if not online:
             cache = tmp_path / next(a.split("=", 1)[1] for a in args
@@ -47,7 +48,8 @@ def test_rows_come_from_the_files_the_commands_write(tmp_path, monkeypatch):
     by_part = [(r["part"], r["ranks"], r["tokens_per_s"]) for r in rows]
     assert by_part == [("regenerate", 1, 80.0), ("regenerate", 2, 80.0),
                        ("features", 1, 1500.0), ("training", 1, 200.0), ("training", 1, 50.0),
-                       ("features", 2, 1500.0)]
+                       ("features", 2, 1500.0), ("training", 2, 50.0)]
+    assert rows[-1]["setting"] == "eagle, online, fsdp" and "dist.strategy=fsdp" in commands[-1]
     assert commands[1][:4] == [scale_speed.sys.executable, "-m", "torch.distributed.run",
                                "--nproc_per_node=2"]
     assert "-m" in commands[0] and "train.regenerate" in commands[0]
