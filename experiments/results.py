@@ -83,6 +83,8 @@ KINDS = (
          "experiments.step_limit:format_table"),
     Kind("experiments.distill_speed", lambda row: "warmup_s" in row,
          "experiments.distill_speed:format_table"),
+    Kind("train.regenerate", lambda row: "skipped_by_reason" in row,
+         "train.regenerate:format_table"),
     Kind("experiments.scale_speed", lambda row: "part" in row and "tokens_per_s" in row,
          "experiments.scale_speed:format_table"),
     Kind("experiments.context_sweep", lambda row: "length" in row and "t_ms" in row,

@@ -51,6 +51,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 CONVERSATIONS_FILE = "conversations.jsonl"
 ACCOUNT_FILE = "account.json"
 MANIFEST_FILE = "manifest.json"
+REPORT_FILE = "report.json"  # the account as the results pages read it (experiments.results)
 # What a training run may change without changing the answers: where they go, how many are
 # answered at once (padding aside), how many ranks share the work.
 NOT_IN_KEY = ("out_dir", "batch_size")
@@ -279,8 +280,13 @@ def write_results(folder: Path, records: Sequence[Record], target: Target, regen
         for o in outcomes if o.status == "done"))
     account = make_account(outcomes, this_run)
     write_json(folder / ACCOUNT_FILE, account)
-    write_json(folder / MANIFEST_FILE, {"target": target.fingerprint(), "regen": asdict(regen),
-                                        "account": ACCOUNT_FILE, "file": CONVERSATIONS_FILE})
+    settings = {"target": target.fingerprint(), "regen": asdict(regen)}
+    write_json(folder / MANIFEST_FILE, {**settings, "account": ACCOUNT_FILE,
+                                        "file": CONVERSATIONS_FILE})
+    from experiments.common import environment  # the machine the tokens/s were measured on
+
+    write_json(folder / REPORT_FILE, {"config": settings, "environment": environment(),
+                                      "rows": [account]})
     return account
 
 
@@ -304,12 +310,31 @@ def make_account(outcomes: Sequence[Outcome], this_run: dict) -> dict:
     return account
 
 
+def format_table(rows: list[dict]) -> str:
+    """Markdown: saved regeneration accounts (report.json's rows), as the results pages show."""
+    from experiments.table import markdown_table
+
+    header = ["input", "done", "skipped", "failed", "answers", "tokens", "cut answers",
+              "dropped turns", "ranks", "seconds", "tokens/s"]
+    table = [[a["input"], a["done"], f"{a['skipped']} ({_reasons(a['skipped_by_reason'])})",
+              f"{a['failed']} ({_reasons(a['failed_by_reason'])})", a["answers"],
+              f"{a['tokens']:,}", a["cut_answers"], a["dropped_turns"], a["this_run"]["ranks"],
+              a["this_run"]["seconds"], a["this_run"]["tokens_per_s"]] for a in rows]
+    return markdown_table(header, table) + (
+        "\n\ninput = done + skipped + failed. cut answers: stopped at regen.max_new_tokens; "
+        "dropped turns: not asked, the conversation had reached regen.max_context_tokens. "
+        "seconds and tokens/s: the last invocation (a resumed run counts what it did).")
+
+
+def _reasons(counts: dict) -> str:
+    return ", ".join(f"{n} {why}" for why, n in counts.items()) or "none"
+
+
 def format_account(account: dict) -> str:
     run = account["this_run"]
-    reasons = lambda counts: ", ".join(f"{n} {why}" for why, n in counts.items()) or "none"  # noqa: E731
     return (f"input {account['input']} = done {account['done']} + skipped {account['skipped']} "
-            f"({reasons(account['skipped_by_reason'])}) + failed {account['failed']} "
-            f"({reasons(account['failed_by_reason'])})\n"
+            f"({_reasons(account['skipped_by_reason'])}) + failed {account['failed']} "
+            f"({_reasons(account['failed_by_reason'])})\n"
             f"{account['answers']} answers, {account['tokens']:,} tokens "
             f"({account['cut_answers']} cut at max_new_tokens, {account['dropped_turns']} turns "
             f"dropped at max_context_tokens)\n"

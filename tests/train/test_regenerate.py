@@ -12,12 +12,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import train.regenerate as regenerate_module
+from experiments.results import kind_of
 from train.conversations import read_records
 from train.distributed import DistEnv
 from train.regenerate import (
     CONF_DIR,
     RegenConfig,
     conversation_file,
+    format_table,
     read_outcomes,
     regenerate,
 )
@@ -101,6 +103,10 @@ def test_the_account_sums_to_the_input_with_reasons(tmp_path):
     assert 0 < account["dropped_turns"] < 12  # the long one was cut, not dropped
     grown = next(c for c in written(tmp_path) if c["id"] == "grows")["conversations"]
     assert grown[-1]["role"] == "assistant" and len(grown) == 2 * (12 - account["dropped_turns"])
+    report = json.loads((tmp_path / "report.json").read_text())  # what the results pages read
+    assert report["rows"] == [account] and report["environment"]["cpu_count"]
+    assert kind_of(report, tmp_path).formatter == "train.regenerate:format_table"
+    assert "| 4 | 2 | 2 (1 too long, 1 empty) | 0 (none) |" in format_table(report["rows"])
 
 
 def test_a_killed_run_resumes_where_it_stopped(tmp_path, monkeypatch):
