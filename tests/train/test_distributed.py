@@ -7,11 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Slow: tests/train/test_sharding.py runs two-rank ddp and fsdp jobs end to end in CI (rank 0
+# saving and evaluating); this Medusa run adds the distilled data shared across ranks.
+@pytest.mark.slow
 def test_two_process_ddp_run_on_cpu(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                "--master_port=29517", "train.py", "experiment=smoke",
