@@ -318,12 +318,22 @@ def format_table(rows: list[dict]) -> str:
               "dropped turns", "ranks", "seconds", "tokens/s"]
     table = [[a["input"], a["done"], f"{a['skipped']} ({_reasons(a['skipped_by_reason'])})",
               f"{a['failed']} ({_reasons(a['failed_by_reason'])})", a["answers"],
-              f"{a['tokens']:,}", a["cut_answers"], a["dropped_turns"], a["this_run"]["ranks"],
-              a["this_run"]["seconds"], a["this_run"]["tokens_per_s"]] for a in rows]
+              f"{a['tokens']:,}", a["cut_answers"], a["dropped_turns"], *_last_run(a)]
+             for a in rows]
     return markdown_table(header, table) + (
         "\n\ninput = done + skipped + failed. cut answers: stopped at regen.max_new_tokens; "
         "dropped turns: not asked, the conversation had reached regen.max_context_tokens. "
-        "seconds and tokens/s: the last invocation (a resumed run counts what it did).")
+        "ranks, seconds and tokens/s: the last invocation, \"-\" when it only gathered what "
+        "earlier ones had finished (a resumed run counts what it did).")
+
+
+def _last_run(account: dict) -> list:
+    from experiments.table import cell
+
+    run = account["this_run"]
+    if not run["conversations"]:
+        return [cell(None)] * 3
+    return [run["ranks"], run["seconds"], run["tokens_per_s"]]
 
 
 def _reasons(counts: dict) -> str:
