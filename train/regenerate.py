@@ -40,7 +40,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from train.conversations import Record, chat_messages, read_records
-from train.distributed import DistEnv, close_distributed, init_distributed
+from train.distributed import DistEnv, all_reduce_sum, close_distributed, init_distributed
 from train.schema import TargetConfig
 from verify.files import remove_orphans, write_json, write_text
 from verify.fingerprint import describe_difference, identity
@@ -116,10 +116,12 @@ def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, fo
             if i % env.world_size == env.rank and record[0] not in log.finished]
     started = time.perf_counter()
     tokens = _answer_all(target, mine, regen, log, env)
-    env.barrier()  # every rank's log is complete
+    # every rank's count (the sum also waits for every rank's log to be complete)
+    done = all_reduce_sum(torch.tensor([len(mine), tokens]), env).tolist()
+    env.barrier()
     if not env.is_main:
         return {}
-    this_run = {"conversations": len(mine), "tokens": tokens,
+    this_run = {"conversations": done[0], "tokens": done[1],
                 "seconds": round(time.perf_counter() - started, 1), "ranks": env.world_size}
     return write_results(folder, records, target, regen, this_run)
 
