@@ -72,7 +72,7 @@ class RegenConfig:
     # it. Training cuts conversations at data.max_sequence_tokens (512) anyway.
     max_context_tokens: int = 512
     batch_size: int = 16  # conversations answered together, turn by turn
-    seed: int = 0  # sampling is seeded per batch from this and the batch's first id
+    seed: int = 0  # sampling is seeded per round from this and its first conversation's id
     out_dir: str | None = None  # null: <treedraft cache>/regenerated/<target>/<key>
 
 
@@ -164,9 +164,9 @@ def regenerate_pool(target: Target, records: Sequence[Record], regen: RegenConfi
 def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen: RegenConfig
                   ) -> int:
     """One batched decode: each job's prompt (P_i,) answered, the answer handed to the job;
-    the tokens generated.
-    Sampling is seeded by regen.seed and the first job's id and round, so a resumed run draws
-    what it would have."""
+    the tokens generated. Sampling is seeded by regen.seed and the first job's id and turn:
+    the same command draws the same answers again (a resumed one, whose rounds group other
+    conversations, draws others; greedy answers do not depend on it)."""
     first = asking[0][0]
     generator = torch.Generator().manual_seed(
         regen.seed * 1_000_003 + zlib.crc32(f"{first.id}/{first.next}".encode()))
