@@ -191,13 +191,12 @@ def write_manifest(folder: Path, target: Target, layers: tuple[int, ...],
                    seconds: float, ranks: int) -> None:
     """manifest.json: what the cache holds and, for the shards this run extracted, how fast
     (tokens over the wall time until every rank was done)."""
-    tokens = sum(len(ids) for batch in shards.values() for ids, _ in batch)
-    new_tokens = sum(len(ids) for batch in extracted.values() for ids, _ in batch)
+    tokens, new_tokens = token_count(shards.values()), token_count(extracted.values())
     write_json(folder / MANIFEST_FILE, {
         "target": target.fingerprint(), "layers": list(layers), "shards": len(shards),
         "sequences": sum(len(batch) for batch in shards.values()), "tokens": tokens,
         "bytes": feature_bytes(target, layers, shards.values()),
-        "bytes_per_token": len(layers) * target.model.config.hidden_size * FEATURE_BYTES,
+        "bytes_per_token": bytes_per_token(target, layers),
         "extracted": {"tokens": new_tokens, "seconds": round(seconds, 2), "ranks": ranks,
                       "tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)}})
 
@@ -209,8 +208,16 @@ class DiskSpaceError(OSError):
 def feature_bytes(target: Target, layers: tuple[int, ...],
                   batches: Iterable[list[TokenSequence]]) -> int:
     """Bytes of float16 features over the sequences of `batches`: tokens x layers x hidden x 2."""
-    tokens = sum(len(ids) for batch in batches for ids, _ in batch)
-    return tokens * len(layers) * target.model.config.hidden_size * FEATURE_BYTES
+    return token_count(batches) * bytes_per_token(target, layers)
+
+
+def bytes_per_token(target: Target, layers: tuple[int, ...]) -> int:
+    return len(layers) * target.model.config.hidden_size * FEATURE_BYTES
+
+
+def token_count(batches: Iterable[list[TokenSequence]]) -> int:
+    """Tokens over the sequences of `batches`."""
+    return sum(len(ids) for batch in batches for ids, _ in batch)
 
 
 def check_disk_space(target: Target, layers: tuple[int, ...],
@@ -219,7 +226,7 @@ def check_disk_space(target: Target, layers: tuple[int, ...],
     writing any when the disk holding `folder` has less free."""
     needed = feature_bytes(target, layers, missing.values())
     free = shutil.disk_usage(folder).free
-    tokens = sum(len(ids) for batch in missing.values() for ids, _ in batch)
+    tokens = token_count(missing.values())
     if report:
         print(f"features: {tokens:,} tokens x {len(layers)} layers x "
               f"{target.model.config.hidden_size} x {FEATURE_BYTES} bytes -> "
@@ -235,7 +242,7 @@ def _extract(target: Target, layers: tuple[int, ...], todo: dict[int, list[Token
              folder: Path, env: DistEnv) -> None:
     """Shard b of `folder` for every batch b in `todo`, with a progress bar in tokens (this
     rank's share)."""
-    tokens = sum(len(ids) for batch in todo.values() for ids, _ in batch)
+    tokens = token_count(todo.values())
     if env.world_size > 1:
         print(f"features: rank {env.rank} extracts {len(todo)} shard(s), {tokens:,} tokens")
     with tqdm(total=tokens, unit="tok", desc="extracting features",
@@ -244,7 +251,7 @@ def _extract(target: Target, layers: tuple[int, ...], todo: dict[int, list[Token
             states = prefill_features(target.model, [ids for ids, _ in batch], layers)
             _write_shard(shard_path(folder, b), [SequenceFeatures(ids, mask, f)
                                                   for (ids, mask), f in zip(batch, states)])
-            bar.update(sum(len(ids) for ids, _ in batch))
+            bar.update(token_count([batch]))
 
 
 @torch.no_grad()
