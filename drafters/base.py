@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from verify.accept import Acceptance
-from verify.files import write_atomically
+from verify.files import read_json, write_atomically
 from verify.fingerprint import describe_difference, identity
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams, warp
@@ -56,7 +56,7 @@ def read_config(folder: str | Path, file: str = CONFIG_FILE) -> dict:
     path = Path(folder) / file
     if not path.is_file():
         raise FileNotFoundError(f"no trained drafter in {folder} ({file} missing)")
-    return json.loads(path.read_text())
+    return read_json(path, "trained drafter config")
 
 
 def target_record(target: Target, hidden_size: int, vocab_size: int) -> dict:

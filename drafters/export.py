@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from drafters.base import check_target, target_record
 from drafters.eagle import EagleDraft
 from drafters.medusa import MedusaHeads
-from verify.files import check_tensors, load_tensors, write_atomically
+from verify.files import check_tensors, load_tensors, read_json, write_atomically
 from verify.target import Target
 
 VLLM_WEIGHTS = "model.safetensors"
@@ -94,7 +94,7 @@ def load_vllm_medusa(folder: str | Path, target: Target, allow_other_target: boo
     format, another target (by its fingerprint where the folder was exported here, else by
     sizes) or weights that are not exactly the heads' (missing, unexpected, misshapen)."""
     folder = Path(folder)
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json", "vLLM Medusa config")
     if config.get("model_type") != "medusa":
         raise ValueError(f"{folder} is not a vLLM Medusa folder (model_type "
                          f"{config.get('model_type')!r})")
@@ -197,7 +197,7 @@ def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_targ
     shares); ValueError for another format, a draft of another target (fingerprint where
     exported here, else sizes and embedding) or tensors that are not exactly the draft's."""
     folder = Path(folder)
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json", "speculators config")
     if config.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{folder} is not a speculators eagle3 folder "
                          f"(speculators_model_type {config.get('speculators_model_type')!r})")
@@ -259,9 +259,3 @@ def _own_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Compact CPU copies: safetensors refuses views and tensors sharing memory (a shared LM
     head written once per head, the target's embedding-tied head)."""
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"no {path.name} in {path.parent}")
-    return json.loads(path.read_text())

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from drafters.adaptive import cut_to_cost
 from drafters.base import StatelessDrafter, typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix_trie import SuffixTrie
-from verify.files import read_jsonl, write_json
+from verify.files import read_json, read_jsonl, write_json
 from verify.protocol import DraftContext
 from verify.target import Target
 from verify.tree import TokenTree, TreeError
@@ -96,13 +95,33 @@ class SuffixMemory:
         write_json(Path(path), {"vocab_size": vocab_size, "documents": self.documents})
 
     def load(self, path: str | Path, vocab_size: int) -> None:
-        """Add the documents of a `save`d file; refuse one made for another vocabulary."""
-        data = json.loads(Path(path).read_text())
+        """Add the documents of a `save`d file; refuse one made for another vocabulary, or
+        whose documents are not lists of this vocabulary's token ids (an id past it would be
+        proposed and crash the target's embedding lookup)."""
+        data = read_json(path, "suffix memory")
         if data.get("vocab_size") != vocab_size:
             raise ValueError(f"{path} indexes a vocabulary of {data.get('vocab_size')} tokens, "
                              f"this target has {vocab_size}: it was saved for another tokenizer")
-        for document in data["documents"]:
+        for document in _checked_documents(data.get("documents"), vocab_size, path):
             self.add(document)
+
+
+def _checked_documents(documents: object, vocab_size: int, source: str | Path
+                      ) -> list[list[int]]:
+    """`documents` when it is a list of lists of token ids in [0, vocab_size); ValueError
+    naming `source`, the document and the first id that is not."""
+    if not isinstance(documents, list):
+        raise ValueError(f'{source}: "documents" must be a list of token-id lists, got '
+                         f"{type(documents).__name__} {documents!r:.40}")
+    for number, document in enumerate(documents):
+        if not isinstance(document, list):
+            raise ValueError(f"{source}: document {number} is not a list of token ids: "
+                             f"{document!r:.40}")
+        bad = [t for t in document if type(t) is not int or not 0 <= t < vocab_size]
+        if bad:  # type(t): a JSON true is a Python int too
+            raise ValueError(f"{source}: document {number} holds {bad[0]!r}, not a token id "
+                             f"of this target's vocabulary [0, {vocab_size})")
+    return documents
 
 
 class _Request:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import platform
 import subprocess
@@ -53,21 +52,6 @@ def save_figure(fig, path: Path) -> Path:
     plt.close(fig)
     write_bytes(path, image.getvalue())
     return path
-
-
-def read_json_file(path: str | Path, what: str) -> dict:
-    """The JSON object in file `path`; ValueError naming `what` the file is for when it is
-    missing, not JSON, or not an object."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{what} file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} file {path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} file {path} holds no JSON object")
-    return data
 
 
 def environment() -> dict:

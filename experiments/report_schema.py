@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from experiments.common import read_json_file
+from verify.files import read_json
 
 
 def _known_fields(cls: type, data: Mapping, what: str) -> dict:
@@ -202,7 +202,7 @@ class BenchReport:
     @staticmethod
     def read(path: str | Path) -> BenchReport:
         """The report in file `path`; ValueError naming the file when it is not one."""
-        return BenchReport.from_json(read_json_file(path, "benchmark"), str(path))
+        return BenchReport.from_json(read_json(path, "benchmark"), str(path))
 
     def to_json(self) -> dict:
         report = _json_fields(self)

@@ -39,10 +39,10 @@ from urllib.parse import quote
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import CONF_DIR, read_json_file
+from experiments.common import CONF_DIR
 from experiments.report_schema import BenchReport, BenchSummary
 from experiments.table import cell, markdown_row
-from verify.files import write_text
+from verify.files import read_json, write_text
 
 DIRECTIVE = re.compile(r"^<!--\s*(table|plot|rows):\s*(.+?)\s*-->\s*$")
 BLOCK = re.compile(r"(<!-- results: begin[^\n]*-->\n).*?(<!-- results: end -->)", re.DOTALL)
@@ -127,7 +127,7 @@ def find_one(reports: Path, pattern: str, source: Path) -> Path:
 
 def render_table(path: Path, link: str) -> str:
     """The JSON's tables, with a line naming the command that wrote it and linking the file."""
-    report = read_json_file(path, "a saved report")
+    report = read_json(path, "a saved report")
     kind = kind_of(report, path)
     return f"{kind.render(report)}\n\n_From [{path.name}]({link}), written by `{kind.command}`._"
 

@@ -31,11 +31,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import read_json_file, save_figure, write_report
+from experiments.common import save_figure, write_report
 from experiments.report_schema import BenchReport, BenchSummary, summary_type
 from experiments.stats import leviathan_expected_tokens
 from experiments.table import markdown_table
 from verify.costs import load_costs
+from verify.files import read_json
 
 CHAIN_METHOD = re.compile(r"/chain(\d+)\b")
 
@@ -64,7 +65,7 @@ def constant_cost(t1: float, gammas: Sequence[int]) -> dict[int, float]:
 
 def load_bench(path: str | Path) -> BenchSummary:
     """The first summary of an experiments.bench JSON: baseline and per-method figures."""
-    data = read_json_file(path, "bench")
+    data = read_json(path, "bench")
     rows = data.get("rows")
     if not isinstance(rows, list) or not rows or summary_type(rows[0]) is not BenchSummary:
         raise ValueError(f"{path} is not an experiments.bench JSON (rows[0].methods)")

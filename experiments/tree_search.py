@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.dynamic_tree import DynamicTree
-from experiments.common import read_json_file, save_figure, single_thread, write_report
+from experiments.common import save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from experiments.tree_search_dynamic import (
     budget_rows,
@@ -50,6 +50,7 @@ from experiments.tree_search_dynamic import (
     write_dynamic_tree_config,
 )
 from verify.costs import measure_verify_cost
+from verify.files import read_json
 from verify.target import load_target_from_config
 from verify.tree import TreeTopology
 from verify.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
@@ -61,7 +62,7 @@ def load_accuracies(path: str | Path | None) -> list[list[float]]:
     if path is None:
         raise ValueError('set accuracies=<path to a JSON file with {"rank_accuracy": '
                          '[[p(rank 0 at depth 0), p(rank 1 at depth 0), ...], ...]}>')
-    data = read_json_file(path, "accuracies")
+    data = read_json(path, "accuracies")
     # train.py's eval.json keeps the table under "accuracy"; a hand-made file at the top
     nested = data.get("accuracy") if isinstance(data.get("accuracy"), dict) else {}
     table = data.get("rank_accuracy", nested.get("rank_accuracy"))

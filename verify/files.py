@@ -5,7 +5,8 @@ folder, never half of one (interrupted training runs and extractions resume from
 temporary name carries its writer's pid (`.<name>.tmp-<pid>-<random>`), so the next start
 removes what a killed writer left (`remove_orphans`); files and folders get the process's
 umask, as a plain `open` would give them, not mkstemp's private 0600/0700. Reading is strict
-too: a malformed JSON line names its file and line, an unreadable safetensors file its path,
+too: a JSON file that is truncated, not UTF-8 or not an object names its file and the problem
+(`read_json`), a malformed JSON line its file and line, an unreadable safetensors file its path,
 and a set of tensors that is not the expected one names the tensors (`check_tensors`).
 """
 
@@ -40,19 +41,46 @@ def default_data_root() -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file (blank lines skipped); ValueError naming the file and
-    the line (counted from 1, blank lines included) of a row that is not JSON."""
+    """The rows of a JSON-lines file (blank lines skipped); UnreadableFileError naming the
+    file and the line (counted from 1, blank lines included) of a row that is not JSON, or
+    not UTF-8 text."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UnreadableFileError(f"{path}, line {number}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({error.msg}, "
-                                 f"column {error.colno})") from None
+                raise UnreadableFileError(f"{path}, line {number}: not valid JSON "
+                                          f"({error.msg}, column {error.colno})") from None
     return rows
+
+
+def read_json(path: str | Path, what: str) -> dict:
+    """The JSON object in file `path`, which holds `what` ("suffix memory", "export config");
+    UnreadableFileError naming the file and what is wrong when it is missing, not UTF-8 text,
+    not JSON (a truncated file among them) or not an object. The one reader of the project's
+    JSON files: Python's own decode errors name no file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UnreadableFileError(f"{what} file {path} does not exist")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise UnreadableFileError(f"{what} file {path} is not UTF-8 text (byte "
+                                  f"{error.start}): corrupt, or not a JSON file") from None
+    except json.JSONDecodeError as error:
+        raise UnreadableFileError(f"{what} file {path} is not valid JSON ({error.msg}, line "
+                                  f"{error.lineno} column {error.colno}): truncated?") from None
+    if not isinstance(data, dict):
+        raise UnreadableFileError(f"{what} file {path} holds a JSON {type(data).__name__}, "
+                                  "not an object")
+    return data
 
 
 def write_json(path: Path, payload: dict) -> None:

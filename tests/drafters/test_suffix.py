@@ -11,6 +11,7 @@ from drafters.adaptive import StepCost
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import SuffixConfig, SuffixDrafter, SuffixMemory, warm_texts
 from drafters.suffix_trie import ROOT, SuffixTrie
+from verify.files import UnreadableFileError
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 
@@ -158,6 +159,28 @@ def test_memory_saves_and_loads_and_refuses_another_vocabulary(tmp_path):
     assert loaded.trie.counts == memory.trie.counts
     with pytest.raises(ValueError, match="vocabulary of 100 tokens, this target has 50"):
         SuffixMemory(6).load(tmp_path / "memory.json", vocab_size=50)
+
+
+@pytest.mark.parametrize("content", [b'{"vocab_size": 100, "documents": [[1, 2',
+                                     b"\x8f\xff\x00\x9c"])
+def test_an_unreadable_memory_or_warm_file_is_named(tmp_path, content):
+    for name in ("memory.json", "answers.jsonl"):
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(UnreadableFileError, match=r"suffix memory file .*memory\.json"):
+        SuffixMemory(6).load(tmp_path / "memory.json", vocab_size=100)
+    with pytest.raises(UnreadableFileError, match=r"answers\.jsonl, line 1"):
+        warm_texts(tmp_path / "answers.jsonl")
+
+
+@pytest.mark.parametrize("documents, refused", [
+    ([[1, 2], [1000, 2000, -3]], "document 1 holds 1000"), ([[5, -3]], "holds -3"),
+    ([[1, True]], "holds True"), ([[1, "a"]], "holds 'a'"), ("abc", "must be a list"),
+    ([7], "document 0 is not a list"), (None, "must be a list")])
+def test_memory_token_ids_outside_the_vocabulary_are_refused(tmp_path, documents, refused):
+    path = tmp_path / "memory.json"
+    path.write_text(json.dumps({"vocab_size": 256, "documents": documents}))
+    with pytest.raises(ValueError, match=rf"memory\.json: .*{refused}"):
+        SuffixMemory(6).load(path, vocab_size=256)
 
 
 def test_warm_texts_reads_a_jsonl_and_names_a_bad_row(tmp_path):

@@ -14,6 +14,7 @@ from verify.files import (
     UnreadableFileError,
     check_tensors,
     load_tensors,
+    read_json,
     read_jsonl,
     readable_folder,
     remove_orphans,
@@ -80,6 +81,30 @@ def test_a_malformed_json_line_names_the_file_and_its_line(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": \n')
     with pytest.raises(ValueError, match=r"q\.jsonl, line 4: not valid JSON"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"a": [1, 2', "not valid JSON"), (b"\x8f\xff\x00", "not UTF-8 text"),
+    (b"[1, 2]", "holds a JSON list, not an object"), (None, "does not exist")])
+def test_a_json_file_that_cannot_be_read_names_itself_and_the_problem(tmp_path, content,
+                                                                    problem):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(UnreadableFileError, match=rf"export config file .*config\.json.*{problem}"):
+        read_json(path, "export config")
+
+
+def test_read_json_returns_the_object(tmp_path):
+    write_json(tmp_path / "a.json", {"rows": [1]})
+    assert read_json(tmp_path / "a.json", "report") == {"rows": [1]}
+
+
+def test_a_jsonl_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b'{"a": 1}\n\xff\xfe\n')
+    with pytest.raises(UnreadableFileError, match=r"q\.jsonl, line 2: not UTF-8"):
         read_jsonl(path)
 
 
