@@ -18,7 +18,6 @@ The figures are the runs' own: nothing is re-measured here.
 from __future__ import annotations
 
 import glob
-import json
 from pathlib import Path
 
 import hydra
@@ -27,6 +26,7 @@ from omegaconf import DictConfig
 
 from experiments.common import save_figure, write_report
 from experiments.table import markdown_table
+from verify.files import read_json
 
 
 def find_runs(folders: list[str]) -> list[dict]:
@@ -40,7 +40,7 @@ def find_runs(folders: list[str]) -> list[dict]:
             raise FileNotFoundError(f"runs: no folder {pattern}")
         for found in map(Path, matches):
             paths = [found] if _is_eval(found) else sorted(found.rglob("eval.json"))
-            runs += [json.loads(path.read_text()) | {"eval": str(path)} for path in paths]
+            runs += [read_json(path, "training results") | {"eval": str(path)} for path in paths]
     return runs
 
 

@@ -12,7 +12,6 @@ block). Two ranks on two cores run one thread each; one rank runs torch's defaul
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from omegaconf import DictConfig
 
 from experiments.common import CONF_DIR, write_report
 from experiments.table import markdown_table
+from verify.files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("regenerate", "features", "training")
@@ -59,7 +59,7 @@ def regeneration_row(cfg: DictConfig, ranks: int, scratch: Path) -> dict:
         f"regen.conversations={regen.conversations}",
         f"regen.max_new_tokens={regen.max_new_tokens}", f"regen.batch_size={regen.batch_size}",
         f"regen.out_dir={folder}", f"hydra.run.dir={folder}/hydra"], scratch)
-    account = json.loads((folder / "account.json").read_text())
+    account = read_json(folder / "account.json", "regeneration account")
     this_run = account["this_run"]
     return {"part": "regenerate", "setting": f"{regen.dtype}, batch {regen.batch_size}",
             "ranks": ranks, "tokens": this_run["tokens"], "seconds": this_run["seconds"],
@@ -82,8 +82,9 @@ def training_run(cfg: DictConfig, drafter: str, ranks: int, online: bool, steps:
         f"save_every={steps}", "eval.num_prompts=1", "eval.max_new_tokens=8",
         f"dist.strategy={strategy}",
         f"out_dir={out}", f"hydra.run.dir={out}/hydra"], scratch)
-    results = json.loads((out / "eval.json").read_text())
-    manifests = [json.loads(p.read_text()) for p in (cache / "features").rglob("manifest.json")]
+    results = read_json(out / "eval.json", "training results")
+    manifests = [read_json(p, "feature manifest")
+                 for p in (cache / "features").rglob("manifest.json")]
     # the training sequences' cache: the larger of the two (the other holds the held-out ones)
     manifest = max(manifests, key=lambda m: m["tokens"]) if manifests and not online else None
     return results, manifest

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from drafters.base import CONFIG_FILE, read_config
 from drafters.medusa import ADAPTER_DIR
 from train.sharding import load_full_optimizer_state, load_full_state_dict
-from verify.files import load_tensors, readable_folder
+from verify.files import load_tensors, read_json, readable_folder
 from verify.fingerprint import describe_difference
 from verify.target import Target
 
@@ -72,7 +72,7 @@ def check_resumable(found: Path, target: Target, hyperparameters: dict, cfg: Dic
         raise ValueError(f"the checkpoint in {found} holds another drafter ({described}): "
                          f"{WAYS_OUT}")
     if (found / RUN_FILE).is_file():
-        run_config = json.loads((found / RUN_FILE).read_text())
+        run_config = read_json(found / RUN_FILE, "checkpoint run config")
         check_same_run(found, run_config, OmegaConf.to_container(cfg, resolve=True))
 
 

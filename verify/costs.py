@@ -6,7 +6,6 @@ Every cost-aware choice reads it: tree_search's offline budget, the per-step ada
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from verify.files import read_json
 from verify.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import TreeVerifier, context_window
@@ -64,12 +64,7 @@ def time_step(verifier: TreeVerifier, tree: TokenTree) -> float:
 
 def load_costs(path: str | Path) -> dict[int, float]:
     """{n: seconds} from an experiments.tree_search JSON (rows with n and t_s)."""
-    if not Path(path).is_file():
-        raise ValueError(f"costs file {path} does not exist")
-    try:
-        rows = json.loads(Path(path).read_text()).get("rows")
-    except (OSError, ValueError, AttributeError) as error:
-        raise ValueError(f"costs file {path} is not a readable JSON object: {error}") from error
+    rows = read_json(path, "costs").get("rows")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and {"n", "t_s"} <= set(r)
                                              for r in rows):
         raise ValueError(f"{path} holds no experiments.tree_search rows (n, t_s)")

@@ -8,13 +8,13 @@ its command, never as a number typed by hand. `render` turns a `Paper` into mark
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.report_schema import BenchReport, BenchSummary
 from experiments.table import markdown_table
+from verify.files import read_json
 
 HELD, PARTLY = "held", "held in direction, not in size"
 NOT_HELD, NOT_RUN = "did not hold", "not run"
@@ -95,7 +95,7 @@ def read_report(reports: Path, pattern: str, how: str) -> dict:
         raise MissingReport(f"No saved JSON matches `{pattern}` in the reports folder; {how}.")
     if len(found) > 1:
         raise ValueError(f"{len(found)} reports match {pattern}: {[str(p) for p in found]}")
-    return json.loads(found[0].read_text())
+    return read_json(found[0], "saved report")
 
 
 def bench_methods(report: dict) -> dict[str, dict]:

@@ -17,6 +17,7 @@ from drafters.export import (
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.export import eagle_logit_gap, export, medusa_logit_gap
 from verify.features import eagle3_layers
+from verify.files import UnreadableFileError
 
 
 def randomize(module, seed=0):
@@ -166,6 +167,18 @@ def test_exports_with_missing_or_misshapen_weights_are_refused_by_name(tiny, tmp
     drop_and_reshape(tmp_path / "s" / "model.safetensors", "layers.0.mlp.up_proj.weight")
     with pytest.raises(ValueError, match=r"missing: layers\.0\.mlp\.up_proj\.weight"):
         load_speculators_eagle3(tmp_path / "s", target)
+
+
+def test_a_truncated_export_config_is_named(tiny, tmp_path):
+    target = tiny("llama")
+    export_vllm_medusa(MedusaHeads(target.model.get_output_embeddings(), 2, 1), tmp_path / "m",
+                       target)
+    export_speculators_eagle3(eagle3_draft(target), tmp_path / "s", target)
+    for folder, load in (("m", load_vllm_medusa), ("s", load_speculators_eagle3)):
+        config = tmp_path / folder / "config.json"
+        config.write_text(config.read_text()[:40])
+        with pytest.raises(UnreadableFileError, match=rf"{folder}/config\.json is not valid JSON"):
+            load(tmp_path / folder, target)
 
 
 def test_what_a_format_cannot_hold_is_refused(tiny, tmp_path):

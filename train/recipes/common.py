@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from train.distributed import DistEnv
 from train.logger import Logger, build_logger
 from train.loop import train_steps
 from train.sharding import full_optimizer_state, full_state_dict, unshard_for_one_rank, wrap
-from verify.files import write_json
+from verify.files import read_json, write_json
 from verify.protocol import Drafter
 from verify.target import Target, load_target_from_config
 
@@ -136,7 +135,7 @@ def write_eval(cfg: DictConfig, results: dict) -> dict:
     results = {**results, "checkpoint": str(checkpoint_dir(cfg)), "eval": str(path)}
     speed = Path(cfg.out_dir) / SPEED_FILE
     if speed.is_file():
-        results["training"] = json.loads(speed.read_text())
+        results["training"] = read_json(speed, "training speed")
     write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True), **results})
     return results
 
