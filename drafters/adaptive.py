@@ -74,7 +74,7 @@ def measured_cost(tree_cfg: Mapping, model: PreTrainedModel) -> Mapping:
     (sizes MEASURED_SIZES after a 256-token context, or the window's end); as it was otherwise.
     Measuring takes a few seconds, once per drafter built."""
     cost = tree_cfg.get("cost") or {}
-    if not cost.get("measure"):
+    if not cost or not _measures(cost):
         return tree_cfg
     seconds = measure_verify_cost(model, MEASURED_SIZES, context_len=_context(model), repeats=3)
     t_ms = {n: s * 1e3 for n, s in seconds.items()}
@@ -91,19 +91,62 @@ def _context(model: PreTrainedModel) -> int:
 def step_cost(cfg: Mapping | None) -> StepCost | None:
     """A StepCost from a tree config's `cost` mapping: `t_ms` ({n: ms}) or `file` (a saved
     tree_search JSON), and `draft_ms`; None when the config has no cost (`measure`
-    is resolved first by `measured_cost`)."""
+    is resolved first by `measured_cost`). ValueError naming the key of a malformed value."""
     if not cfg:
         return None
-    draft_ms = float(cfg.get("draft_ms", 0.0) or 0.0)
-    if cfg.get("t_ms"):
-        return StepCost({int(n): float(t) for n, t in dict(cfg["t_ms"]).items()}, draft_ms)
-    if cfg.get("file"):
-        return StepCost.from_file(cfg["file"], draft_ms)
-    if cfg.get("measure"):
-        raise ValueError("cost.measure needs the target to time: resolve it with "
+    draft_ms = _milliseconds(cfg.get("draft_ms") or 0.0, "tree.cost.draft_ms", zero_allowed=True)
+    if _measures(cfg):
+        raise ValueError("tree.cost.measure needs the target to time: resolve it with "
                          "measured_cost(tree_cfg, model) first (drafters.build_drafter does)")
+    if cfg.get("t_ms") is not None:
+        return StepCost(_t_ms_table(cfg["t_ms"]), draft_ms)
+    if cfg.get("file") is not None:
+        return StepCost.from_file(cfg["file"], draft_ms)
     raise ValueError(f"tree cost {dict(cfg)} needs t_ms ({{n: ms}}), file (a tree_search "
                      "JSON of this machine) or measure: true")
+
+
+# Where a cost can come from besides measuring it.
+GIVEN_COSTS = ("t_ms", "file")
+
+
+def _measures(cost: Mapping) -> bool:
+    """Whether `cost` asks to time the target: `measure: true`, or `measure` unset (null)
+    with neither t_ms nor file given. ValueError naming the keys that conflict: a measurement
+    would replace a given cost, and two given costs cannot both be used."""
+    measure = cost.get("measure")
+    if measure is not None and not isinstance(measure, bool):
+        raise ValueError(f"tree.cost.measure must be true, false or null, got {measure!r}")
+    given = [key for key in GIVEN_COSTS if cost.get(key) is not None]
+    if len(given) > 1:
+        raise ValueError("tree.cost.t_ms and tree.cost.file are both given: keep one")
+    if measure and given:
+        raise ValueError(f"tree.cost.measure=true would replace the given tree.cost.{given[0]}: "
+                         f"drop one of them (measure: null uses a given cost, else measures)")
+    return measure is True or (measure is None and not given)
+
+
+def _t_ms_table(t_ms: object) -> dict[int, float]:
+    """{n: ms} from a config's `t_ms`; ValueError naming the entry that is not a token count
+    n >= 1 mapped to a positive number of milliseconds."""
+    if not isinstance(t_ms, Mapping):
+        raise ValueError(f"tree.cost.t_ms must map token counts to milliseconds, e.g. "
+                         f"{{1: 10, 8: 12}}; got {type(t_ms).__name__} {t_ms!r}")
+    table = {}
+    for n, t in t_ms.items():
+        if isinstance(n, bool) or not str(n).isdigit() or int(n) < 1:
+            raise ValueError(f"tree.cost.t_ms: key {n!r} is not a token count n >= 1")
+        table[int(n)] = _milliseconds(t, f"tree.cost.t_ms[{n}]")
+    return table
+
+
+def _milliseconds(value: object, key: str, zero_allowed: bool = False) -> float:
+    """`value` as milliseconds: a number above 0 (or 0 itself, where `zero_allowed`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} must be a number of milliseconds, got {value!r}")
+    if value < 0 or (value == 0 and not zero_allowed):
+        raise ValueError(f"{key} must be {'>= 0' if zero_allowed else '> 0'} ms, got {value}")
+    return float(value)
 
 
 def best_size(scores: Sequence[float], cost: StepCost, draft_forwards: int = 0) -> int:

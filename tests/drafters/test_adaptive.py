@@ -5,9 +5,11 @@ import json
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 from drafters.adaptive import StepCost, best_size, cut_to_cost, measured_cost, step_cost
 from drafters.dynamic_tree import DynamicTree
+from experiments.common import CONF_DIR
 from verify.tree import TokenTree, TreeBuilder, TreeError
 
 
@@ -52,9 +54,47 @@ def test_costs_from_a_config_a_file_or_none(tmp_path):
     path.write_text(json.dumps({"rows": [{"n": 1, "t_s": 0.05}, {"n": 4, "t_s": 0.08}]}))
     assert step_cost({"file": str(path)}).t(4) == pytest.approx(80.0)
     with pytest.raises(ValueError, match="needs t_ms"):
-        step_cost({"draft_ms": 1.0})
+        step_cost({"draft_ms": 1.0, "measure": False})
     with pytest.raises(ValueError, match="t\\(1\\) among them"):
         StepCost({2: 10.0})
+
+
+def adaptive_tree(*overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("bench", ["drafter=suffix", "tree=adaptive", *overrides]).tree
+
+
+def test_a_given_cost_is_used_and_measure_true_beside_it_is_refused(tmp_path):
+    not_a_model = object()  # measuring would fail on it: nothing may be measured here
+    given = measured_cost(adaptive_tree("tree.cost.t_ms={1:10,8:12}"), not_a_model)
+    assert step_cost(given.cost).t(8) == 12
+    with pytest.raises(ValueError, match="costs file /nonexistent.json does not exist"):
+        step_cost(measured_cost(adaptive_tree("tree.cost.file=/nonexistent.json"),
+                                not_a_model).cost)
+    with pytest.raises(ValueError, match="measure=true would replace the given tree.cost.t_ms"):
+        measured_cost(adaptive_tree("tree.cost.measure=true", "tree.cost.t_ms={1:10}"),
+                      not_a_model)
+    with pytest.raises(ValueError, match="t_ms and tree.cost.file are both given"):
+        measured_cost(adaptive_tree("tree.cost.t_ms={1:10}", "tree.cost.file=x.json"),
+                      not_a_model)
+    with pytest.raises(ValueError, match="tree.cost.measure must be true, false or null"):
+        measured_cost(adaptive_tree("tree.cost.measure=abc"), not_a_model)
+
+
+@pytest.mark.parametrize("t_ms, refused", [
+    ("abc", r"tree\.cost\.t_ms must map token counts"),
+    ([1.0, -2.0], r"tree\.cost\.t_ms must map token counts"),
+    ({1: -5, 2: "abc"}, r"tree\.cost\.t_ms\[1\] must be > 0 ms, got -5"),
+    ({1: 5, 2: "abc"}, r"tree\.cost\.t_ms\[2\] must be a number of milliseconds, got 'abc'"),
+    ({"x": 5}, r"tree\.cost\.t_ms: key 'x' is not a token count"),
+    ({0: 5}, r"key 0 is not a token count")])
+def test_a_malformed_cost_names_its_key(t_ms, refused):
+    with pytest.raises(ValueError, match=refused):
+        step_cost({"measure": False, "t_ms": t_ms})
+    with pytest.raises(ValueError, match=r"tree\.cost\.draft_ms must be a number"):
+        step_cost({"t_ms": {1: 10}, "draft_ms": "abc"})
+    with pytest.raises(ValueError, match=r"tree\.cost\.draft_ms must be >= 0"):
+        step_cost({"t_ms": {1: 10}, "draft_ms": -1})
 
 
 def test_measure_true_times_the_target_once(tiny):

@@ -85,7 +85,7 @@ def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree, step):
 
 
 # A tiny model's step takes microseconds, whose measured t(n) is noise: a hand-set flat cost.
-HAND_SET_COST = ["tree.cost.measure=false", "+tree.cost.t_ms={1:10,2:10.2,8:10.8,16:11.5}"]
+HAND_SET_COST = ["tree.cost.t_ms={1:10,2:10.2,8:10.8,16:11.5}"]
 T1 = ["distribution.top_p=1.0"]
 TOP_P_BATCHED = ["distribution.top_p=0.9", "distribution.batch_size=8"]
 # suffix decoding, its hybrid with EAGLE (both policies) and cost-sized trees, at T = 1 and
