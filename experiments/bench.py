@@ -270,15 +270,30 @@ def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) ->
 def hf_assistant(cfg: DictConfig, target: Target):
     """The draft Hugging Face's assisted generation runs: a saved model (hf_assistant_path,
     e.g. a distilled draft over the whole vocabulary), else the target's first
-    hf_assistant_num_layers layers."""
+    hf_assistant_num_layers layers (`assistant_layers`)."""
     if cfg.hf_assistant_path is None:
-        return truncated_copy(target.model, cfg.hf_assistant_num_layers)
+        return truncated_copy(target.model, assistant_layers(cfg.hf_assistant_num_layers,
+                                                             target.model.config))
     model, vocab_ids = load_draft_model(cfg.hf_assistant_path, target)
     if vocab_ids is not None:
         raise ValueError(f"{cfg.hf_assistant_path} drafts over a reduced vocabulary, which "
                          "Hugging Face's assisted generation cannot use: distil one with "
                          "drafter.draft_vocab_size=null, or drop hf_assisted from peers")
     return model
+
+
+def assistant_layers(asked: int | None, config) -> int:
+    """Layers of the target the hf_assisted peer keeps: `asked`, or null's a fifth of them
+    (6 of SmolLM2's 30, 1 of a two-layer tiny target); ValueError naming the keys when the
+    target has too few layers for what was asked."""
+    total = config.num_hidden_layers
+    if asked is None:
+        return max(1, total // 5)
+    if not 1 <= asked < total:
+        raise ValueError(f"hf_assistant_num_layers={asked} does not fit a target of {total} "
+                         f"layers (1 to {total - 1}): set it, or null for a fifth of them, "
+                         "or drop hf_assisted from peers")
+    return asked
 
 
 def run_benchmark(cfg: DictConfig) -> dict:

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from drafters.draft_model import DraftModelConfig, save_draft_model
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from experiments.bench import (
+    assistant_layers,
     build_methods,
     contenders,
     hf_assistant,
@@ -194,6 +195,19 @@ def test_drafters_compared_on_a_tiny_target(tmp_path):
     assert "| plain_loop |" in format_tables(summary)
     # greedy: every method wrote Hugging Face greedy's tokens on every prompt
     assert all(m["identical"] == 1.0 for m in methods.values())
+
+
+def test_the_assisted_peer_fits_the_target_or_names_its_key():
+    class Layers:
+        def __init__(self, n):
+            self.num_hidden_layers = n
+
+    assert assistant_layers(None, Layers(30)) == 6 and assistant_layers(None, Layers(2)) == 1
+    assert assistant_layers(3, Layers(30)) == 3
+    with pytest.raises(ValueError, match=r"hf_assistant_num_layers=6 does not fit a target of "
+                                         r"2 layers.*drop hf_assisted from peers"):
+        assistant_layers(6, Layers(2))
+    assert bench_config().hf_assistant_num_layers is None  # the default fits any target
 
 
 def test_end_to_end_on_a_tiny_target():
