@@ -241,6 +241,7 @@ class StatelessDrafter(ABC):
     Such a drafter drafts row by row in `verify.loop.generate_batch`."""
 
     feature_layers: tuple[int, ...] = ()  # reads no target hidden states
+    target_top_k: int = 0  # asks for none of the target's predictions
 
     def begin(self, prompt: torch.Tensor) -> None:
         """Nothing to reset: every proposal reads its own context."""

@@ -37,7 +37,7 @@ from drafters.dynamic_tree import DynamicTree, draft_log_probs
 from drafters.vocab import target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.cache import allocated_bytes, cache_rows_alone, move_entries, new_cache, trim
-from verify.protocol import DraftContext
+from verify.protocol import DraftContext, DraftStats
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 
@@ -221,7 +221,7 @@ class LevelRequest(NamedTuple):
 LevelAnswer = tuple[torch.Tensor | None, torch.Tensor]
 
 
-class EngineDrafter(ABC):
+class EngineDrafter(DraftStats, ABC):
     """A drafter that runs a model over the tree with a DraftEngine (the draft model, EAGLE).
 
     It drafts B sequences together (verify.protocol.BatchDrafter; one sequence is the batch of
@@ -242,6 +242,7 @@ class EngineDrafter(ABC):
     """
 
     feature_layers: tuple[int, ...] = ()  # target hidden states read (EAGLE's features)
+    target_top_k: int = 0  # asks for none of the target's predictions
     max_depth = None  # a model can continue any path
     commits_accepted_path: bool
     vocab_ids: torch.Tensor | None
@@ -273,6 +274,15 @@ class EngineDrafter(ABC):
 
     def update_batch(self, trees: list[TokenTree], acceptances: list[Acceptance]) -> None:
         """Nothing to keep: the next catch-up reads the accepted path."""
+
+    @property
+    def draft_forwards(self) -> int:
+        """Draft forwards this drafter's engine ran (catch-ups and tree levels), a running
+        count; a fork counts its own."""
+        return self.engine.forwards
+
+    def draft_cache_bytes(self) -> int:
+        return self.engine.cache_bytes()
 
     def fork(self) -> EngineDrafter:
         """The same draft and settings (shared, not copied), its own empty cache."""

@@ -33,7 +33,8 @@ from drafters.adaptive import cut_to_cost, ranked_nodes
 from drafters.base import typed_config
 from drafters.dynamic_tree import DynamicTree
 from verify.accept import Acceptance
-from verify.protocol import DraftContext, Drafter
+from verify.predictions import TargetPredictions
+from verify.protocol import DraftContext, Drafter, ProposalCounts, Resettable
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeError
 
@@ -77,7 +78,7 @@ class _Member:
         return _Member(self.name, self.drafter.fork(), self.columns)
 
 
-class HybridDrafter:
+class HybridDrafter(Resettable, ProposalCounts):
     """Combines member drafters by `policy` (see the module docstring)."""
 
     def __init__(self, members: Sequence[tuple[str, Drafter]], tree: DynamicTree | None,
@@ -88,6 +89,8 @@ class HybridDrafter:
             raise ValueError(f"policy must be one of {POLICIES}, got {config.policy!r}")
         self.name, self.config, self.tree = config.name, config, tree
         self.feature_layers = _union(drafter.feature_layers for _, drafter in members)
+        # the verified tree's predictions, as many as the member asking most needs
+        self.target_top_k = max(drafter.target_top_k for _, drafter in members)
         self.members = [_Member(name, drafter, None) for name, drafter in members]
         self.proposed: Counter = Counter()  # member name (or "merged") -> steps, a running count
 
@@ -114,12 +117,15 @@ class HybridDrafter:
         return self._merge(ctx)
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Each member that proposed learns the accepted tokens on its own tree."""
+        """Each member that proposed learns the accepted tokens on its own tree and, if it asks
+        for them, the target's top-k at its own nodes (`_predictions_on`)."""
         for member in self.members:
-            if member.tree is tree:
-                member.drafter.update(tree, acceptance)
-            elif member.tree is not None:
-                member.drafter.update(member.tree, _follow(member.tree, tree, acceptance))
+            if member.tree is None:
+                continue
+            own = acceptance if member.tree is tree else _follow(member.tree, tree, acceptance)
+            predictions = _predictions_on(member.tree, tree, acceptance.predictions,
+                                          member.drafter.target_top_k)
+            member.drafter.update(member.tree, replace(own, predictions=predictions))
 
     def fork(self) -> HybridDrafter:
         twin = HybridDrafter([(m.name, m.drafter) for m in self.members], self.tree,
@@ -131,7 +137,7 @@ class HybridDrafter:
     def forget(self) -> None:
         """Forget every member's memory of earlier requests (drafters that have one)."""
         for member in self.members:
-            if hasattr(member.drafter, "forget"):
+            if isinstance(member.drafter, Resettable):
                 member.drafter.forget()
 
     def _collect(self, features: torch.Tensor | None) -> None:
@@ -206,6 +212,28 @@ def _follow(own: TokenTree, verified: TokenTree, acceptance: Acceptance) -> Acce
             return Acceptance(path, token)
         path.append(child[0])
     return Acceptance(path[:-1], tokens[-1])  # the bonus was drafted too: stop before it
+
+
+def _predictions_on(own: TokenTree, verified: TokenTree,
+                    predictions: TargetPredictions | None, k: int) -> TargetPredictions | None:
+    """The first `k` of the target's predictions at each node of a member's `own` tree (None
+    when it asks for none): those of the verified node with the same token path. A node whose
+    path the verified (merged or other member's) tree lacks was not verified: its row says
+    so in `verified` (verify.predictions.TargetPredictions)."""
+    if predictions is None or k == 0:
+        return None
+    return predictions.at(range(len(own)) if own is verified else _same_nodes(own, verified), k)
+
+
+def _same_nodes(own: TokenTree, verified: TokenTree) -> list[int | None]:
+    """For each node of `own`, the node of `verified` with the same token path (None: none)."""
+    nodes: list[int | None] = [0]  # the roots are the same token
+    for i in range(1, len(own)):
+        parent, token = nodes[int(own.parents[i])], int(own.tokens[i])
+        match = [] if parent is None else [c for c in verified.children(parent)
+                                           if int(verified.tokens[c]) == token]
+        nodes.append(match[0] if match else None)
+    return nodes
 
 
 def _union(layer_sets) -> tuple[int, ...]:

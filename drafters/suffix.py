@@ -35,7 +35,7 @@ from drafters.base import StatelessDrafter, typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix_trie import SuffixTrie
 from verify.files import read_json, read_jsonl, write_json
-from verify.protocol import DraftContext
+from verify.protocol import DraftContext, Resettable
 from verify.target import Target
 from verify.tree import TokenTree, TreeError
 
@@ -144,7 +144,7 @@ class _Request:
         return self.tokens[self.prompt_length:]
 
 
-class SuffixDrafter(StatelessDrafter):
+class SuffixDrafter(StatelessDrafter, Resettable):
     """Proposes the better of the request's and the shared trie's speculations. Its state is
     the open requests and the shared trie (`begin`, `fork`); `update` has nothing to learn: the
     next proposal indexes the decided tokens itself."""

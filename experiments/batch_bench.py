@@ -36,7 +36,7 @@ from experiments.report_schema import BatchFigures, BatchSummary
 from verify.accept import Acceptance, rule_parts
 from verify.loop import generate_batch, until_eos
 from verify.metrics import TokensPerForward
-from verify.protocol import BatchDrafter, DraftContext, Drafter
+from verify.protocol import BatchDrafter, DraftContext, Drafter, Resettable
 from verify.target import Target, load_target_from_config
 from verify.timing import device_clock
 from verify.tree import TokenTree
@@ -91,7 +91,7 @@ def treedraft_batched(target: Target, drafter: Drafter | None,
                 "draft_s": sum(r.draft_s for r in results),
                 "verify_s": longest.verify_s,
                 "prefill_s": longest.prefill_s}
-    if hasattr(drafter, "forget"):
+    if isinstance(drafter, Resettable):
         run.forget = drafter.forget  # a drafter with memory: emptied before each batch size
     return run
 
@@ -104,6 +104,7 @@ class RowByRow:
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
         self.feature_layers = drafter.feature_layers
+        self.target_top_k = drafter.target_top_k
 
     def begin(self, prompt: torch.Tensor) -> None:
         self.drafter.begin(prompt)

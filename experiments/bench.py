@@ -47,7 +47,7 @@ from experiments.common import CONF_DIR, pick_questions, write_report
 from train.logger import build_logger
 from verify.accept import RuleConfig, check_rule, rule_parts
 from verify.loop import generate
-from verify.protocol import Drafter
+from verify.protocol import Drafter, DraftStats, ProposalCounts, Resettable
 from verify.sampling import SamplingParams
 from verify.target import Target, hf_generate, load_target_from_config
 from verify.timing import device_clock
@@ -99,12 +99,13 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
     rows (verify.loop.generate_batch), the target's attention switched to
     `attn_implementation` for its runs if given (the baselines keep the target's own). Its
     record counts the draft forwards when the drafter runs a DraftEngine."""
-    engine = getattr(drafter, "engine", None)
+    stats = drafter if isinstance(drafter, DraftStats) else None
     weights = own_weights_bytes(drafter, target.model) if drafter is not None else 0
-    proposed = getattr(drafter, "proposed", None)  # a hybrid's running count per member
+    # a hybrid's running count per member
+    proposed = drafter.proposed if isinstance(drafter, ProposalCounts) else None
 
     def run(ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
-        before = engine.forwards if engine is not None else 0  # a running count: diff it
+        before = stats.draft_forwards if stats is not None else 0  # a running count: diff it
         proposed_before = dict(proposed) if proposed is not None else {}
         generator = torch.Generator(target.model.device).manual_seed(seed)
         with attention(target.model, attn_implementation):
@@ -116,15 +117,15 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
                   "steps": [vars(s) for s in result.steps], "prefill_s": result.prefill_s}
         if drafter is not None:
             record["draft_weights_mb"] = weights / 2**20
-        if engine is not None:
-            record["draft_forwards"] = engine.forwards - before
+        if stats is not None:
+            record["draft_forwards"] = stats.draft_forwards - before
             # the memory the draft cache holds at the end (its layers' room): its peak
-            record["draft_cache_mb"] = engine.cache_bytes() / 2**20
+            record["draft_cache_mb"] = stats.draft_cache_bytes() / 2**20
         if proposed is not None:
             record["proposed_by"] = {name: count - proposed_before.get(name, 0)
                                      for name, count in proposed.items()}
         return record
-    if hasattr(drafter, "forget"):
+    if isinstance(drafter, Resettable):
         run.forget = drafter.forget  # a drafter with memory: time_methods resets it
     return run
 
@@ -362,13 +363,13 @@ def time_methods(methods: dict[str, Method], prompts: list[Prompt], cfg: DictCon
 def forget_memories(methods: dict[str, Method]) -> None:
     """Empty the memory of every method whose drafter keeps one."""
     for run in methods.values():
-        if hasattr(run, "forget"):
+        if isinstance(run, Resettable):
             run.forget()
 
 
 def memory_note(methods: dict[str, Method], drafters: list[Contender]) -> str | None:
     """How the drafters with memory were warmed, for the report (None: no such drafter)."""
-    if not any(hasattr(run, "forget") for run in methods.values()):
+    if not any(isinstance(run, Resettable) for run in methods.values()):
         return None
     warmed = sorted({str(path) for c in drafters for path in _warm_files(c.drafter)})
     return MEMORY_PROTOCOL + (f"; warmed first from {', '.join(warmed)}" if warmed else "")

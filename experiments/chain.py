@@ -23,6 +23,7 @@ class ControlledChainDrafter:
     """Drafts `gamma` tokens of a known continuation, each right with probability alpha."""
 
     feature_layers = ()  # reads no target hidden states
+    target_top_k = 0  # asks for none of the target's predictions
 
     def __init__(self, reference: torch.Tensor, prompt_len: int, alpha: float, gamma: int,
                  vocab_size: int, generator: torch.Generator):

@@ -17,7 +17,7 @@ from train.loop import chunks
 from train.medusa import answer_batch_inputs, head_targets
 from verify.loop import generate
 from verify.metrics import TokensPerForward
-from verify.protocol import Drafter
+from verify.protocol import Drafter, DraftStats
 from verify.target import Target, hf_generate
 
 
@@ -62,8 +62,8 @@ def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
     """Greedy decoding of held-out prompts with a trained drafter: the loop's own tau, whether
     the output is token for token the target's (Hugging Face greedy `generate`), the drafting
     time per step and, for a drafter running a DraftEngine, per draft forward."""
-    engine = getattr(drafter, "engine", None)  # drafters that run a model count its forwards
-    draft_forwards_before = engine.forwards if engine is not None else 0
+    stats = drafter if isinstance(drafter, DraftStats) else None  # a draft model's forwards
+    draft_forwards_before = stats.draft_forwards if stats is not None else 0
     tally, identical = TokensPerForward(), 0
     draft_s = 0.0
     for ids in tqdm(prompts, desc="evaluating decoding"):
@@ -76,7 +76,7 @@ def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
     results = {"tau": tally.tau, "identical": identical,
                "prompts": len(prompts), "tree": tree,
                "draft_ms_per_step": 1e3 * draft_s / max(tally.forwards, 1)}
-    if engine is not None:  # what one draft forward costs: the figure a vocabulary trades
-        draft_forwards = engine.forwards - draft_forwards_before
+    if stats is not None:  # what one draft forward costs: the figure a vocabulary trades
+        draft_forwards = stats.draft_forwards - draft_forwards_before
         results["draft_ms_per_forward"] = 1e3 * draft_s / max(draft_forwards, 1)
     return results

@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from verify.predictions import TargetPredictions
 from verify.sampling import SamplingParams, sample, warp
 from verify.tree import TokenTree, TreeBatch
 
 
 @dataclass
 class Acceptance:
-    """path: node indices from the root (path[0] == 0); bonus: the target's next token."""
+    """path: node indices from the root (path[0] == 0); bonus: the target's next token;
+    predictions: the target's top-k after every node of the tree, for a drafter that declares
+    `target_top_k > 0` (the loop adds them after the rule has accepted; None otherwise)."""
 
     path: list[int]
     bonus: int
+    predictions: TargetPredictions | None = field(default=None, compare=False)
 
     @property
     def num_accepted(self) -> int:

@@ -10,7 +10,7 @@ target forward; one prompt is the batch of one.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from verify.accept import AcceptanceRule, RuleConfig, rule_from_config
 from verify.features import LAST
 from verify.metrics import TokensPerForward
+from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
 from verify.timing import Clock, device_clock
@@ -153,10 +154,11 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
         if sequence.drafter is not None:
             sequence.drafter.begin(sequence.prompt)
     active = _drop_finished(verifier, batch_drafter, sequences, max_new_tokens, stop)
+    target_top_k = drafter.target_top_k if drafter is not None else 0
     while active:
         drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
         _step(verifier, batch_drafter if drafting else None, active, rule, params, generator,
-              features, clock, pad_rows, drafting)
+              features, clock, pad_rows, drafting, target_top_k)
         active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
     for sequence in sequences:
         sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
@@ -253,12 +255,14 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: list[_Sequence],
           rule: AcceptanceRule, params: SamplingParams, generator: torch.Generator | None,
-          features: _Features, clock: Clock, pad_rows: int = 1, drafting: bool = True) -> None:
+          features: _Features, clock: Clock, pad_rows: int = 1, drafting: bool = True,
+          target_top_k: int = 0) -> None:
     """One target forward for every active row: draft each row's tree, verify them together,
-    accept per row, commit, and tell the drafters. A batch drafter's time is shared out evenly
-    among the rows, so the rows' draft times add up to the step's either way. Without
-    `drafting`, every tree is its root alone and no drafter is asked or told anything. `clock`
-    reads the time (verify.timing.device_clock: after the device's queued work)."""
+    accept per row, commit, and tell the drafters (with target_top_k > 0, the target's top-k
+    at each node of their trees too). A batch drafter's time is shared out evenly among the
+    rows, so the rows' draft times add up to the step's either way. Without `drafting`, every
+    tree is its root alone and no drafter is asked or told anything. `clock` reads the time
+    (verify.timing.device_clock: after the device's queued work)."""
     if drafting:
         trees, draft_s = _propose(verifier, batch_drafter, active, params, generator, clock)
     else:
@@ -271,6 +275,10 @@ def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: li
     verifier.commit_batch([acceptance.path for acceptance in acceptances])
     verify_s = clock() - start
     start = clock()
+    if drafting and target_top_k:  # work for the drafters: timed with their updates
+        predictions = top_k_predictions(logits, [len(tree) for tree in trees], target_top_k)
+        acceptances = [replace(acceptance, predictions=p)
+                       for acceptance, p in zip(acceptances, predictions)]
     if batch_drafter is not None:
         batch_drafter.update_batch(trees, acceptances)
     update_s = (clock() - start) / len(active)

@@ -6,6 +6,7 @@ target accepted. It never sees the verifier's cache; `verify/` never imports a d
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -38,9 +39,14 @@ class DraftContext:
 @runtime_checkable
 class Drafter(Protocol):
     """feature_layers: the target hidden states the drafter reads (verify.features): () for
-    none, (-1,) for the state the LM head reads, several for EAGLE-3's fused features."""
+    none, (-1,) for the state the LM head reads, several for EAGLE-3's fused features.
+    target_top_k: K > 0 asks for the target's top-K next tokens after every node of each tree
+    it proposed (accepted or not), in `update`'s `acceptance.predictions`
+    (verify.predictions.TargetPredictions: ids (N, K) long, logprobs (N, K) float32 of the raw
+    target distribution, temperature 1, before warping); 0: none, and None there."""
 
     feature_layers: tuple[int, ...]
+    target_top_k: int
 
     def begin(self, prompt: torch.Tensor) -> None:
         """Forget any previous sequence; `prompt` is (T,) long."""
@@ -49,7 +55,8 @@ class Drafter(Protocol):
         """A tree whose root is ctx.tokens[-1]."""
 
     def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Learn which path of the last proposal the target accepted."""
+        """Learn which path of the last proposal the target accepted (and, with
+        target_top_k > 0, what the target predicted at each of its N nodes)."""
 
     def fork(self) -> Drafter:
         """A drafter for another sequence of a batch: the same weights and settings, its own
@@ -75,3 +82,37 @@ class BatchDrafter(Drafter, Protocol):
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the sequences `rows` (long indices, in the new order): finished ones
         leave the batch."""
+
+
+# Optional abilities. A drafter that has one subclasses its protocol explicitly; the commands
+# that use an ability find it with isinstance, never by probing attributes.
+
+
+@runtime_checkable
+class Resettable(Protocol):
+    """A drafter with a memory of earlier requests (suffix decoding's trie of past answers),
+    which a benchmark empties so that every method starts from the same state."""
+
+    def forget(self) -> None:
+        """Forget what earlier requests taught; what it was warmed with stays."""
+
+
+@runtime_checkable
+class DraftStats(Protocol):
+    """A drafter that runs a draft model (drafters.engine.DraftEngine) and counts its work."""
+
+    @property
+    def draft_forwards(self) -> int:
+        """Draft forwards run so far: a running count, to diff around a run."""
+
+    def draft_cache_bytes(self) -> int:
+        """The memory its draft KV cache holds now (its layers' room: the peak so far)."""
+
+
+@runtime_checkable
+class ProposalCounts(Protocol):
+    """A drafter that combines others (drafters.hybrid) and counts whose tree it proposed.
+
+    proposed: member name (or "merged") -> steps, a running count shared by its forks."""
+
+    proposed: Counter

@@ -7,8 +7,10 @@ from omegaconf import OmegaConf
 
 from drafters import build_drafter
 from drafters.hybrid import HybridConfig, HybridDrafter, _follow, merge_trees
+from tests.verify.test_predictions import Recorder, check_against_plain_forwards
 from verify.accept import Acceptance
 from verify.loop import generate
+from verify.predictions import top_k_predictions
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.tree import TokenTree, TreeError
@@ -44,18 +46,18 @@ def test_a_member_is_told_the_accepted_tokens_on_its_own_tree():
     own = scored([1, 2, 3], [-1, 0, 1])
     verified = scored([1, 2, 3, 4], [-1, 0, 1, 2])
     # accepted 2 3 4 with bonus 6: own has 2 3 only, so from its view 4 is the next token
-    assert vars(_follow(own, verified, Acceptance([0, 1, 2, 3], 6))) == {"path": [0, 1, 2],
-                                                                        "bonus": 4}
+    assert _follow(own, verified, Acceptance([0, 1, 2, 3], 6)) == Acceptance([0, 1, 2], 4)
     # the bonus 3 was drafted by own too: its path stops before it
-    assert vars(_follow(own, verified, Acceptance([0, 1], 3))) == {"path": [0, 1], "bonus": 3}
+    assert _follow(own, verified, Acceptance([0, 1], 3)) == Acceptance([0, 1], 3)
 
 
 class Fixed:
-    """A member proposing a fixed tree, recording what it saw."""
+    """A member proposing a fixed tree, recording what it saw (and, asking for the target's
+    top `top_k`, the predictions it was told)."""
 
-    def __init__(self, tree: TokenTree, layers=()):
-        self.tree, self.feature_layers = tree, layers
-        self.seen, self.updates = [], []
+    def __init__(self, tree: TokenTree, layers=(), top_k=0):
+        self.tree, self.feature_layers, self.target_top_k = tree, layers, top_k
+        self.seen, self.updates, self.predictions = [], [], []
 
     def begin(self, prompt):
         self.seen.clear()
@@ -66,9 +68,10 @@ class Fixed:
 
     def update(self, tree, acceptance):
         self.updates.append((tree, acceptance.path))
+        self.predictions.append(acceptance.predictions)
 
     def fork(self):
-        return Fixed(self.tree, self.feature_layers)
+        return Fixed(self.tree, self.feature_layers, self.target_top_k)
 
 
 def test_pick_takes_the_first_confident_member_and_skips_the_rest():
@@ -102,6 +105,40 @@ def test_each_member_reads_its_own_layers_in_its_own_order():
     hybrid.propose(DraftContext(torch.tensor([1]), features, GREEDY))
     assert a.seen[0].tolist() == [[0, 1, 2, 3, 4, 5]]
     assert b.seen[0].tolist() == [[6, 7, 4, 5]]
+
+
+def test_each_member_is_told_the_predictions_at_its_own_nodes_where_verified():
+    a = Fixed(scored([1, 2, 3], [-1, 0, 1], [1.0, 0.9, 0.5]), top_k=2)
+    b = Fixed(scored([1, 2, 4, 5], [-1, 0, 1, 0], [1.0, 0.6, 0.4, 0.3]), top_k=3)
+    c = Fixed(scored([1, 2], [-1, 0], [1.0, 0.8]))  # asks for none
+    hybrid = HybridDrafter([("a", a), ("b", b), ("c", c)], None,
+                           HybridConfig(policy="merge", budget=2))
+    assert hybrid.target_top_k == 3  # what the member asking most needs
+    hybrid.begin(torch.tensor([1]))
+    merged = hybrid.propose(DraftContext(torch.tensor([1]), None, GREEDY))
+    assert merged.tokens.tolist() == [1, 2, 3]  # b's 4 and 5 cut by the budget
+    told = top_k_predictions(torch.randn(1, 3, 10), [3], 3)[0]
+    hybrid.update(merged, Acceptance([0, 1], 9, told))
+    [for_a], [for_b] = a.predictions, b.predictions
+    assert torch.equal(for_a.ids, told.ids[:, :2]) and bool(for_a.verified.all())
+    assert for_b.verified.tolist() == [True, True, False, False]
+    assert torch.equal(for_b.ids[:2], told.ids[:2]) and (for_b.ids[2:] == -1).all()
+    assert torch.equal(for_b.logprobs[:2], told.logprobs[:2])
+    assert (for_b.logprobs[2:] == float("-inf")).all()
+    assert c.predictions == [None]
+
+
+def test_through_the_loop_each_member_is_told_the_plain_forward_top_k(tiny):
+    model = tiny("llama").model
+    prompt = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])
+    references = {tuple(prompt.tolist()): generate(model, prompt, 12).tokens.tolist()}
+    first, second = Recorder(references, 3), Recorder(references, 1, salt=5)
+    hybrid = HybridDrafter([("first", first), ("second", second)], None,
+                           HybridConfig(policy="merge"))
+    generate(model, prompt, 12, drafter=hybrid)
+    # every member node is in the merged tree (no budget): each is the plain forward's
+    check_against_plain_forwards(model, first.record, 3)
+    check_against_plain_forwards(model, second.record, 1)
 
 
 def test_policies_and_members_are_checked():

@@ -36,6 +36,7 @@ class Scripted:
     if rows' drafter states leak into each other."""
 
     feature_layers = ()
+    target_top_k = 0
 
     def __init__(self, references: dict[tuple, list[int]]):
         self.references = references
@@ -146,6 +147,7 @@ def test_padding_without_a_mask_is_refused(model):
 def test_a_drafter_without_fork_cannot_decode_a_batch(model):
     class NoFork:
         feature_layers = ()
+        target_top_k = 0
 
         def begin(self, prompt):
             pass

@@ -25,6 +25,7 @@ class NoisyOracle:
     a while and then goes wrong, and whose second branch is wrong from the start."""
 
     feature_layers = ()  # reads no target hidden states
+    target_top_k = 0
 
     def __init__(self, reference, prompt_len):
         self.reference, self.prompt_len = reference.tolist(), prompt_len

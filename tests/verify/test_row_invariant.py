@@ -48,6 +48,7 @@ def test_bfloat16_greedy_decoding_is_identical_with_padded_invariant_steps():
 
     class Repeat:  # drafts the last 3 tokens again, twice: mostly wrong, sometimes right
         feature_layers = ()
+        target_top_k = 0
 
         def begin(self, prompt):
             pass
