@@ -157,6 +157,13 @@ def check_settings(cfg) -> None:
     if cfg.dist.strategy not in STRATEGIES:
         raise ValueError(f"dist.strategy must be one of {STRATEGIES}, got "
                          f"{cfg.dist.strategy!r}")
+    # data=regenerated names the folder; a preset's sharegpt_tokens: 0 (experiment=eagle_smoke)
+    # would then train on distilled answers alone, never reading or checking it
+    if cfg.data.conversations is not None and cfg.data.sharegpt_tokens < 1:
+        raise ValueError(f"data.conversations={cfg.data.conversations} is given but "
+                         f"data.sharegpt_tokens={cfg.data.sharegpt_tokens} reads none of it (a "
+                         "preset may set it): set data.sharegpt_tokens=<tokens to train on>, "
+                         "or drop data.conversations")
 
 
 def register_configs() -> None:

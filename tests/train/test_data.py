@@ -3,12 +3,15 @@ with the states decoding would hand the heads, and a shard cache that survives i
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 from drafters.prompt_lookup import PromptLookupDrafter
+from experiments.common import CONF_DIR
 from train.distill import Answer, answer_batch, cache_folder, distill
 from train.evaluate import answer_states
 from train.medusa import choose_draft_vocab, head_targets
 from train.prompts import interleave, load_prompt_files
+from train.schema import check_settings
 from verify.target import Target, hf_generate, load_target
 from verify.tree import TreeTopology
 
@@ -109,3 +112,16 @@ def test_head_targets_and_draft_vocabulary():
 
 def answer_like(responses):
     return [Answer(torch.tensor([9]), torch.tensor(r), None) for r in responses]
+
+
+def test_a_preset_that_would_skip_the_named_conversations_is_refused_by_name(tmp_path):
+    named = ["experiment=eagle_smoke", "data=regenerated", f"data.conversations={tmp_path}",
+             "out_dir=/tmp/unused"]
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        skipping = compose("train", named)
+        reading = compose("train", [*named, "data.sharegpt_tokens=100000"])
+    assert skipping.data.sharegpt_tokens == 0  # the preset's, after data=regenerated's
+    with pytest.raises(ValueError, match=r"data\.conversations=.* is given but "
+                                         r"data\.sharegpt_tokens=0 reads none of it"):
+        check_settings(skipping)
+    check_settings(reading)  # the folder is then read (and checked: this target made it?)
