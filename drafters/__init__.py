@@ -45,7 +45,7 @@ def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Dr
     Raises ValueError for an unknown name and TreeError for a tree the drafter cannot fill.
     """
     name = drafter_cfg["name"]
-    tree_cfg = measured_cost(tree_cfg, target.model)  # once, before any member is built
+    tree_cfg = measured_cost(tree_cfg, target.step)  # once, before any member is built
     if name in COMBINATORS:
         return COMBINATORS[name](drafter_cfg, tree_cfg, tree_policy(tree_cfg), target,
                                  build_drafter)

@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verify.costs import load_costs, measure_verify_cost
+from verify.step import TargetStep, as_step
 from verify.tree import TokenTree, TreeError
 from verify.verifier import context_window
 
@@ -69,14 +70,17 @@ class StepCost:
 MEASURED_SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def measured_cost(tree_cfg: Mapping, model: PreTrainedModel) -> Mapping:
-    """`tree_cfg` with a `cost: {measure: true}` replaced by t_ms measured on `model` now
-    (sizes MEASURED_SIZES after a 256-token context, or the window's end); as it was otherwise.
+def measured_cost(tree_cfg: Mapping, model: PreTrainedModel | TargetStep) -> Mapping:
+    """`tree_cfg` with a `cost: {measure: true}` replaced by t_ms measured on `model` now (the
+    target's step, or a bare model's eager one; sizes MEASURED_SIZES after a 256-token
+    context, or the window's end); as it was otherwise.
     Measuring takes a few seconds, once per drafter built."""
     cost = tree_cfg.get("cost") or {}
     if not cost or not _measures(cost):
         return tree_cfg
-    seconds = measure_verify_cost(model, MEASURED_SIZES, context_len=_context(model), repeats=3)
+    step = as_step(model)
+    seconds = measure_verify_cost(step, MEASURED_SIZES, context_len=_context(step.model),
+                                  repeats=3)
     t_ms = {n: s * 1e3 for n, s in seconds.items()}
     print("measured t(n), ms: " + ", ".join(f"t({n}) {t:.1f}" for n, t in t_ms.items()))
     resolved = {k: v for k, v in dict(cost).items() if k != "measure"}

@@ -48,16 +48,12 @@ from experiments.common import save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from verify.accept import make_rule
 from verify.cache import keep_entries
-from verify.compiled import compiled_step
+from verify.compiled import CompiledStep
 from verify.costs import measure_verify_cost
 from verify.loop import generate
-from verify.packed import (
-    bfloat16_packing_unavailable,
-    ladder_width,
-    packed_rows,
-    packing_unavailable,
-)
+from verify.packed import bfloat16_packing_unavailable, packing_unavailable
 from verify.sampling import SamplingParams
+from verify.step import PackedStep, TargetStep, as_step
 from verify.target import load_target_from_config
 from verify.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
@@ -143,15 +139,17 @@ def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) ->
     return times
 
 
-def profile_sizes(model: PreTrainedModel, sizes: list[int], context_len: int, repeats: int,
-                  seed: int) -> dict[int, dict[str, float]]:
-    """{n: {part: median seconds}} over `repeats` rounds in which the sizes take turns."""
-    if compiled_step(model) is not None:
+def profile_sizes(step: TargetStep | PreTrainedModel, sizes: list[int], context_len: int,
+                  repeats: int, seed: int) -> dict[int, dict[str, float]]:
+    """{n: {part: median seconds}} over `repeats` rounds in which the sizes take turns, on
+    the target's step (its trees at the width it runs them) or a bare model's eager one."""
+    if isinstance(step, CompiledStep):
         raise ValueError("the profile times the eager model's parts, which a compiled step "
                          "fuses into one graph: profile target.step=eager, and time the "
                          "compiled step with experiments.step_limit")
+    verifier = TreeVerifier(step)
+    model = verifier.model
     vocab = model.config.vocab_size
-    verifier = TreeVerifier(model)
     generator = torch.Generator().manual_seed(seed)
     verifier.prefill(torch.randint(vocab, (context_len,), generator=generator))
     trees = {n: TokenTree.from_choices(0, TreeTopology.chain(n - 1),
@@ -170,16 +168,18 @@ def profile_sizes(model: PreTrainedModel, sizes: list[int], context_len: int, re
             for n, runs in samples.items()}
 
 
-def loop_overhead(model: PreTrainedModel, context_len: int, steps: int, parts: dict[str, float],
-                  seed: int) -> float:
-    """Seconds per plain decoding step of verify.loop.generate beyond the parts measured at
-    n = 1 (greedy acceptance): the loop's own Python and bookkeeping."""
+def loop_overhead(step: TargetStep | PreTrainedModel, context_len: int, steps: int,
+                  parts: dict[str, float], seed: int) -> float:
+    """Seconds per plain decoding step of verify.loop.generate on `step` beyond the parts
+    measured at n = 1 (greedy acceptance): the loop's own Python and bookkeeping."""
+    step = as_step(step)
+    model = step.model
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(model.config.vocab_size, (context_len,), generator=generator)
-    generate(model, prompt, 4)  # warm-up
+    generate(step, prompt, 4)  # warm-up
     clock = device_clock(model.device)
     start = clock()
-    result = generate(model, prompt, steps + 1)
+    result = generate(step, prompt, steps + 1)
     wall = (clock() - start - result.prefill_s) / len(result.steps)
     measured = sum(v for k, v in parts.items() if k != "accept_sampling")
     return max(wall - measured, 0.0)
@@ -209,17 +209,18 @@ def profile(cfg: DictConfig) -> list[dict]:
     for label, target_cfg in variants(cfg):
         target = load_target_from_config(target_cfg)
         with single_thread() if cfg.target.tiny else nullcontext():
-            parts = profile_sizes(target.model, sizes, cfg.context_len, cfg.repeats, cfg.seed)
-            loop = loop_overhead(target.model, cfg.context_len, cfg.loop_steps, parts[1],
+            parts = profile_sizes(target.step, sizes, cfg.context_len, cfg.repeats, cfg.seed)
+            loop = loop_overhead(target.step, cfg.context_len, cfg.loop_steps, parts[1],
                                  cfg.seed)
             # the same steps timed whole, without the hooks' own cost: t(n) as tree_search has it
-            verify = measure_verify_cost(target.model, sizes, cfg.context_len, cfg.repeats)
+            verify = measure_verify_cost(target.step, sizes, cfg.context_len, cfg.repeats)
+        ladder = target.step.ladder if isinstance(target.step, PackedStep) else ()
         for n in sizes:
             ms = {part: 1000 * seconds for part, seconds in parts[n].items()}
             step = sum(v for k, v in ms.items() if k != "accept_sampling") + 1000 * loop
             rows.append({"variant": label, "attn_implementation": target_cfg.attn_implementation,
-                         "packed_rows": list(packed_rows(target.model)), "n": n,
-                         "rows_run": ladder_width(packed_rows(target.model), 1, n), **ms,
+                         "packed_rows": list(ladder), "n": n,
+                         "rows_run": target.step.width_for(1, n), **ms,
                          "loop": 1000 * loop, "step_greedy": step, "verify": 1000 * verify[n],
                          "forward": sum(ms[p] for p in (*MODEL_PARTS, "model_rest"))})
         del target  # one variant's weights (and packed copies) in memory at a time

@@ -34,8 +34,9 @@ from transformers import PreTrainedModel
 
 from experiments.common import CONF_DIR, save_figure, write_report
 from experiments.table import cell, markdown_table
-from verify.compiled import compiled_step
+from verify.compiled import CompiledStep
 from verify.costs import measure_verify_cost, time_step
+from verify.step import TargetStep
 from verify.target import load_target_from_config
 from verify.timing import device_clock
 from verify.tree import TokenTree
@@ -95,12 +96,12 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
                                      step="compiled" if step == "compiled" else "eager")
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
-    cost = measure_verify_cost(target.model, cfg.sizes, cfg.context_len, cfg.repeats)
-    operators = (operator_times(target.model, cfg.context_len, cfg.repeats, cfg.operators)
+    cost = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats)
+    operators = (operator_times(target.step, cfg.context_len, cfg.repeats, cfg.operators)
                  if cfg.operators else None)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
-    compiled = compiled_step(target.model)
+    compiled = target.step if isinstance(target.step, CompiledStep) else None
     return {"dtype": dtype, "step": step, "weight_bytes": weights, "kv_bytes": cache,
             "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
             "t1_over_limit": t_ms[1] / limit_ms,
@@ -110,14 +111,14 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
 
 
 @torch.no_grad()
-def operator_times(model: PreTrainedModel, context_len: int, steps: int, top: int
+def operator_times(step: TargetStep, context_len: int, steps: int, top: int
                    ) -> dict[str, float]:
     """{operator: ms per one-token step} of the `top` operators by self time over `steps`
     steps after `context_len` cached tokens (torch.profiler), the rest as "other". In a
     compiled step the fused kernels count as the compiled region's own time, and the products
     and attention as the library operators they call."""
-    verifier = TreeVerifier(model)
-    verifier.prefill(torch.randint(model.config.vocab_size, (context_len,)))
+    verifier = TreeVerifier(step)
+    verifier.prefill(torch.randint(step.model.config.vocab_size, (context_len,)))
     root = TokenTree(torch.tensor([0]), torch.tensor([-1]))
     time_step(verifier, root)  # one-off costs (a compiled step's graph) before profiling
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

@@ -113,19 +113,19 @@ def test_sampling_runs_with_a_generator_on_the_device(target, cuda_device, name,
 def test_a_compiled_step_gives_the_eager_steps_logits_and_tokens(target, cuda_device, plain):
     compiled = load_target(tiny="llama", device=str(cuda_device), step="compiled")
     outputs = []
-    for model in (target.model, compiled.model):
-        verifier = TreeVerifier(model, feature_layers=(-1,))
+    for step in (target.step, compiled.step):
+        verifier = TreeVerifier(step, feature_layers=(-1,))
         verifier.prefill(PROMPT)
         outputs.append(verifier.verify(TREE))
     (eager_logits, eager_features), (compiled_logits, compiled_features) = outputs
     # float32: compiled kernels fuse and reorder the eager ones' sums; equal to rounding
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(compiled_features, eager_features, atol=1e-4, rtol=1e-4)
-    assert torch.equal(generate(compiled.model, PROMPT, NEW_TOKENS).tokens, plain)
-    result = generate(compiled.model, PROMPT, NEW_TOKENS,
+    assert torch.equal(generate(compiled.step, PROMPT, NEW_TOKENS).tokens, plain)
+    result = generate(compiled.step, PROMPT, NEW_TOKENS,
                       drafter=drafter_for(compiled, "eagle", "eagle2", {}))
     assert torch.equal(result.tokens, plain)
-    assert compiled.model.compiled_step.compile_s, "nothing ran through the compiled step"
+    assert compiled.step.compile_s, "nothing ran through the compiled step"
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "eagle3"])

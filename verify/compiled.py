@@ -13,7 +13,8 @@ A compiled graph is specialised to its input shapes, except the sizes it takes a
   attends over all C slots with an explicit mask that hides the unused ones;
 - C, the rows B (batches) and the tree width N are symbols, so a growing cache, a batch
   that loses finished rows and trees of any size reuse the graphs; dynamo's automatic
-  dynamic shapes are off, so nothing else changes without a compile announced here.
+  dynamic shapes are off while the step runs (`compiling`: the process's own settings are
+  left alone), so nothing else changes without a compile announced here.
 In float32 a one-token step (N = 1) gets a graph of its own: with N fixed at one, products run
 as matrix-vector kernels. So a run compiles two graphs per kind of forward (one row or a
 batch; with or without hidden states): ~30-40 s each for the default target on 2 cores,
@@ -32,32 +33,35 @@ rather than assume.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch._inductor.config  # noqa: F401  (torch._inductor.config.patch below)
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache
 
+from verify.cache import cache_length, room_cache, room_for
 from verify.timing import device_clock
 
 log = logging.getLogger(__name__)
 
-STEPS = ("eager", "compiled")
 # graphs one run may compile (dynamo's default of 8 would fall back to eager unannounced)
 MAX_GRAPHS = 64
 
 
 class CompiledStep:
     """`model`'s forward compiled for decoding steps (inference only: freezing folds in the
-    weights as they are at a graph's first call). Called with the keyword arguments of the
-    model's forward, with an explicit (B, 1, N, C) mask over a room cache.
+    weights as they are at a graph's first call): a `TargetStep` (verify/step.py). Called
+    with the keyword arguments of the model's forward, with an explicit (B, 1, N, C) mask
+    over a room cache.
 
     `compile_s` maps each graph, `graph_key(...)`, to the seconds its first call took."""
 
+    extends_prompts = False  # its cache is room the steps run in: prompts start sequences
+
     def __init__(self, model: PreTrainedModel, freezing: bool = True):
         self.model = model
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, MAX_GRAPHS)
-        config.automatic_dynamic_shapes = False
         self.forward = torch.compile(model.forward, dynamic=None)
         # set while a graph compiles, which is on a call (measured: passed as torch.compile's
         # `options` it did not take effect, and float32 t(8) stayed unpacked, ~60 ms not ~44)
@@ -77,11 +81,31 @@ class CompiledStep:
         """The width a forward of `rows` trees of `width` nodes runs at (`min_width`, one row)."""
         return max(width, self.min_width) if rows == 1 else width
 
+    def steps_cache(self, cache: DynamicCache) -> Cache:
+        """A room cache holding the prefilled `cache`'s entries, with room for a step."""
+        return room_cache(cache, room_for(cache_length(cache) + 1))
+
+    def make_room(self, cache: Cache, width: int) -> None:
+        """Grow the room where `width` more slots would not fit."""
+        need, capacity = cache_length(cache) + width, cache.layers[0].max_cache_len
+        if need > capacity:
+            for layer in cache.layers:
+                layer.grow(room_for(need))
+
+    def mask_columns(self, cache: Cache) -> int:
+        """The whole room, every step: the graph's mask is (B, 1, N, C)."""
+        return cache.layers[0].max_cache_len
+
+    def has_graphs(self, rows: int, features: bool) -> bool:
+        """Whether the one-token and the tree step's graphs exist (their widths as run)."""
+        return all(graph_key(rows, self.width_for(rows, width), features) in self.compile_s
+                   for width in (1, 2))
+
     def __call__(self, **inputs) -> object:
         rows, width = inputs["input_ids"].shape
         _mark_symbolic_sizes(inputs, batched=rows > 1, tree=width > 1)
         graph = graph_key(rows, width, bool(inputs.get("output_hidden_states")))
-        with torch._inductor.config.patch(freezing=self.freezing):
+        with compiling(self.freezing):
             if graph in self.compile_s:
                 return self.forward(**inputs)
             clock = device_clock(self.model.device)  # the first run's kernels included
@@ -91,6 +115,19 @@ class CompiledStep:
         log.info("compiled the target step (%s) in %.1f s", ", ".join(graph),
                  self.compile_s[graph])
         return out
+
+
+@contextmanager
+def compiling(freezing: bool) -> Iterator[None]:
+    """The compiler settings a compiled step's calls run under, the process's own left as
+    they are: room for every graph one run may compile, no shape made dynamic that
+    `_mark_symbolic_sizes` did not mark, and inductor's `freezing`. (Dynamo reads them when a
+    call compiles, so set around every call they hold for each graph of the step.)"""
+    dynamo = torch._dynamo.config
+    with (dynamo.patch(recompile_limit=max(dynamo.recompile_limit, MAX_GRAPHS),
+                       automatic_dynamic_shapes=False),
+          torch._inductor.config.patch(freezing=freezing)):
+        yield
 
 
 def graph_key(rows: int, width: int, features: bool) -> tuple[str, str, str]:
@@ -117,18 +154,3 @@ def _mark_symbolic_sizes(inputs: dict, batched: bool, tree: bool) -> None:
         mark(mask, 2)
         for tensor in steps:
             mark(tensor, 1)
-
-
-def compile_step(model: PreTrainedModel, step: str = "compiled") -> PreTrainedModel:
-    """`target.step` applied to `model`: "compiled" attaches a `CompiledStep` that every
-    TreeVerifier on `model` runs its steps through; "eager" leaves it as it is."""
-    if step not in STEPS:
-        raise ValueError(f"target.step is one of {list(STEPS)}, not {step!r}")
-    if step == "compiled":
-        model.compiled_step = CompiledStep(model)
-    return model
-
-
-def compiled_step(model: PreTrainedModel) -> CompiledStep | None:
-    """The `CompiledStep` attached to `model`, or None (eager)."""
-    return getattr(model, "compiled_step", None)

@@ -14,15 +14,18 @@ import torch
 from transformers import PreTrainedModel
 
 from verify.files import read_json
+from verify.step import TargetStep
 from verify.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import TreeVerifier, context_window
 
 
 @torch.no_grad()
-def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int], context_len: int = 256,
-                        repeats: int = 5, draft_cost_s: float = 0.0) -> dict[int, float]:
-    """{n: median seconds of one TreeVerifier step verifying n tokens, the root included}.
+def measure_verify_cost(model: PreTrainedModel | TargetStep, sizes: Sequence[int],
+                        context_len: int = 256, repeats: int = 5,
+                        draft_cost_s: float = 0.0) -> dict[int, float]:
+    """{n: median seconds of one TreeVerifier step verifying n tokens, the root included}, on
+    the target's step (`Target.step`) or a bare model's eager one.
 
     The tokens form a chain (one shape is enough: the step's cost depends on n, not on where
     the branches are) after `context_len` cached tokens drawn from the global RNG. n = 1 is a
@@ -31,12 +34,13 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int], context_le
     if not sizes or min(sizes) < 1 or repeats < 1:
         raise ValueError(f"need token counts >= 1 and repeats >= 1, got sizes {list(sizes)}, "
                          f"repeats {repeats}")
+    verifier = TreeVerifier(model)
+    model = verifier.model
     window = context_window(model)
     if window is not None and context_len + max(sizes) > window:
         raise ValueError(f"context_len {context_len} + {max(sizes)} tokens exceed the model's "
                          f"{window} positions")
     vocab = model.config.vocab_size
-    verifier = TreeVerifier(model)
     verifier.prefill(torch.randint(vocab, (context_len,)))
     trees = {n: TokenTree.from_choices(0, TreeTopology.chain(n - 1),
                                        [i % vocab for i in range(1, n)])

@@ -21,6 +21,7 @@ from verify.metrics import TokensPerForward
 from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.sampling import SamplingParams, sample, warp
+from verify.step import TargetStep, as_step
 from verify.timing import Clock, device_clock
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier, context_window
@@ -67,13 +68,16 @@ class GenerationResult:
         return sum(s.verify_s for s in self.steps)
 
 
-def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, *,
+def generate(model: PreTrainedModel | TargetStep, input_ids: torch.Tensor,
+             max_new_tokens: int, *,
              drafter: Drafter | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, rule: RuleConfig = None,
              eos_token_id: int | Sequence[int] | None = None,
              generator: torch.Generator | None = None, pad_rows: int = 1) -> GenerationResult:
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
+    model: the target's step (`Target.step`: packed or compiled as the target was loaded), or
+    a bare model, decoded through its eager step (verify/step.py).
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. The same warp
     applies to target and draft distributions. The rule defaults to greedy at temperature 0
     and exact tree sampling otherwise ("typical" selects Medusa's lossy rule; a mapping sets
@@ -90,7 +94,8 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: in
                           eos_token_id=eos_token_id, generator=generator, pad_rows=pad_rows)[0]
 
 
-def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | torch.Tensor,
+def generate_batch(model: PreTrainedModel | TargetStep,
+                   prompts: Sequence[torch.Tensor] | torch.Tensor,
                    max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
                    pad_token_id: int | None = None, drafter: Drafter | None = None,
                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -123,6 +128,8 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     if max_batch_for_speculation is not None and max_batch_for_speculation < 0:
         raise ValueError(f"max_batch_for_speculation must be >= 0 or None, got "
                          f"{max_batch_for_speculation}")
+    step = as_step(model)
+    model = step.model
     params = SamplingParams(temperature, top_k, top_p)
     rows = [_check_inputs(model, prompt, max_new_tokens)
             for prompt in _split_prompts(model, prompts, attention_mask, pad_token_id)]
@@ -130,7 +137,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[torch.Tensor] | tor
     stop = _eos_set(eos_token_id)
     features = _Features(drafter.feature_layers if drafter is not None else (), keep_states,
                          model.config.hidden_size)
-    verifier = TreeVerifier(model, features.layers)
+    verifier = TreeVerifier(step, features.layers)
     verifier.compile_graphs(len(rows))  # a compiled step's graphs, once, before the clock
     clock = device_clock(model.device)  # synchronises an accelerator before each reading
     start = clock()

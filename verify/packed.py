@@ -10,12 +10,12 @@ MKL can pack a weight matrix once for a given row count M and reuse it (torch ex
 `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU freezing uses).
 `pack_linears(model, ladder)` keeps one packed copy of every linear layer's weight per M in
 `ladder` (each copy costs the weights' size again) and sends an M-row product to its packed
-copy; any other M runs `F.linear` as before. `TreeVerifier` pads each step's trees up to the
-next width whose row count B * N is packed (`ladder_width`): with the default ladder a tree of
-4 nodes runs the 4-row packed kernel, 5-8 nodes the 8-row one, 9-16 the 16-row one. Packed and
-unpacked products of the same row differ in rounding (float32 ulps), as the one-token and tree
-kernels already do; greedy identity with plain decoding is measured by
-`experiments.correctness`, not assumed.
+copy; any other M runs `F.linear` as before. The target's `PackedStep` (verify/step.py) pads
+each step's trees up to the next width whose row count B * N is packed (`ladder_width`):
+with the default ladder a tree of 4 nodes runs the 4-row packed kernel, 5-8 nodes the 8-row
+one, 9-16 the 16-row one. Packed and unpacked products of the same row differ in rounding
+(float32 ulps), as the one-token and tree kernels already do; greedy identity with plain
+decoding is measured by `experiments.correctness`, not assumed.
 
 bfloat16 weights can be packed for oneDNN instead, on request (`target.packed_rows=onednn`,
 `pack_bfloat16_linears`): one packed copy per layer serves every row count, so no tree is
@@ -112,11 +112,12 @@ def pack_bfloat16_linears(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, ladder: Sequence[int]) -> nn.Module:
-    """Pack every `nn.Linear` of `model` for the row counts in `ladder`; returns `model`."""
+def pack_linears(model: nn.Module, ladder: Sequence[int]) -> tuple[int, ...]:
+    """Pack every `nn.Linear` of `model` for the row counts in `ladder`; returns those row
+    counts, sorted (the ladder a `PackedStep` pads trees up to, verify/step.py)."""
     ladder = tuple(sorted({int(m) for m in ladder}))
     if not ladder:
-        return model
+        return ladder
     if min(ladder) < 1:
         raise ValueError(f"row counts to pack must be >= 1, got {list(ladder)}")
     reason = packing_unavailable(model)
@@ -129,13 +130,7 @@ def pack_linears(model: nn.Module, ladder: Sequence[int]) -> nn.Module:
             weight = module.weight.detach()
             module.packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
                              for m in ladder}
-    model.packed_rows = ladder
-    return model
-
-
-def packed_rows(model: nn.Module) -> tuple[int, ...]:
-    """The row counts `model`'s linear layers are packed for (empty when not packed)."""
-    return getattr(model, "packed_rows", ())
+    return ladder
 
 
 def ladder_width(ladder: Sequence[int], batch: int, width: int) -> int:
@@ -148,12 +143,14 @@ def ladder_width(ladder: Sequence[int], batch: int, width: int) -> int:
     return min(widths, default=width)
 
 
-def pack_target(model: nn.Module, packed: str | Sequence[int] | None) -> nn.Module:
+def pack_target(model: nn.Module, packed: str | Sequence[int] | None) -> tuple[int, ...]:
     """`target.packed_rows` applied: "onednn" packs a bfloat16 model's weights once for every
     row count (an error where it cannot); otherwise `resolve_ladder`'s row counts (float32,
-    MKL)."""
+    MKL). Returns the row counts trees are padded up to: () where none are (oneDNN's
+    packing serves every count)."""
     if packed == "onednn":
-        return pack_bfloat16_linears(model)
+        pack_bfloat16_linears(model)
+        return ()
     return pack_linears(model, resolve_ladder(model, packed))
 
 

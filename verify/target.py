@@ -33,10 +33,9 @@ from transformers import (
 
 import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
 import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
-from verify.compiled import compile_step
 from verify.files import remove_orphans, write_atomically
 from verify.fingerprint import model_fingerprint, weights_digest
-from verify.packed import pack_target
+from verify.step import EagerStep, TargetStep, target_step
 from verify.verifier import context_window
 
 log = logging.getLogger(__name__)
@@ -56,14 +55,21 @@ TINY_LM_HEAD_SCALE = 2.0
 
 @dataclass
 class Target:
-    """A causal LM to decode from, with its tokenizer (None for tiny random models)."""
+    """A causal LM to decode from, with its tokenizer (None for tiny random models) and the
+    step its decoding runs through (verify/step.py: pass `target.step` to `generate`, to
+    `TreeVerifier`); a target built from a bare model decodes through the eager one."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     name: str
     adapter: str | None = None  # the LoRA adapter folder merged into `model`, if any
     base_weights: str | None = None  # the weights' digest before `adapter` was merged in
+    step: TargetStep | None = field(default=None, repr=False, compare=False)
     _fingerprint: dict | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.step is None:
+            self.step = EagerStep(self.model)
 
     def fingerprint(self) -> dict:
         """What this target is (verify.fingerprint): computed once, on first use; load_target
@@ -160,7 +166,8 @@ def load_target(
         step: "eager", the model's forward as it is, or "compiled": decoding steps through
             torch.compile over preallocated room (verify/compiled.py; its graphs compile
             before the first decode, ~30-40 s each for the default target). A compiled step
-            packs its own weights, so "auto" packs nothing there.
+            packs its own weights, so "auto" packs nothing there. The target carries the
+            step it chose (`Target.step`, verify/step.py).
     """
     torch_dtype = _torch_dtype(dtype)
     if tiny is not None:
@@ -182,13 +189,7 @@ def load_target(
         target.model.to(device)
     target.model.eval()
     target.fingerprint()
-    if step == "compiled":
-        if packed_rows not in (None, [], (), "auto"):
-            raise ValueError(f"a compiled step packs its own weights: target.packed_rows="
-                             f"{packed_rows!r} goes with target.step=eager (or set it to null)")
-        packed_rows = None  # inductor's freezing packs the weights for each compiled graph
-    pack_target(target.model, packed_rows)
-    compile_step(target.model, step)
+    target.step = target_step(target.model, step, packed_rows)
     return target
 
 

@@ -13,9 +13,10 @@ to the longest row, so memory stays bounded and positions stay contiguous. With 
 are no stale slots and the cached sequence is exactly the committed tokens. The layout and the
 moves on it live in verify/cache.py (the draft engine's cache is laid out the same way).
 
-On a target with a compiled step (`target.step=compiled`, verify/compiled.py) the cache is
-preallocated room and every step's mask spans the whole room, (B, 1, N, C); prompts still run
-the eager model.
+Every step runs through the target's step (verify/step.py), which says what differs by kind:
+the width a forward runs at (a packed target pads trees up to a packed row count), the cache
+the steps run on and the columns every mask spans (a compiled step's room: (B, 1, N, C)), and
+the graphs to compile before a decode. Prompts always run the eager model.
 """
 
 from __future__ import annotations
@@ -30,13 +31,10 @@ from verify.cache import (
     cache_rows_alone,
     keep_paths,
     new_cache,
-    room_cache,
-    room_for,
     trim,
 )
-from verify.compiled import compiled_step, graph_key
 from verify.features import num_layers, resolve_layers, select_features
-from verify.packed import ladder_width, packed_rows
+from verify.step import TargetStep, as_step
 from verify.tree import TokenTree, TreeBatch
 
 
@@ -64,13 +62,14 @@ class TreeVerifier:
 
     The single-sequence methods (`prefill`, `verify`, `commit`, `step_inputs`, `length`) are the
     B = 1 case of the batch methods (`prefill_batch`, `verify_batch`, `commit_batch`).
+    `model` is the target's step (`Target.step`) or a bare model, run through its eager step.
     """
 
-    def __init__(self, model: PreTrainedModel, feature_layers: tuple[int, ...] = ()):
-        self.model = model
-        self.step = compiled_step(model)  # None: every forward runs the eager model
-        self.feature_layers = resolve_layers(feature_layers, num_layers(model.config))
-        self.cache = new_cache(model.config)
+    def __init__(self, model: PreTrainedModel | TargetStep, feature_layers: tuple[int, ...] = ()):
+        self.step = as_step(model)
+        self.model = self.step.model
+        self.feature_layers = resolve_layers(feature_layers, num_layers(self.model.config))
+        self.cache = new_cache(self.model.config)
         self.lengths = torch.zeros(1, dtype=torch.long)  # (B,) committed tokens per row
         self._tree_start = 0  # cache slot where the last verified trees begin
 
@@ -93,12 +92,12 @@ class TreeVerifier:
         """Cache the (T,) tokens after any already committed (B = 1); returns the last
         position's logits (V,) (float, CPU) and the features of all T positions (T, F * H),
         or None without feature layers."""
-        if self.step is not None:
-            if self.cache_size:
-                raise NotImplementedError("a compiled step's verifier prefills a new sequence "
-                                          "only; this one has cached tokens already")
+        if not self.cache_size:  # a new sequence: the batch of one
             logits, features = self.prefill_batch([input_ids])
             return logits[0].cpu(), None if features is None else features[0]
+        if not self.step.extends_prompts:
+            raise NotImplementedError(f"a {type(self.step).__name__}'s verifier prefills a new "
+                                      "sequence only; this one has cached tokens already")
         positions = torch.arange(self.length, self.length + len(input_ids))
         logits, features = self._forward(input_ids[None], positions[None], None, logits_to_keep=1)
         self.lengths += len(input_ids)
@@ -117,7 +116,7 @@ class TreeVerifier:
         """What `verify(tree)` feeds the model after the L cached tokens (B = 1): the (N',)
         tokens (N' >= N: padded on a packed target), the (1, 1, N', L + N') attention mask
         (None for a lone root: plain decoding needs none) and the (N',) position ids."""
-        batch = self._packed_width(TreeBatch.pad([tree]))
+        batch = self._step_width(TreeBatch.pad([tree]))
         mask, positions = self.batch_inputs(batch)
         return batch.tokens[0], mask, positions[0]
 
@@ -149,9 +148,8 @@ class TreeVerifier:
             logits[row] = row_logits[0, -1]
             features[row] = None if row_features is None else row_features[0]
 
-        self.cache = cache_rows_alone(self.model.config, len(prompts), run_row)
-        if self.step is not None:
-            self.cache = room_cache(self.cache, room_for(self.cache_size + 1))
+        self.cache = self.step.steps_cache(
+            cache_rows_alone(self.model.config, len(prompts), run_row))
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         return torch.stack(logits), None if features[0] is None else features
 
@@ -163,61 +161,45 @@ class TreeVerifier:
         if len(batch.tokens) != len(self.lengths):
             raise ValueError(f"{len(batch.tokens)} trees for {len(self.lengths)} sequences")
         width = batch.width
-        batch = self._packed_width(batch)
-        self._make_room(batch.width)
+        batch = self._step_width(batch)
+        self.step.make_room(self.cache, batch.width)
         mask, positions = self.batch_inputs(batch)
         self._tree_start = self.cache_size
         logits, features = self._forward(batch.tokens, positions, mask)
         return logits[:, :width], None if features is None else features[:, :width]
 
-    def _packed_width(self, batch: TreeBatch) -> TreeBatch:
-        """`batch` padded to the width the step runs: on a compiled step one row's at least
-        the step's `min_width` (verify/compiled.py), on a packed target the next row count
-        whose weights are packed (verify/packed.py); otherwise `batch` itself."""
-        if self.step is not None:
-            return batch.widen(self.step.width_for(len(batch.tokens), batch.width))
-        return batch.widen(ladder_width(packed_rows(self.model), len(batch.tokens), batch.width))
+    def _step_width(self, batch: TreeBatch) -> TreeBatch:
+        """`batch` padded to the width the step runs it at (`TargetStep.width_for`): on a
+        packed target the next row count whose weights are packed, on a compiled step one
+        row's at least its `min_width`; on an eager one `batch` itself."""
+        return batch.widen(self.step.width_for(len(batch.tokens), batch.width))
 
     def compile_graphs(self, rows: int) -> None:
         """On a compiled step, compile the graphs that decoding `rows` sequences with these
         feature layers runs (a one-token step and a tree step) on a throwaway cache, unless
         they exist: compilation then happens here, before any decoding is timed, not in the
         middle of a decode. Nothing to do on an eager model."""
-        features = bool(self.feature_layers)
         rows = min(rows, 2)  # the rows are a symbol: two stand for any batch
-        if self.step is None or all(
-                graph_key(rows, self.step.width_for(rows, width), features) in self.step.compile_s
-                for width in (1, 2)):
+        if self.step.has_graphs(rows, bool(self.feature_layers)):
             return
-        scratch = TreeVerifier(self.model, self.feature_layers)
+        scratch = TreeVerifier(self.step, self.feature_layers)
         scratch.prefill_batch([torch.zeros(1, dtype=torch.long)] * rows)
         for width in (1, 2):
             tree = TokenTree(torch.zeros(width, dtype=torch.long), torch.arange(width) - 1)
             scratch.verify_batch(TreeBatch.pad([tree] * rows))
             scratch.commit_batch([[]] * rows)
 
-    def _make_room(self, width: int) -> None:
-        """On a room cache, grow it where `width` more slots would not fit."""
-        if self.step is None:
-            return
-        need, capacity = self.cache_size + width, self.cache.layers[0].max_cache_len
-        if need > capacity:
-            for layer in self.cache.layers:
-                layer.grow(room_for(need))
-
     def batch_inputs(self, batch: TreeBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The (B, 1, N, S + N) attention mask over the S cached slots and the trees (None
         when plain causal attention is the same: lone roots, no stale slots) and the (B, N)
-        position ids."""
+        position ids. A step whose masks span more columns (a compiled step's room) always
+        gets a mask of that many."""
         positions = self.lengths[:, None] + batch.depths
-        size = self.cache_size
-        if self.step is not None:  # the whole room, every step
-            columns = self.cache.layers[0].max_cache_len
-            return tree_attention_mask(batch, self.lengths, size, self.model.dtype,
-                                       columns), positions
-        if batch.width == 1 and bool((self.lengths == size).all()):
+        size, columns = self.cache_size, self.step.mask_columns(self.cache)
+        if columns is None and batch.width == 1 and bool((self.lengths == size).all()):
             return None, positions
-        return tree_attention_mask(batch, self.lengths, size, self.model.dtype), positions
+        return tree_attention_mask(batch, self.lengths, size, self.model.dtype,
+                                   columns), positions
 
     def commit_batch(self, paths: Sequence[Sequence[int]]) -> None:
         """Keep, in each row, the accepted nodes paths[b] (root first) of the last trees."""
@@ -248,7 +230,7 @@ def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.T
     attention_mask: None for causal attention, or an additive (B, 1, n, cached + n) mask
     ((B, 1, n, C) over a room cache's C slots).
     logits_to_keep: 0 for all positions, k > 0 for the last k, or a (k,) tensor of positions.
-    step: what runs the forward instead of `model` (a CompiledStep), same arguments.
+    step: what runs the forward instead of `model` (a TargetStep), same arguments.
     Returns float logits (B, n', V) on the model's device and, with feature_layers (absolute
     hidden-state indices, see verify.features), the features (B, n, F * H) on the model's
     device and in its dtype: drafters run there, so nothing is copied.

@@ -122,8 +122,8 @@ def test_on_a_compiled_step_a_batch_decodes_each_row_as_alone(row, conf, compile
     target = compiled_llama
     cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
     drafter = build_drafter(cfg, tree_config(conf, row.trees[-1]), target)
-    expected = generate_batch(target.model, BATCH, BATCH_TOKENS)
-    results = generate_batch(target.model, BATCH, BATCH_TOKENS, drafter=drafter)
+    expected = generate_batch(target.step, BATCH, BATCH_TOKENS)
+    results = generate_batch(target.step, BATCH, BATCH_TOKENS, drafter=drafter)
     for result, want in zip(results, expected):
         assert torch.equal(result.tokens, want.tokens)
     assert max(step.tree_size for r in results for step in r.steps) > 1, "the drafter never drafted"

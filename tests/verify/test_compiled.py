@@ -8,7 +8,7 @@ import torch
 
 from drafters.prompt_lookup import PromptLookupDrafter
 from verify.cache import CAPACITY_STEP, RoomLayer, room_cache, room_for
-from verify.compiled import graph_key
+from verify.compiled import MAX_GRAPHS, compiling, graph_key
 from verify.loop import generate, generate_batch
 from verify.target import load_target
 from verify.tree import TokenTree, TreeTopology
@@ -18,6 +18,8 @@ from verify.verifier import TreeVerifier
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 PROMPT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 40, 41])
 TREE = TokenTree(torch.tensor([41, 42, 43, 44, 40, 42]), torch.tensor([-1, 0, 0, 1, 2, 3]))
+# dynamo's settings before any compiled step is built: a step changes them for its calls only
+DYNAMO_CONFIG = torch._dynamo.config.get_config_copy()
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def eager():
 
 @pytest.fixture(scope="module")
 def compiled():
-    return load_target(tiny="llama", step="compiled").model
+    return load_target(tiny="llama", step="compiled").step
 
 
 def test_step_logits_and_features_equal_the_eager_step(eager, compiled):
@@ -39,7 +41,7 @@ def test_step_logits_and_features_equal_the_eager_step(eager, compiled):
         verifier.commit([0, 1, 3])
         plain_logits, _ = verifier.verify(TokenTree(torch.tensor([7]), torch.tensor([-1])))
         outputs.append((prefill_logits, tree_logits, features, plain_logits))
-    assert isinstance(TreeVerifier(compiled).step, type(compiled.compiled_step))
+    assert TreeVerifier(compiled).step is compiled
     for eager_out, compiled_out in zip(*outputs):
         torch.testing.assert_close(compiled_out, eager_out, **TOLERANCE)
 
@@ -52,11 +54,22 @@ def test_greedy_decoding_through_room_growth_equals_eager_without_compiling_agai
     prompt = torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(1))
     expected = generate(eager, prompt, 40).tokens
     generate(compiled, prompt[:5], 2)  # the graphs of one-row decoding, compiled up front
-    assert {graph_key(1, 1, False), graph_key(1, 2, False)} <= set(compiled.compiled_step.compile_s)
+    assert {graph_key(1, 1, False), graph_key(1, 2, False)} <= set(compiled.compile_s)
     graphs = counters["stats"]["unique_graphs"]
     assert torch.equal(generate(compiled, prompt, 40).tokens, expected)
     # a larger room (and every tree width) is a symbolic size: nothing was compiled for it
     assert counters["stats"]["unique_graphs"] == graphs
+    # the step built and run, the process's own dynamo settings are as they were
+    assert torch._dynamo.config.get_config_copy() == DYNAMO_CONFIG
+
+
+def test_a_compiled_steps_settings_hold_inside_its_calls_only():
+    config, freezing = torch._dynamo.config, torch._inductor.config.freezing
+    with compiling(freezing=True):
+        assert config.recompile_limit >= MAX_GRAPHS and not config.automatic_dynamic_shapes
+        assert torch._inductor.config.freezing
+    assert config.get_config_copy() == DYNAMO_CONFIG
+    assert torch._inductor.config.freezing == freezing
 
 
 def test_trees_equal_one_token_decoding_on_the_compiled_step(compiled):
@@ -131,8 +144,8 @@ def test_the_profile_refuses_a_compiled_step_and_names_the_command_that_times_it
 def test_half_precision_runs_one_token_steps_through_the_tree_graph():
     # bfloat16: the one-token graph's rows round apart from the tree graph's; one graph for
     # both keeps a tree's rows the one-token step's (verify/compiled.py, min_width)
-    model = load_target(tiny="llama", dtype="bfloat16", step="compiled").model
-    plain = generate(model, PROMPT, 40).tokens
+    step = load_target(tiny="llama", dtype="bfloat16", step="compiled").step
+    plain = generate(step, PROMPT, 40).tokens
     drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [0, 0]]), min_ngram=1)
-    assert torch.equal(generate(model, PROMPT, 40, drafter=drafter).tokens, plain)
-    assert {graph[0] for graph in model.compiled_step.compile_s} == {"trees"}
+    assert torch.equal(generate(step, PROMPT, 40, drafter=drafter).tokens, plain)
+    assert {graph[0] for graph in step.compile_s} == {"trees"}

@@ -1,0 +1,117 @@
+"""The target's step: what a verification forward runs through, one interface for its kinds.
+
+`load_target` chooses it (`target.step`, `target.packed_rows`) and the `Target` carries it; a
+`TreeVerifier` built from a bare model gets the eager step. Each kind answers for:
+- its width rule: the node count a forward of B trees of N nodes runs at;
+- its cache: what the prefilled (growing) cache becomes for the steps, making room in it,
+  and the columns every step's mask spans;
+- compiling: whether the graphs a decode runs exist yet (TreeVerifier.compile_graphs
+  compiles the missing ones before the clock starts);
+- calling: the forward, with the model's keyword arguments.
+
+The kinds: `EagerStep`, the model's forward as it is; `PackedStep`, the same forward on
+weights pre-packed for some row counts (verify/packed.py), with trees padded up to them; and
+`CompiledStep` (verify/compiled.py), the forward through torch.compile over a room cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from verify.compiled import CompiledStep
+from verify.packed import ladder_width, pack_target
+
+STEPS = ("eager", "compiled")
+
+
+class TargetStep(Protocol):
+    """What `TreeVerifier` runs its target forwards through (see the module docstring)."""
+
+    model: PreTrainedModel
+    extends_prompts: bool  # whether a prompt may follow tokens already cached
+
+    def width_for(self, rows: int, width: int) -> int:
+        """The node count a forward of `rows` trees of `width` nodes runs at (>= width)."""
+
+    def steps_cache(self, cache: DynamicCache) -> Cache:
+        """The cache the steps run on, holding the prefilled `cache`'s entries."""
+
+    def make_room(self, cache: Cache, width: int) -> None:
+        """Make room in `cache` for `width` more slots, where it has to be made."""
+
+    def mask_columns(self, cache: Cache) -> int | None:
+        """The columns every step's (B, 1, N, columns) mask spans, or None: the cached
+        slots and the tree's (S + N), and no mask where plain causal attention is the same."""
+
+    def has_graphs(self, rows: int, features: bool) -> bool:
+        """Whether decoding `rows` (1 or 2: any batch) sequences, with or without hidden
+        states, has every graph it runs compiled already."""
+
+    def __call__(self, **inputs) -> object:
+        """The forward, with the keyword arguments of the model's."""
+
+
+class EagerStep:
+    """The model's forward as it is, each tree at its own width, over a growing cache."""
+
+    extends_prompts = True
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def width_for(self, rows: int, width: int) -> int:
+        return width
+
+    def steps_cache(self, cache: DynamicCache) -> Cache:
+        return cache
+
+    def make_room(self, cache: Cache, width: int) -> None:
+        """Nothing to do: a growing cache makes its own room as it is written."""
+
+    def mask_columns(self, cache: Cache) -> int | None:
+        return None
+
+    def has_graphs(self, rows: int, features: bool) -> bool:
+        return True  # nothing to compile
+
+    def __call__(self, **inputs) -> object:
+        return self.model(**inputs)
+
+
+class PackedStep(EagerStep):
+    """The eager forward on weights packed for the row counts `ladder` (verify/packed.py): a
+    forward of B trees runs at the next width whose B * N rows are packed."""
+
+    def __init__(self, model: PreTrainedModel, ladder: Sequence[int]):
+        super().__init__(model)
+        self.ladder = tuple(ladder)
+
+    def width_for(self, rows: int, width: int) -> int:
+        return ladder_width(self.ladder, rows, width)
+
+
+def as_step(model_or_step: nn.Module | TargetStep) -> TargetStep:
+    """`model_or_step` itself if it is a step; a bare model's eager step otherwise."""
+    return EagerStep(model_or_step) if isinstance(model_or_step, nn.Module) else model_or_step
+
+
+def target_step(model: PreTrainedModel, step: str = "eager",
+                packed_rows: str | Sequence[int] | None = None) -> TargetStep:
+    """`target.step` and `target.packed_rows` applied to `model` (its linear layers packed in
+    place where asked): the step its decoding runs through. A compiled step packs its own
+    weights, so "auto" packs nothing there; oneDNN's packing serves every row count, so its
+    step pads no tree (an eager one)."""
+    if step not in STEPS:
+        raise ValueError(f"target.step is one of {list(STEPS)}, not {step!r}")
+    if step == "compiled":
+        if packed_rows not in (None, [], (), "auto"):
+            raise ValueError(f"a compiled step packs its own weights: target.packed_rows="
+                             f"{packed_rows!r} goes with target.step=eager (or set it to null)")
+        return CompiledStep(model)  # inductor's freezing packs the weights for each graph
+    ladder = pack_target(model, packed_rows)
+    return PackedStep(model, ladder) if ladder else EagerStep(model)
