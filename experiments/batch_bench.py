@@ -76,7 +76,7 @@ def treedraft_batched(target: Target, drafter: Drafter | None,
     """This framework's batched loop (drafter None: plain decoding), drafting only while at
     most `max_batch_for_speculation` rows are active (None: always)."""
     def run(prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
-        results = generate_batch(target.model, prompts, max_new_tokens, drafter=drafter,
+        results = generate_batch(target.step, prompts, max_new_tokens, drafter=drafter,
                                  eos_token_id=target.eos_token_ids,
                                  max_batch_for_speculation=max_batch_for_speculation)
         # Every row took part in each step of the row that ran longest: its verify times are

@@ -102,7 +102,7 @@ def sweep(cfg: DictConfig) -> tuple[list[dict], str]:
             records = time_methods(methods, prompts[length], cfg, desc=f"{length} tokens",
                                    device=target.model.device)
             summary = BenchSummary.from_json(summarise(records, baseline, reference))
-            cost = measure_verify_cost(target.model, sizes, length, cfg.cost_repeats)
+            cost = measure_verify_cost(target.step, sizes, length, cfg.cost_repeats)
             rows += [_row(length, name, figures, cost)
                      for name, figures in summary.methods.items()]
     return rows, source

@@ -70,9 +70,9 @@ def greedy_row(target: Target, drafter, questions, max_new_tokens: int,
         ids = target.encode_prompt(question.prompt)
         eos = target.eos_token_ids
         reference = (hf_generate(target, ids, max_new_tokens) if reference_name == "hf" else
-                     generate(target.model, ids, max_new_tokens, eos_token_id=eos,
+                     generate(target.step, ids, max_new_tokens, eos_token_id=eos,
                               pad_rows=pad_rows).tokens)
-        result = generate(target.model, ids, max_new_tokens, drafter=drafter,
+        result = generate(target.step, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=eos, pad_rows=pad_rows)
         tally += result.tally
         first = first_divergence(result.tokens.tolist(), reference.tolist())

@@ -117,7 +117,7 @@ def search(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:
     target = load_target_from_config(cfg.target)
     # Tiny models run faster on one thread; real ones use torch's default threads.
     with single_thread() if cfg.target.tiny else nullcontext():
-        cost = measure_verify_cost(target.model, list(cfg.sizes), cfg.context_len, cfg.repeats,
+        cost = measure_verify_cost(target.step, list(cfg.sizes), cfg.context_len, cfg.repeats,
                                    cfg.draft_cost_s)
     budget = choose_budget(accuracies, cost)
     return build_tree(accuracies, budget), size_table(accuracies, cost, budget)
@@ -135,7 +135,7 @@ def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
     prompts = heldout_prompts(prompt_data(cfg), target, cfg.num_prompts)
     with single_thread() if cfg.target.tiny else nullcontext():
         sizes = sorted({1} | {tree.total_tokens + 1 for tree in trees})
-        cost = measure_verify_cost(target.model, sizes, cfg.context_len, cfg.repeats)
+        cost = measure_verify_cost(target.step, sizes, cfg.context_len, cfg.repeats)
         # First calls pay one-off costs (allocations, kernel selection): keep them out.
         decode_trees(target, drafters, prompts[:1], min(cfg.max_new_tokens, 16))
         results = decode_trees(target, drafters, prompts, cfg.max_new_tokens)

@@ -162,7 +162,7 @@ def decode_trees(target: Target, drafters: Mapping[DynamicTree, Drafter],
     for ids in tqdm(prompts, desc=f"decoding {len(drafters)} trees", unit="prompt"):
         # Trees take turns on each prompt, so machine noise hits all alike.
         for tree, drafter in drafters.items():
-            results[tree].append(generate(target.model, ids, max_new_tokens, drafter=drafter,
+            results[tree].append(generate(target.step, ids, max_new_tokens, drafter=drafter,
                                           eos_token_id=target.eos_token_ids))
     return {tree: GenerationResult(torch.cat([r.tokens for r in rs]),
                                    [s for r in rs for s in r.steps],

@@ -100,7 +100,7 @@ def answer_batch(target: Target, prompts: list[torch.Tensor], max_new_tokens: in
                  keep_hidden: bool, drafter: Drafter | None = None) -> list[Answer]:
     """Greedy answers to a batch of prompts, decoded together by this framework's batched loop
     (with `drafter`, speculatively: the same answers, sooner)."""
-    results = generate_batch(target.model, prompts, max_new_tokens, drafter=drafter,
+    results = generate_batch(target.step, prompts, max_new_tokens, drafter=drafter,
                              eos_token_id=target.eos_token_ids, keep_states=keep_hidden)
     return [_answer(prompt, result.tokens, None if result.states is None
                     else result.states.cpu())

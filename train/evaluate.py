@@ -67,7 +67,7 @@ def decode_check(target: Target, drafter: Drafter, prompts: list[torch.Tensor],
     tally, identical = TokensPerForward(), 0
     draft_s = 0.0
     for ids in tqdm(prompts, desc="evaluating decoding"):
-        result = generate(target.model, ids, max_new_tokens, drafter=drafter,
+        result = generate(target.step, ids, max_new_tokens, drafter=drafter,
                           eos_token_id=target.eos_token_ids)
         reference = hf_generate(target, ids, max_new_tokens)
         identical += int(torch.equal(result.tokens, reference.cpu()))

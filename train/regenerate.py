@@ -170,7 +170,7 @@ def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen
     first = asking[0][0]
     generator = torch.Generator().manual_seed(
         regen.seed * 1_000_003 + zlib.crc32(f"{first.id}/{first.next}".encode()))
-    results = generate_batch(target.model, [prompt for _, prompt in asking],
+    results = generate_batch(target.step, [prompt for _, prompt in asking],
                              regen.max_new_tokens, temperature=regen.temperature,
                              top_p=regen.top_p, eos_token_id=target.eos_token_ids,
                              generator=generator)
