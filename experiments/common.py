@@ -6,6 +6,7 @@ import io
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,13 +33,23 @@ def pick_questions(data_root: str | None, num_prompts: int,
     return spread[:num_prompts]
 
 
-def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig) -> Path:
-    """Write {"config": ..., "environment": ..., "rows": ...} as JSON atomically; returns the
-    path."""
+def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig | dict) -> Path:
+    """Write {"command": ..., "config": ..., "environment": ..., "rows": ...} as JSON
+    atomically (the config resolved); returns the path. "command" names the command that
+    wrote it (`invocation`): the results pages pick its formatter by that name."""
     path = out_dir / f"{stem}.json"
-    write_json(path, {"config": OmegaConf.to_container(cfg, resolve=True),
+    config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    write_json(path, {"command": invocation(), "config": config,
                       "environment": environment(), "rows": rows})
     return path
+
+
+def invocation() -> dict:
+    """{"module", "argv"}: the module this process runs (`python -m <module>`, and each rank
+    torchrun starts with `-m`; else the script's path) and its arguments."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    module = spec.name.removesuffix(".__main__") if spec is not None else sys.argv[0]
+    return {"module": module, "argv": sys.argv[1:]}
 
 
 def save_figure(fig, path: Path) -> Path:

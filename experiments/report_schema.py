@@ -2,12 +2,13 @@
 experiments.batch_bench write, and what simulate, bench_report and the reproduction write-ups
 read.
 
-A report file is {"config": ..., "environment": ..., "rows": [summary, ...]} (common.
-write_report); a bench summary holds per-method figures (`BenchSummary`, `MethodFigures`), a
-batch summary per batch size and method (`BatchSummary`, `BatchFigures`). Each type reads and
-writes the JSON form (`from_json`, `to_json`): a required field is always in the file; an
-optional one is left out where it does not apply to the row (a baseline that drafts nothing has
-no tau) or the run predates it, so every report saved so far reads back as it was written.
+A report file is {"command": ..., "config": ..., "environment": ..., "rows": [summary, ...]}
+(common.write_report); a bench summary holds per-method figures (`BenchSummary`,
+`MethodFigures`), a batch summary per batch size and method (`BatchSummary`, `BatchFigures`).
+Each type reads and writes the JSON form (`from_json`, `to_json`): a required field is always
+in the file; an optional one is left out where it does not apply to the row (a baseline that
+drafts nothing has no tau) or the run predates it, so every report saved so far reads back as
+it was written.
 A key no type knows is refused, naming the known ones: a misspelt figure fails when written,
 not when a reader misses it.
 """
@@ -179,9 +180,11 @@ class BatchSummary:
 @dataclass(kw_only=True)
 class BenchReport:
     """A saved experiments.bench (summary type BenchSummary) or batch_bench (BatchSummary)
-    JSON: one summary per row (the commands write one), with the run's resolved config and
-    its environment (absent in early reports; both absent from a summary saved alone)."""
+    JSON: one summary per row (the commands write one), with the command that wrote it
+    (common.invocation), the run's resolved config and its environment (absent in early
+    reports; all three absent from a summary saved alone)."""
 
+    command: dict | None = None
     config: dict | None = None
     environment: dict | None = None
     rows: list[BenchSummary] | list[BatchSummary]

@@ -54,7 +54,7 @@ def regeneration_row(cfg: DictConfig, ranks: int, scratch: Path) -> dict:
     """Regeneration tokens/s with `ranks` ranks (account.json's this_run)."""
     folder = scratch / f"regenerate-{ranks}"
     regen = cfg.regenerate
-    run(command(ranks, "train.regenerate", None, cfg.port) + [
+    run(command(ranks, "experiments.regenerate", None, cfg.port) + [
         f"target={cfg.target_option}", f"target.dtype={regen.dtype}",
         f"regen.conversations={regen.conversations}",
         f"regen.max_new_tokens={regen.max_new_tokens}", f"regen.batch_size={regen.batch_size}",

@@ -12,7 +12,7 @@
 #      targets decoding with four drafters, sampling, the compiled step, training, pinned
 #      batches, all on the GPU); JUnit XML in FOLDER/pytest-cuda.xml.
 #   2. regenerate: the default target (SmolLM2-135M-Instruct, bfloat16) answers 64
-#      conversations, 64 new tokens a turn (python -m train.regenerate) -> regen/.
+#      conversations, 64 new tokens a turn (python -m experiments.regenerate) -> regen/.
 #   3. train-eagle3: online EAGLE-3 training on those answers (data=regenerated, features
 #      computed live: data.cache_hidden=false), EAGLE3_STEPS steps (1200, meant as ~2 minutes)
 #      -> train/eagle3/ (checkpoint, eval.json).
@@ -148,7 +148,7 @@ run_step cuda-tests "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
   --junitxml="$OUT/pytest-cuda.xml" "${CUDA_TEST_SELECTION[@]}" "${CUDA_TEST_FILES[@]}"
 
 # 2. Conversations answered by the default target.
-run_step regenerate "$PYTHON" -m train.regenerate target=smollm2 "${REGEN[@]}" \
+run_step regenerate "$PYTHON" -m experiments.regenerate target=smollm2 "${REGEN[@]}" \
   regen.out_dir="$OUT/regen" device="$DEVICE" "$(hydra regenerate)"
 
 # 3-4. EAGLE-3 online on those answers; EAGLE-1 short. In the dry run the checkpoints the

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import train.regenerate  # noqa: F401  (registers regenerate_schema, conf/regenerate.yaml's)
+import experiments.regenerate  # noqa: F401  (registers regenerate_schema, conf/regenerate.yaml's)
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters import tree_policy
 from drafters.adaptive import measured_cost
@@ -41,7 +41,8 @@ COMMANDS = {
 # Benchmark presets live in conf/experiment/bench/ (experiment=bench/<name>); the top-level
 # experiment options are train.py's.
 BENCH_PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "bench").glob("*.yaml"))
-# Regeneration presets: conf/experiment/regenerate/ (python -m train.regenerate experiment=...)
+# Regeneration presets: conf/experiment/regenerate/
+# (python -m experiments.regenerate experiment=...)
 REGENERATE_PRESETS = sorted(
     p.stem for p in (Path(CONF_DIR) / "experiment" / "regenerate").glob("*.yaml"))
 CASES = [(command, group, option) for command, groups in COMMANDS.items()
@@ -158,7 +159,7 @@ def test_each_bench_preset_composes_and_names_the_checkpoints_it_needs(preset):
 @pytest.mark.parametrize("preset", REGENERATE_PRESETS)
 def test_each_regeneration_preset_says_how_to_run_it_and_composes(preset):
     text = (Path(CONF_DIR) / "experiment" / "regenerate" / f"{preset}.yaml").read_text()
-    assert f"train.regenerate experiment=regenerate/{preset}" in text.splitlines()[1]
+    assert f"experiments.regenerate experiment=regenerate/{preset}" in text.splitlines()[1]
     assert all(word in text for word in ("Time:", "Memory:", "Disk:"))
     cfg = compose_with("regenerate", f"experiment=regenerate/{preset}")
     assert cfg.regen.conversations > 0 and cfg.target.name

@@ -15,6 +15,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +24,10 @@ from tqdm import tqdm
 
 from train.conversations import sharegpt_sequences
 from train.distill import Answer
-from train.distributed import DistEnv
+from train.distributed import DistEnv, all_reduce_sum
+from train.lock import run_lock
 from train.loop import batch_indices, chunks
-from train.regenerate import conversation_file
+from train.regen_folder import conversation_file
 from verify.features import num_layers, resolve_layers, select_features
 from verify.files import (
     load_tensors,
@@ -157,15 +159,27 @@ def extract_features(target: Target, sequences: Sequence[TokenSequence], layers:
     (`env`), rank r extracts the missing shards b with b % world_size == r; the batching does
     not depend on the ranks, so the shards are those one process writes. When all are there,
     the main rank writes manifest.json. Before extracting, the bytes to write are printed, and
-    refused (DiskSpaceError) when the disk has less free.
+    refused (DiskSpaceError) when the disk has less free. A run that writes (the cache is not
+    complete) holds the folder (train.lock): OutDirLocked when another live run does; a
+    complete cache is read without it, by any number of runs.
     """
     env = env or DistEnv(0, 1, torch.device("cpu"))
     layers = resolve_layers(layers, num_layers(target.model.config))
     folder = feature_folder(cache_dir, target, layers, sequences, tokens_per_batch)
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_orphans(folder)  # dead writers' temporary files (a live writer's stay)
+    seen = all_reduce_sum(torch.tensor([int((folder / MANIFEST_FILE).exists())]), env)
+    complete = seen.item() == env.world_size  # the same answer on every rank: run_lock is a
+    # collective, every rank must take it or none
+    with nullcontext() if complete else run_lock(folder, env, "data.cache_dir"):
+        return _read_features(target, sequences, layers, folder, tokens_per_batch, env)
+
+
+def _read_features(target: Target, sequences: Sequence[TokenSequence], layers: tuple[int, ...],
+                   folder: Path, tokens_per_batch: int, env: DistEnv) -> FeatureSet:
+    """extract_features' work: the missing shards extracted, every shard read."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
     batches = _batches([len(sequences[i][0]) for i in order], tokens_per_batch)
-    folder.mkdir(parents=True, exist_ok=True)
-    remove_orphans(folder)
     shards = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)}
     missing = {b: batch for b, batch in shards.items() if not shard_path(folder, b).exists()}
     clock = device_clock(target.model.device)  # an accelerator's queued work included

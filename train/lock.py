@@ -1,10 +1,13 @@
-"""One writer per out_dir: a training run holds `<out_dir>/.lock` (its pid and host) while it runs.
+"""One writer per folder: a run holds `<folder>/.lock` (its pid and host) while it writes there.
 
-Two runs on one out_dir would resume each other's checkpoints and swap folders under each
-other's feet; the second refuses instead, naming the holder. A lock whose process is dead on
+A training run holds its out_dir, a regeneration its output folder, a feature extraction its
+cache folder. Two runs on one folder would resume each other's work (two trainings swap
+checkpoints under each other's feet, two regenerations answer every conversation twice); the
+second refuses instead, naming the holder. A lock whose process is dead on
 this machine (a killed run) is stale and taken over. A lock held from another machine is never
 taken over: its process cannot be checked from here (delete the file when that run is gone).
-Holding the lock also means any temporary file in out_dir is a dead writer's: they go.
+Holding the lock also means any temporary file in the folder is a dead writer's: they go.
+Under torchrun the ranks of one run share the folder: rank 0 holds it for all (`run_lock`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import torch
+
+from train.distributed import DistEnv, all_reduce_sum
 from verify.files import process_alive, remove_orphans
 
 log = logging.getLogger(__name__)
@@ -28,16 +34,17 @@ UNREADABLE_GRACE_S = 10.0
 
 
 class OutDirLocked(RuntimeError):
-    """Another live run writes to this out_dir."""
+    """Another live run writes to this folder."""
 
 
 @contextmanager
-def out_dir_lock(out_dir: Path) -> Iterator[Path]:
+def out_dir_lock(out_dir: Path, setting: str = "out_dir") -> Iterator[Path]:
     """Hold `out_dir`'s lock for the duration (creating the folder); yields the lock file.
-    OutDirLocked when another live run holds it."""
+    OutDirLocked when another live run holds it (its message suggests another `setting`, the
+    option that names the folder)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_FILE
-    _take(path)
+    _take(path, setting)
     try:
         remove_orphans(out_dir)
         yield path
@@ -45,7 +52,26 @@ def out_dir_lock(out_dir: Path) -> Iterator[Path]:
         path.unlink(missing_ok=True)
 
 
-def _take(path: Path) -> None:
+@contextmanager
+def run_lock(folder: Path, env: DistEnv, setting: str) -> Iterator[None]:
+    """`folder`'s lock for a run whose every rank writes there: rank 0 holds it (the ranks of
+    one run must not refuse each other), and no rank goes on before it knows that rank 0 got
+    it (the other ranks of a refused run must not write their share). OutDirLocked on every
+    rank when another live run holds the folder; rank 0's names the holder."""
+    with ExitStack() as held:
+        refused = None
+        if env.is_main:
+            try:
+                held.enter_context(out_dir_lock(folder, setting))
+            except OutDirLocked as error:
+                refused = error
+        if all_reduce_sum(torch.tensor([int(refused is not None)]), env).item():
+            raise refused or OutDirLocked(f"{folder} is in use by another run: rank 0 of this "
+                                          "run could not take its lock")
+        yield
+
+
+def _take(path: Path, setting: str) -> None:
     """Create the lock file exclusively, taking over a stale one once."""
     for _ in range(2):
         try:
@@ -56,7 +82,7 @@ def _take(path: Path) -> None:
                 raise OutDirLocked(
                     f"{path.parent} is in use by another run (pid {holder.get('pid')} on "
                     f"{holder.get('host')}, lock file {path}): wait for it, or give this run "
-                    "another out_dir. If that run is gone, delete the lock file") from None
+                    f"another {setting}. If that run is gone, delete the lock file") from None
             log.warning("taking over %s: its run (pid %s) is dead", path, holder.get("pid"))
             path.unlink(missing_ok=True)
             continue

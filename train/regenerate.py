@@ -1,8 +1,7 @@
 """Regenerate training conversations with the target itself, turn by turn (on-policy data).
 
-    python -m train.regenerate                                   # 1,000 ShareGPT conversations
-    torchrun --nproc_per_node=2 -m train.regenerate regen.conversations=200 target.dtype=bfloat16
-    python train.py drafter=eagle3 data=regenerated data.conversations=<the folder it prints>
+The command is experiments.regenerate (`python -m experiments.regenerate`, under torchrun for
+several ranks); this module is its data side, as training's other data (train.features).
 
 A draft learns to predict what the target writes, so the answers it trains on should be the
 target's own. Every assistant turn of a conversation is replaced by the target's answer to the
@@ -14,9 +13,9 @@ finished conversation's row goes to the next one waiting.
 Under torchrun, conversation i goes to rank i % world_size. Each rank appends every outcome
 (done, skipped with its reason, failed with its reason) to its own JSON-lines log as soon as it
 has it, so a killed run skips what it finished. When every rank is done, rank 0 writes
-`conversations.jsonl` (input order, `{id, conversations: [{role, content}]}`), `account.json`
-(input = done + skipped + failed) and `manifest.json` (the target's fingerprint and the
-settings). The folder is keyed by the target's identity (weights, config; verify.fingerprint),
+`conversations.jsonl`, `account.json` and `manifest.json` (train.regen_folder). One run at a
+time writes a folder: rank 0 holds its lock (train.lock), and a second run is refused. The
+folder is keyed by the target's identity (weights, config; verify.fingerprint),
 its dtype and the settings, never by its name alone; training checks the identity again.
 """
 
@@ -32,31 +31,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
-from hydra.core.config_store import ConfigStore
 from jinja2.exceptions import TemplateError
-from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from train.conversations import Record, chat_messages, read_records
-from train.distributed import DistEnv, all_reduce_sum, close_distributed, init_distributed
-from train.schema import TargetConfig
-from verify.files import remove_orphans, write_json, write_text
-from verify.fingerprint import describe_difference, identity
+from train.distributed import DistEnv, all_reduce_sum
+from train.lock import run_lock
+from train.regen_folder import Message, Outcome, RankLog, write_results
+from verify.fingerprint import identity
 from verify.loop import generate_batch, until_eos
-from verify.target import Target, cache_root, load_target_from_config
+from verify.target import Target, cache_root
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-CONVERSATIONS_FILE = "conversations.jsonl"
-ACCOUNT_FILE = "account.json"
-MANIFEST_FILE = "manifest.json"
-REPORT_FILE = "report.json"  # the account as the results pages read it (experiments.results)
 # What a training run may change without changing the answers: where they go, how many are
 # answered at once (padding aside), how many ranks share the work.
 NOT_IN_KEY = ("out_dir", "batch_size")
-
-Message = dict[str, str]  # a chat message: {"role", "content"}
 
 
 @dataclass
@@ -76,41 +65,22 @@ class RegenConfig:
     out_dir: str | None = None  # null: <treedraft cache>/regenerated/<target>/<key>
 
 
-@dataclass
-class RegenerateSchema:
-    target: TargetConfig = MISSING
-    regen: RegenConfig = field(default_factory=RegenConfig)
-    device: str = "auto"
-
-
-ConfigStore.instance().store(name="regenerate_schema", node=RegenerateSchema)
-
-
-@dataclass
-class Outcome:
-    """What became of one input conversation: status done | skipped | failed; reason for the
-    last two; the regenerated messages when done; counts for the account."""
-
-    id: str
-    status: str
-    reason: str | None = None
-    conversations: list[Message] | None = None
-    answers: int = 0  # assistant turns answered
-    tokens: int = 0  # tokens the target generated
-    cut_answers: int = 0  # answers stopped at max_new_tokens
-    dropped_turns: int = 0  # assistant turns left out: the context had reached its limit
-
-
 def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, folder: Path,
                env: DistEnv) -> dict:
     """Regenerate this rank's share of `records` into `folder` (skipping what a previous run
     finished), wait for every rank, and on rank 0 write the merged files; returns the account
-    (rank 0) or {}."""
+    (rank 0) or {}. The run holds `folder` throughout (train.lock): OutDirLocked when another
+    live run does."""
     if target.tokenizer is None or not target.tokenizer.chat_template:
         raise ValueError(f"regeneration needs a target with a chat template; {target.name!r} "
                          "has none")
-    folder.mkdir(parents=True, exist_ok=True)
-    remove_orphans(folder)
+    with run_lock(folder, env, "regen.out_dir"):
+        return _regenerate_held(target, records, regen, folder, env)
+
+
+def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConfig,
+                     folder: Path, env: DistEnv) -> dict:
+    """regenerate's work, once the run holds `folder`."""
     log = RankLog(folder, env.rank)
     mine = [record for i, record in enumerate(records)
             if i % env.world_size == env.rank and record[0] not in log.finished]
@@ -123,7 +93,13 @@ def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, fo
         return {}
     this_run = {"conversations": done[0], "tokens": done[1],
                 "seconds": round(time.perf_counter() - started, 1), "ranks": env.world_size}
-    return write_results(folder, records, target, regen, this_run)
+    return write_results(folder, records, settings(target, regen), this_run)
+
+
+def settings(target: Target, regen: RegenConfig) -> dict:
+    """What made a regeneration: the target's fingerprint and the settings (the manifest's,
+    the report's config)."""
+    return {"target": target.fingerprint(), "regen": asdict(regen)}
 
 
 def _answer_all(target: Target, records: list[Record], regen: RegenConfig, log: RankLog,
@@ -242,118 +218,6 @@ class _Job:
         return None
 
 
-class RankLog:
-    """A rank's outcomes, one JSON line each, appended and flushed as they come: what a killed
-    run finished is skipped by the next. A line cut by the kill is dropped on open."""
-
-    def __init__(self, folder: Path, rank: int):
-        self.path = folder / "ranks" / f"rank-{rank:03d}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.finished = {outcome.id for outcome in read_outcomes(self.path, repair=True)}
-
-    def append(self, outcome: Outcome) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(asdict(outcome), ensure_ascii=False) + "\n")
-            f.flush()
-
-
-def read_outcomes(path: Path, repair: bool = False) -> list[Outcome]:
-    """The outcomes in a rank log; with `repair`, a last line cut short is removed from it."""
-    if not path.exists():
-        return []
-    text = path.read_text(encoding="utf-8")
-    whole = text[:text.rfind("\n") + 1]  # a kill can only cut the last line
-    if repair and whole != text:
-        write_text(path, whole)
-    return [Outcome(**json.loads(line)) for line in whole.splitlines() if line.strip()]
-
-
-def write_results(folder: Path, records: Sequence[Record], target: Target, regen: RegenConfig,
-                  this_run: dict) -> dict:
-    """conversations.jsonl, account.json and manifest.json from every rank's log; the account."""
-    found = {o.id: o for path in sorted((folder / "ranks").glob("rank-*.jsonl"))
-             for o in read_outcomes(path)}
-    outcomes = [found[record_id] for record_id, _ in records if record_id in found]
-    if len(outcomes) != len(records):
-        raise RuntimeError(f"{len(records) - len(outcomes)} conversations have no outcome in "
-                           f"{folder / 'ranks'}: rerun the same command to finish them")
-    write_text(folder / CONVERSATIONS_FILE, "".join(
-        json.dumps({"id": o.id, "conversations": o.conversations}, ensure_ascii=False) + "\n"
-        for o in outcomes if o.status == "done"))
-    account = make_account(outcomes, this_run)
-    write_json(folder / ACCOUNT_FILE, account)
-    settings = {"target": target.fingerprint(), "regen": asdict(regen)}
-    write_json(folder / MANIFEST_FILE, {**settings, "account": ACCOUNT_FILE,
-                                        "file": CONVERSATIONS_FILE})
-    from experiments.common import environment  # the machine the tokens/s were measured on
-
-    write_json(folder / REPORT_FILE, {"config": settings, "environment": environment(),
-                                      "rows": [account]})
-    return account
-
-
-def make_account(outcomes: Sequence[Outcome], this_run: dict) -> dict:
-    """input = done + skipped + failed, the last two by reason, with what was generated."""
-    done = [o for o in outcomes if o.status == "done"]
-    reasons = {status: dict(Counter(o.reason.split(":")[0] for o in outcomes
-                                    if o.status == status)) for status in ("skipped", "failed")}
-    account = {
-        "input": len(outcomes), "done": len(done),
-        "skipped": sum(reasons["skipped"].values()), "failed": sum(reasons["failed"].values()),
-        "skipped_by_reason": reasons["skipped"], "failed_by_reason": reasons["failed"],
-        "failed_ids": [o.id for o in outcomes if o.status == "failed"][:20],
-        "answers": sum(o.answers for o in done), "tokens": sum(o.tokens for o in done),
-        "cut_answers": sum(o.cut_answers for o in done),
-        "dropped_turns": sum(o.dropped_turns for o in done),
-        "this_run": {**this_run, "tokens_per_s": round(
-            this_run["tokens"] / max(this_run["seconds"], 1e-9), 2)},
-    }
-    assert account["input"] == account["done"] + account["skipped"] + account["failed"]
-    return account
-
-
-def format_table(rows: list[dict]) -> str:
-    """Markdown: saved regeneration accounts (report.json's rows), as the results pages show."""
-    from experiments.table import markdown_table
-
-    header = ["input", "done", "skipped", "failed", "answers", "tokens", "cut answers",
-              "dropped turns", "ranks", "seconds", "tokens/s"]
-    table = [[a["input"], a["done"], f"{a['skipped']} ({_reasons(a['skipped_by_reason'])})",
-              f"{a['failed']} ({_reasons(a['failed_by_reason'])})", a["answers"],
-              f"{a['tokens']:,}", a["cut_answers"], a["dropped_turns"], *_last_run(a)]
-             for a in rows]
-    return markdown_table(header, table) + (
-        "\n\ninput = done + skipped + failed. cut answers: stopped at regen.max_new_tokens; "
-        "dropped turns: not asked, the conversation had reached regen.max_context_tokens. "
-        "ranks, seconds and tokens/s: the last invocation, \"-\" when it only gathered what "
-        "earlier ones had finished (a resumed run counts what it did).")
-
-
-def _last_run(account: dict) -> list:
-    from experiments.table import cell
-
-    run = account["this_run"]
-    if not run["conversations"]:
-        return [cell(None)] * 3
-    return [run["ranks"], run["seconds"], run["tokens_per_s"]]
-
-
-def _reasons(counts: dict) -> str:
-    return ", ".join(f"{n} {why}" for why, n in counts.items()) or "none"
-
-
-def format_account(account: dict) -> str:
-    run = account["this_run"]
-    return (f"input {account['input']} = done {account['done']} + skipped {account['skipped']} "
-            f"({_reasons(account['skipped_by_reason'])}) + failed {account['failed']} "
-            f"({_reasons(account['failed_by_reason'])})\n"
-            f"{account['answers']} answers, {account['tokens']:,} tokens "
-            f"({account['cut_answers']} cut at max_new_tokens, {account['dropped_turns']} turns "
-            f"dropped at max_context_tokens)\n"
-            f"this run: {run['conversations']} conversations on {run['ranks']} rank(s), "
-            f"{run['tokens']:,} tokens in {run['seconds']} s = {run['tokens_per_s']} tokens/s")
-
-
 def regeneration_folder(regen: RegenConfig, target: Target, input_key: Any) -> Path:
     """regen.out_dir, else a cache folder named by the target's identity and dtype, the input
     and every setting that changes the answers."""
@@ -389,59 +253,3 @@ def first_records(path: str | None, count: int) -> list[Record]:
         if len(records) == count:
             break
     return records
-
-
-def conversation_file(path: str | Path, target: Target) -> Path:
-    """The conversation file behind `data.conversations`: a regeneration folder (its
-    conversations.jsonl, after checking that this target made it) or any conversation file."""
-    path = Path(path).expanduser()
-    if path.is_file():
-        return path
-    manifest = path / MANIFEST_FILE
-    if not manifest.is_file():
-        raise FileNotFoundError(
-            f"{path} holds no finished regeneration ({MANIFEST_FILE} is missing): run "
-            "`python -m train.regenerate` (or rerun it to finish), then point "
-            "data.conversations at the folder it prints")
-    made_by = json.loads(manifest.read_text())["target"]
-    theirs, have = identity(made_by), identity(target.fingerprint())
-    if theirs != have:
-        raise ValueError(f"the conversations in {path} were regenerated by another target "
-                         f"({describe_difference(theirs, have)}): regenerate them with this "
-                         f"one, or name the file itself (data.conversations="
-                         f"{path / CONVERSATIONS_FILE}) to train on them as any other text")
-    return path / CONVERSATIONS_FILE
-
-
-def run(cfg: DictConfig) -> dict:
-    """Load the target, regenerate cfg.regen on every rank, print the account (rank 0)."""
-    regen: RegenConfig = OmegaConf.to_object(cfg.regen)
-    if regen.conversations < 1 or regen.batch_size < 1 or regen.max_new_tokens < 1:
-        raise ValueError("regen.conversations, regen.batch_size and regen.max_new_tokens must "
-                         "be at least 1")
-    env = init_distributed(cfg.device)
-    try:
-        target = load_target_from_config(cfg.target, packed_rows=None)
-        target.model.to(env.device)
-        folder = regeneration_folder(regen, target, input_key(regen.input))
-        records = first_records(regen.input, regen.conversations)
-        if env.is_main:
-            print(f"regenerating {len(records)} conversations with {target.name} "
-                  f"({target.fingerprint()['dtype']}) on {env.world_size} rank(s) into {folder}")
-        account = regenerate(target, records, regen, folder, env)
-    finally:
-        close_distributed()
-    if env.is_main:
-        print(format_account(account))
-        print(f"conversations: {folder / CONVERSATIONS_FILE}\ntrain on them: python train.py "
-              f"drafter=eagle3 data=regenerated data.conversations={folder}")
-    return account
-
-
-@hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base=None)
-def main(cfg: DictConfig) -> None:
-    run(cfg)
-
-
-if __name__ == "__main__":
-    main()

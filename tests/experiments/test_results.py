@@ -97,3 +97,28 @@ def test_a_report_of_no_known_command_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no known command"):
         kind_of({"rows": [{"mystery": 1}]}, tmp_path / "x.json")
     assert len({k.command for k in KINDS}) == len(KINDS)
+
+
+def _recorded(module: str | None, row: dict) -> dict:
+    return {"command": {"module": module, "argv": []}, "rows": [row]}
+
+
+@pytest.mark.parametrize("module, row, command", [
+    # the record decides, whatever the rows look like
+    ("experiments.simulate", {"methods": {}}, "experiments.simulate"),
+    ("experiments.regenerate", {"skipped_by_reason": {}}, "experiments.regenerate"),
+    # a command with several kinds: its rows pick among them only
+    ("experiments.profile", {"best": 1}, "experiments.profile products=true"),
+    ("experiments.profile", {"step_greedy": 1}, "experiments.profile"),
+    # no record, or one naming no command (a test, a notebook): the guess by rows
+    (None, {"skipped_by_reason": {}}, "train.regenerate"),
+    ("pytest", {"methods": {}}, "experiments.bench"),
+])
+def test_a_report_is_rendered_by_the_command_its_record_names(module, row, command):
+    report = _recorded(module, row) if module else {"rows": [row]}
+    assert kind_of(report, Path("x.json")).command == command
+
+
+def test_rows_no_kind_of_the_recorded_command_writes_are_refused():
+    with pytest.raises(ValueError, match="experiments.profile writes no rows with keys"):
+        kind_of(_recorded("experiments.profile", {"methods": {}}), Path("x.json"))

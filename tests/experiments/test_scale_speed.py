@@ -19,7 +19,7 @@ def test_rows_come_from_the_files_the_commands_write(tmp_path, monkeypatch):
         out = next(a.split("=", 1)[1] for a in args
                    if a.startswith(("regen.out_dir=", "out_dir=")))
         folder = tmp_path / out
-        if "train.regenerate" in args:
+        if "experiments.regenerate" in args:
             (folder).mkdir(parents=True)
             (folder / "account.json").write_text(json.dumps({"this_run": {
                 "tokens": 640, "seconds": 8.0, "tokens_per_s": 80.0}}))
@@ -52,7 +52,7 @@ def test_rows_come_from_the_files_the_commands_write(tmp_path, monkeypatch):
     assert rows[-1]["setting"] == "eagle, online, fsdp" and "dist.strategy=fsdp" in commands[-1]
     assert commands[1][:4] == [scale_speed.sys.executable, "-m", "torch.distributed.run",
                                "--nproc_per_node=2"]
-    assert "-m" in commands[0] and "train.regenerate" in commands[0]
+    assert "-m" in commands[0] and "experiments.regenerate" in commands[0]
     assert "train.py" in commands[2] and "data.cache_hidden=false" in commands[3]
     assert "| regenerate |" in scale_speed.format_table(rows)
 

@@ -1,8 +1,10 @@
 """Prefill features: padded batches give each sequence the states of its own unpadded forward,
-layers in declared order, and a shard cache that is reused and survives interruption."""
+layers in declared order, and a shard cache that is reused, survives interruption and has one
+writer at a time."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,8 +16,10 @@ from omegaconf import OmegaConf
 
 import train.features as features
 import verify.files as files
+from tests.train.test_lock import dead_pid, write_lock
 from train.distill import Answer
 from train.features import answer_sequences, extract_features, feature_folder, training_features
+from train.lock import LOCK_FILE, OutDirLocked
 from verify.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,6 +145,32 @@ def test_a_target_of_the_same_name_with_other_weights_or_dtype_gets_its_own_cach
     assert reseeded.name == target.name
     others = [feature_folder(tmp_path, t, (2,), sequences, 24) for t in (reseeded, halved)]
     assert base not in others and others[0] != others[1]
+
+
+def test_a_second_extraction_into_a_cache_a_live_run_writes_is_refused(target, tmp_path):
+    folder = extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH).folder
+    (folder / "manifest.json").unlink()  # not complete: an extraction would write here
+    (folder / "shard-00001.safetensors").unlink()
+    write_lock(folder, os.getppid())  # a live process: our parent
+    with pytest.raises(OutDirLocked, match=rf"{re.escape(str(folder))} is in use by another "
+                                           rf"run \(pid {os.getppid()} .*data.cache_dir"):
+        extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH)
+    assert not (folder / "shard-00001.safetensors").exists()
+
+
+def test_a_complete_cache_is_read_while_held_and_a_dead_writers_taken_over(
+        target, tmp_path, monkeypatch):
+    folder = extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH).folder
+    write_lock(folder, os.getppid())
+    calls = count_forwards(monkeypatch)
+    extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH)  # reads only
+    assert calls == []
+    (folder / "manifest.json").unlink()
+    (folder / "shard-00001.safetensors").unlink()
+    write_lock(folder, dead_pid())
+    extract_features(target, make_sequences(), [-1], cache_dir=tmp_path, **BATCH)
+    assert calls == [2] and (folder / "manifest.json").exists()
+    assert not (folder / LOCK_FILE).exists()  # released
 
 
 def test_a_corrupt_shard_is_rebuilt_and_a_dead_writers_orphans_removed(

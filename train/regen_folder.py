@@ -1,0 +1,133 @@
+"""What a regeneration folder holds, and reading it back: the ranks' resume logs, the merged
+conversations, the account and the manifest (train.regenerate writes them).
+
+    <folder>/ranks/rank-<r>.jsonl   every outcome of rank r, one JSON line each, as it comes
+    <folder>/conversations.jsonl    the done conversations, input order: {id, conversations}
+    <folder>/account.json           input = done + skipped + failed, by reason
+    <folder>/manifest.json          the target's fingerprint and the settings; written last
+
+A killed run leaves its rank logs: the next one skips what they hold. Training reads a folder
+only with the target that made it (`conversation_file`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from train.conversations import Record
+from verify.files import write_json, write_text
+from verify.fingerprint import describe_difference, identity
+from verify.target import Target
+
+CONVERSATIONS_FILE = "conversations.jsonl"
+ACCOUNT_FILE = "account.json"
+MANIFEST_FILE = "manifest.json"
+
+Message = dict[str, str]  # a chat message: {"role", "content"}
+
+
+@dataclass
+class Outcome:
+    """What became of one input conversation: status done | skipped | failed; reason for the
+    last two; the regenerated messages when done; counts for the account."""
+
+    id: str
+    status: str
+    reason: str | None = None
+    conversations: list[Message] | None = None
+    answers: int = 0  # assistant turns answered
+    tokens: int = 0  # tokens the target generated
+    cut_answers: int = 0  # answers stopped at max_new_tokens
+    dropped_turns: int = 0  # assistant turns left out: the context had reached its limit
+
+
+class RankLog:
+    """A rank's outcomes, one JSON line each, appended and flushed as they come: what a killed
+    run finished is skipped by the next. A line cut by the kill is dropped on open."""
+
+    def __init__(self, folder: Path, rank: int):
+        self.path = folder / "ranks" / f"rank-{rank:03d}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.finished = {outcome.id for outcome in read_outcomes(self.path, repair=True)}
+
+    def append(self, outcome: Outcome) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(outcome), ensure_ascii=False) + "\n")
+            f.flush()
+
+
+def read_outcomes(path: Path, repair: bool = False) -> list[Outcome]:
+    """The outcomes in a rank log; with `repair`, a last line cut short is removed from it."""
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    whole = text[:text.rfind("\n") + 1]  # a kill can only cut the last line
+    if repair and whole != text:
+        write_text(path, whole)
+    return [Outcome(**json.loads(line)) for line in whole.splitlines() if line.strip()]
+
+
+def write_results(folder: Path, records: Sequence[Record], settings: dict, this_run: dict
+                  ) -> dict:
+    """conversations.jsonl, account.json and manifest.json (`settings`: the target's
+    fingerprint and the regeneration settings) from every rank's log; the account."""
+    found = {o.id: o for path in sorted((folder / "ranks").glob("rank-*.jsonl"))
+             for o in read_outcomes(path)}
+    outcomes = [found[record_id] for record_id, _ in records if record_id in found]
+    if len(outcomes) != len(records):
+        raise RuntimeError(f"{len(records) - len(outcomes)} conversations have no outcome in "
+                           f"{folder / 'ranks'}: rerun the same command to finish them")
+    write_text(folder / CONVERSATIONS_FILE, "".join(
+        json.dumps({"id": o.id, "conversations": o.conversations}, ensure_ascii=False) + "\n"
+        for o in outcomes if o.status == "done"))
+    account = make_account(outcomes, this_run)
+    write_json(folder / ACCOUNT_FILE, account)
+    write_json(folder / MANIFEST_FILE, {**settings, "account": ACCOUNT_FILE,
+                                        "file": CONVERSATIONS_FILE})
+    return account
+
+
+def make_account(outcomes: Sequence[Outcome], this_run: dict) -> dict:
+    """input = done + skipped + failed, the last two by reason, with what was generated."""
+    done = [o for o in outcomes if o.status == "done"]
+    reasons = {status: dict(Counter(o.reason.split(":")[0] for o in outcomes
+                                    if o.status == status)) for status in ("skipped", "failed")}
+    account = {
+        "input": len(outcomes), "done": len(done),
+        "skipped": sum(reasons["skipped"].values()), "failed": sum(reasons["failed"].values()),
+        "skipped_by_reason": reasons["skipped"], "failed_by_reason": reasons["failed"],
+        "failed_ids": [o.id for o in outcomes if o.status == "failed"][:20],
+        "answers": sum(o.answers for o in done), "tokens": sum(o.tokens for o in done),
+        "cut_answers": sum(o.cut_answers for o in done),
+        "dropped_turns": sum(o.dropped_turns for o in done),
+        "this_run": {**this_run, "tokens_per_s": round(
+            this_run["tokens"] / max(this_run["seconds"], 1e-9), 2)},
+    }
+    assert account["input"] == account["done"] + account["skipped"] + account["failed"]
+    return account
+
+
+def conversation_file(path: str | Path, target: Target) -> Path:
+    """The conversation file behind `data.conversations`: a regeneration folder (its
+    conversations.jsonl, after checking that this target made it) or any conversation file."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        raise FileNotFoundError(
+            f"{path} holds no finished regeneration ({MANIFEST_FILE} is missing): run "
+            "`python -m experiments.regenerate` (or rerun it to finish), then point "
+            "data.conversations at the folder it prints")
+    made_by = json.loads(manifest.read_text())["target"]
+    theirs, have = identity(made_by), identity(target.fingerprint())
+    if theirs != have:
+        raise ValueError(f"the conversations in {path} were regenerated by another target "
+                         f"({describe_difference(theirs, have)}): regenerate them with this "
+                         f"one, or name the file itself (data.conversations="
+                         f"{path / CONVERSATIONS_FILE}) to train on them as any other text")
+    return path / CONVERSATIONS_FILE
