@@ -429,3 +429,42 @@ def test_the_tables_are_generated_from_the_saved_json(tmp_path):
                                            "seconds": 0.8}}}}
     (tmp_path / "batch.json").write_text(json.dumps({"rows": [sizes]}))
     assert "| 1 | hf_greedy | 10.0 | 1.00x |" in write_tables(tmp_path / "batch.json").read_text()
+
+
+def test_a_method_reads_draft_work_and_proposers_through_the_declared_abilities():
+    from collections import Counter
+
+    from experiments.bench import treedraft_method
+    from tests.drafters.toy_drafter import RepeatDrafter
+    from verify.protocol import DraftStats, ProposalCounts, Resettable
+    from verify.sampling import SamplingParams
+    from verify.target import load_target
+
+    class Counted(RepeatDrafter, DraftStats, ProposalCounts):
+        """Counts a 'draft forward' and a proposal per step, with no DraftEngine behind it."""
+
+        def __init__(self):
+            super().__init__(2)
+            self.forwards, self.proposed = 5, Counter()  # counts from earlier runs
+
+        @property
+        def draft_forwards(self):
+            return self.forwards
+
+        def propose(self, ctx):
+            self.forwards += 1
+            self.proposed["me"] += 1
+            return super().propose(ctx)
+
+        def draft_cache_bytes(self):
+            return 2**20
+
+    target = load_target(tiny="llama")
+    method = treedraft_method(target, Counted(), SamplingParams(0.0))
+    record = method(torch.tensor([40, 41, 42, 40, 41]), 6, 0)
+    steps = len(record["steps"])
+    assert record["draft_forwards"] == steps and record["draft_cache_mb"] == 1.0
+    assert record["proposed_by"] == {"me": steps}
+    assert not isinstance(method, Resettable)  # no memory: nothing for time_methods to empty
+    plain = treedraft_method(target, RepeatDrafter(2), SamplingParams(0.0))
+    assert {"draft_forwards", "proposed_by"}.isdisjoint(plain(torch.tensor([40, 41]), 4, 0))
