@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from drafters.base import check_target, read_config, shallow_config, target_record, typed_config
+from drafters.checkpoint import check_target, read_config, target_record
+from drafters.config import shallow_config, typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
 from drafters.vocab import check_vocab_ids, copy_linear

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from drafters.adaptive import StepCost, best_size, step_cost
-from drafters.base import Steps, run_steps
+from drafters.tree_steps import Steps, run_steps
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree, TreeBuilder
 
@@ -81,7 +81,7 @@ class DynamicTree:
                          lambda request: expand(*request))
 
     def search_steps(self, root: int, root_logprobs: torch.Tensor) -> Steps:
-        """`search` as steps (drafters.base.run_steps): yields (candidates, frontier) once per
+        """`search` as steps (drafters.tree_steps.run_steps): yields (candidates, frontier) once per
         round after the first, takes the frontier's (len(frontier), V) log-probabilities,
         returns the TreeBuilder.
 

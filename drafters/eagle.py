@@ -33,14 +33,8 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from drafters.base import (
-    check_target,
-    read_config,
-    save_module,
-    shallow_config,
-    target_record,
-    typed_config,
-)
+from drafters.checkpoint import check_target, read_config, save_module, target_record
+from drafters.config import shallow_config, typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
@@ -321,7 +315,7 @@ def save_draft(draft: EagleDraft, folder: str | Path, target: Target,
 def load_draft(folder: str | Path, target: Target, allow_other_target: bool = False
                ) -> EagleDraft:
     """A draft saved by `save_draft`, on `target`; ValueError when it was trained for another
-    target (drafters.base.check_target) or its file does not hold exactly the draft's
+    target (drafters.checkpoint.check_target) or its file does not hold exactly the draft's
     tensors."""
     folder = Path(folder)
     config = read_config(folder)

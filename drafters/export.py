@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from drafters.base import check_target, target_record
+from drafters.checkpoint import check_target, target_record
 from drafters.eagle import EagleDraft
 from drafters.medusa import MedusaHeads
 from verify.files import check_tensors, load_tensors, read_json, write_atomically

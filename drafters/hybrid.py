@@ -30,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters.adaptive import cut_to_cost, ranked_nodes
-from drafters.base import typed_config
+from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from verify.accept import Acceptance
 from verify.predictions import TargetPredictions

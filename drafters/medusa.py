@@ -24,16 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafters.base import (
-    StatelessBatchDrafter,
-    add_children,
-    check_depth,
-    check_target,
-    read_config,
-    save_module,
-    target_record,
-    typed_config,
-)
+from drafters.base import StatelessBatchDrafter
+from drafters.checkpoint import check_target, read_config, save_module, target_record
+from drafters.config import typed_config
+from drafters.tree_steps import add_children, check_depth
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.features import LAST
 from verify.files import load_tensors
@@ -236,7 +230,7 @@ def save_heads(heads: MedusaHeads, folder: str | Path, target: Target,
 def load_heads(folder: str | Path, target: Target, allow_other_target: bool = False
                ) -> MedusaHeads:
     """Heads saved by `save_heads`, on `target`'s LM head; ValueError when the checkpoint was
-    made for another target (drafters.base.check_target, as EAGLE's and the draft model's)
+    made for another target (drafters.checkpoint.check_target, as EAGLE's and the draft model's)
     or does not hold exactly the heads' tensors."""
     folder = Path(folder)
     config = read_config(folder)

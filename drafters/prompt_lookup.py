@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import StatelessDrafter, check_depth, typed_config
+from drafters.base import StatelessDrafter
+from drafters.config import typed_config
+from drafters.tree_steps import check_depth
 from verify.protocol import DraftContext
 from verify.target import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from drafters.adaptive import cut_to_cost
-from drafters.base import StatelessDrafter, typed_config
+from drafters.base import StatelessDrafter
+from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix_trie import SuffixTrie
 from verify.files import read_json, read_jsonl, write_json

@@ -18,7 +18,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from drafters.base import read_config
+from drafters.checkpoint import read_config
 from drafters.eagle import EagleDraft, load_draft
 from drafters.export import (
     export_speculators_eagle3,

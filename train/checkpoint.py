@@ -1,7 +1,7 @@
 """Training checkpoints: a drafter's weights (loadable as they are by `drafter.checkpoint=`),
 the LoRA adapter of a Medusa-2 target, and what resuming needs (step, optimizer, schedule, RNG).
 
-One folder, replaced atomically at every save (drafters.base.save_module): a crash mid-save
+One folder, replaced atomically at every save (drafters.checkpoint.save_module): a crash mid-save
 leaves the previous checkpoint whole. Resuming restores the exact state, so an interrupted run
 ends where an uninterrupted one would (the data order is a function of the step; see
 train.loop). Every recipe saves and resumes through these functions.
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.base import CONFIG_FILE, read_config
+from drafters.checkpoint import CONFIG_FILE, read_config
 from drafters.medusa import ADAPTER_DIR
 from train.sharding import load_full_optimizer_state, load_full_state_dict
 from verify.files import load_tensors, read_json, readable_folder

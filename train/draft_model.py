@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from drafters.base import shallow_config
+from drafters.config import shallow_config
 from drafters.draft_model import DraftModelConfig, truncated_copy
 from drafters.vocab import copy_linear
 from train.distributed import global_mean

@@ -187,7 +187,7 @@ class TokenTree:
 
 class TreeBuilder:
     """A tree grown node by node: tries (TokenTree.from_paths), filled topologies
-    (drafters.base.fill_steps), and every candidate of a dynamic tree (drafters.dynamic_tree).
+    (drafters.tree_steps.fill_steps), and every candidate of a dynamic tree (drafters.dynamic_tree).
 
     Node 0 is the root; node i > 0 has `parents[i] < i`, so nodes are numbered in the order
     they were added and a parent always precedes its children.

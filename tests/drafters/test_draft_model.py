@@ -9,9 +9,9 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
 from drafters import build_drafter
-from drafters.base import propose_children
 from drafters.draft_model import DraftModelDrafter, check_compatible, truncated_copy
 from drafters.dynamic_tree import DynamicTree
+from drafters.tree_steps import propose_children
 from verify.accept import Acceptance
 from verify.loop import generate
 from verify.protocol import DraftContext

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from drafters.base import StatelessDrafter, typed_config
+from drafters.base import StatelessDrafter
+from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from verify.protocol import DraftContext
 from verify.target import Target
