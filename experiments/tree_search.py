@@ -9,9 +9,9 @@ budget of EAGLE-2's dynamic tree.
 
 mode=static (the default): the JSON holds {"rank_accuracy": [[...], ...]}: rank_accuracy[d][r]
 is the probability that the drafter's rank-r proposal at depth d is right (see
-verify.tree_builder). The command times one verification step of n tokens on the target for
+drafters.tree_builder). The command times one verification step of n tokens on the target for
 each size n, picks the node budget whose best tree gives the most expected tokens per unit of
-time (verify.tree_builder.choose_budget), and writes that tree as a conf/tree YAML.
+time (drafters.tree_builder.choose_budget), and writes that tree as a conf/tree YAML.
 
 mode=dynamic: a dynamic tree has no such table, so each budget's tau and draft time are
 measured by decoding held-out training prompts (experiments.tree_search_dynamic), and t(n) is
@@ -34,6 +34,7 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.dynamic_tree import DynamicTree
+from drafters.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
 from experiments.common import save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from experiments.tree_search_dynamic import (
@@ -53,7 +54,6 @@ from verify.costs import measure_verify_cost
 from verify.files import read_json
 from verify.target import load_target_from_config
 from verify.tree import TreeTopology
-from verify.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
 
 
 def load_accuracies(path: str | Path | None) -> list[list[float]]:

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from drafters import tree_policy
 from drafters.dynamic_tree import DynamicTree
+from drafters.tree_builder import build_tree, choose_budget
 from experiments import tree_search
 from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies
@@ -26,7 +27,6 @@ from experiments.tree_search_dynamic import (
 from verify.costs import measure_verify_cost, time_step
 from verify.target import build_tiny_model, load_target_from_config
 from verify.tree import TokenTree, TreeError, TreeTopology
-from verify.tree_builder import build_tree, choose_budget
 from verify.verifier import TreeVerifier
 
 # 6 nodes worth drafting: size 8 (7 nodes) is measured but no candidate.

@@ -28,6 +28,7 @@ from drafters.medusa import (
     medusa_config,
     save_heads,
 )
+from drafters.tree_builder import build_tree, expected_tokens
 from drafters.vocab import most_frequent_tokens
 from train.checkpoint import check_resumable, load_checkpoint
 from train.distill import Answer, distilled_data
@@ -48,7 +49,6 @@ from train.medusa import (
 from train.recipes import common
 from verify.features import num_layers
 from verify.target import Target
-from verify.tree_builder import build_tree, expected_tokens
 
 
 class Rows(NamedTuple):

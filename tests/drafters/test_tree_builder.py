@@ -6,8 +6,8 @@ import itertools
 import pytest
 from omegaconf import OmegaConf
 
+from drafters.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
 from verify.tree import TreeTopology
-from verify.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
 
 # accuracies[d][r]: rank r of head d is right. Node values (products along the path):
 # (0,) .6   (1,) .2   (0, 0) .6*.5 = .3   (0, 1) .6*.1 = .06   (1, 0) .2*.5 = .1   (1, 1) .02

@@ -67,7 +67,7 @@ def write_tree_config(topology: TreeTopology, path: str | Path, name: str) -> No
     # Flow lists wrapped like the shipped configs: a break inside brackets is plain whitespace.
     body = textwrap.fill(f"choices: {choices}", width=100, subsequent_indent=" " * 10,
                          break_long_words=False, break_on_hyphens=False)
-    header = (f"# Built by verify.tree_builder from measured accuracies: {topology.size - 1} "
+    header = (f"# Built by drafters.tree_builder from measured accuracies: {topology.size - 1} "
               f"nodes, depth {topology.depth}.")
     write_text(Path(path), f"{header}\nname: {name}\n{body}\n")  # whole or not at all
 
