@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import StatelessDrafter, typed_config
+from drafters.base import StatelessDrafter
+from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
