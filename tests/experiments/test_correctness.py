@@ -214,7 +214,7 @@ def test_the_greedy_rows_tau_pools_the_prompts_steps(monkeypatch):
     monkeypatch.setattr(correctness, "generate", fake_generate)
     monkeypatch.setattr(correctness, "hf_generate", lambda t, ids, n: tokens[int(ids[0])])
     target = types.SimpleNamespace(encode_prompt=lambda prompt: torch.tensor([prompt]),
-                                   eos_token_ids=[], model=None)
+                                   eos_token_ids=[], model=None, step=None)
     questions = [types.SimpleNamespace(prompt=i, question_id=str(i)) for i in (0, 1)]
     row = greedy_row(target, object(), questions, 4)
     assert row["passed"] and row["detail"]["tau"] == pytest.approx(8 / 5)
@@ -231,7 +231,7 @@ def test_the_greedy_reference_is_hf_or_this_loops_plain_decoding(monkeypatch):
     monkeypatch.setattr(correctness, "hf_generate", lambda t, ids, n: torch.tensor([0, 1, 9, 9]))
     monkeypatch.setattr(correctness, "divergence_margin", lambda *args: {"margin": None})
     target = types.SimpleNamespace(encode_prompt=lambda prompt: torch.tensor([prompt]),
-                                   eos_token_ids=[], model=None)
+                                   eos_token_ids=[], model=None, step=None)
     questions = [types.SimpleNamespace(prompt=0, question_id="0")]
     plain = greedy_row(target, object(), questions, 4, reference="plain")
     assert plain["passed"] and "this loop's plain greedy" in plain["check"]
