@@ -13,12 +13,10 @@ writes is refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import CONF_DIR, write_report
 from experiments.table import cell, markdown_table
@@ -32,20 +30,9 @@ from train.regenerate import (
     regeneration_folder,
     settings,
 )
-from train.schema import TargetConfig
 from verify.target import Target, load_target_from_config
 
 REPORT_STEM = "report"  # <folder>/report.json: the account as the results pages read it
-
-
-@dataclass
-class RegenerateSchema:
-    target: TargetConfig = MISSING
-    regen: RegenConfig = field(default_factory=RegenConfig)
-    device: str = "auto"
-
-
-ConfigStore.instance().store(name="regenerate_schema", node=RegenerateSchema)
 
 
 def run(cfg: DictConfig) -> dict:

@@ -138,7 +138,7 @@ def prompt_data(cfg: DictConfig) -> DictConfig:
     """The data whose held-out prompts mode=dynamic decodes: `data` (by default the drafter's
     own training data); for a drafter with nothing to train, and so no data of its own (suffix,
     hybrid), self-distillation's: no run here trains on its held-out prompts."""
-    if "data" in cfg:
+    if cfg.get("data") is not None:
         return cfg.data
     return OmegaConf.load(Path(CONF_DIR) / "data" / "self_distill.yaml")
 

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import experiments.regenerate  # noqa: F401  (registers regenerate_schema, conf/regenerate.yaml's)
+import experiments  # noqa: F401  (registers the <command>_schema nodes conf/<command>.yaml name)
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters import tree_policy
 from drafters.adaptive import measured_cost
@@ -93,6 +93,57 @@ def test_the_train_schema_type_checks_overrides():
         compose_with("train", "optim.lr=fast")
     with pytest.raises(Exception, match="nope"):
         compose_with("train", "data.nope=1")
+
+
+# For each experiment command, a value of the wrong type for one of its keys, and that key: a
+# wrongly typed value fails at composition naming the key (experiments/schema.py), not deep in
+# the run (issue 36: `batch_bench max_batch_for_speculation=abc` raised a raw TypeError).
+WRONGLY_TYPED = {
+    "batch_bench": ("max_batch_for_speculation=abc", "max_batch_for_speculation"),
+    "bench": ("num_prompts=many", "num_prompts"),
+    "context_sweep": ("lengths=[128,long]", "lengths"),
+    "correctness": ("distribution.samples=lots", "distribution.samples"),
+    "distill_speed": ("batch_size=big", "batch_size"),
+    "export": ("speculative_tokens=three", "speculative_tokens"),
+    "profile": ("products=maybe", "products"),
+    "regenerate": ("regen.temperature=warm", "regen.temperature"),
+    "reproduce": ("paper=[eagle,medusa]", "paper"),
+    "results": ("check=sometimes", "check"),
+    "runs_table": ("plot=perhaps", "plot"),
+    "scale_speed": ("training.steps=forty", "training.steps"),
+    "simulate": ("cost_ratio=small", "cost_ratio"),
+    "step_limit": ("bandwidth_gib=one", "bandwidth_gib"),
+    "tree_search": ("draft_cost_s=free", "draft_cost_s"),
+}
+
+
+def test_every_experiment_command_is_typed():
+    assert set(WRONGLY_TYPED) == set(COMMANDS) - {"train"}  # train: train/schema.py's own test
+
+
+@pytest.mark.parametrize("command", sorted(WRONGLY_TYPED))
+def test_every_experiment_command_refuses_a_wrongly_typed_value_naming_the_key(command):
+    override, key = WRONGLY_TYPED[command]
+    with pytest.raises(Exception) as refused:
+        compose_with(command, override)
+    # Hydra wraps OmegaConf's ValidationError: a type error (not an unknown key) naming the key
+    message = f"{refused.value}\n{refused.value.__cause__}"
+    assert f"full_key: {key}" in message and "not in struct" not in message, message
+
+
+@pytest.mark.parametrize("command", sorted(WRONGLY_TYPED))
+def test_every_experiment_command_composes_complete_and_typed(command):
+    # every key the schema types has its value in the command's YAML (the one copy of it)
+    given = {"runs_table": ["runs=[a]", "x=data.sharegpt_tokens"]}.get(command, [])
+    cfg = compose_with(command, *given)
+    assert OmegaConf.get_type(cfg).__name__.lower().replace("_", "") == (
+        command.replace("_", "") + "config")
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def test_a_misspelt_experiment_key_is_refused():
+    with pytest.raises(Exception, match="max_batch_for_speculaton"):
+        compose_with("batch_bench", "max_batch_for_speculaton=2")
 
 
 def _train_entry():
