@@ -27,6 +27,7 @@ from experiments.common import CONF_DIR
 from experiments.table import markdown_table
 from train.distill import encode_until
 from train.prompts import interleave, load_prompt_files
+from train.schema import DataConfig
 from verify.files import write_text
 from verify.loop import GenerationResult, generate
 from verify.protocol import Drafter
@@ -140,7 +141,8 @@ def prompt_data(cfg: DictConfig) -> DictConfig:
     hybrid), self-distillation's: no run here trains on its held-out prompts."""
     if cfg.get("data") is not None:
         return cfg.data
-    return OmegaConf.load(Path(CONF_DIR) / "data" / "self_distill.yaml")
+    return OmegaConf.merge(OmegaConf.structured(DataConfig),
+                           OmegaConf.load(Path(CONF_DIR) / "data" / "self_distill.yaml"))
 
 
 def heldout_prompts(data: DictConfig, target: Target, count: int) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The README and the results pages point at things that exist: files they link, modules their
-commands run, and the config options their commands name."""
+"""The README, its guide pages and the results pages point at things that exist: files they
+link, modules their commands run, and the config options their commands name."""
 
 import importlib.util
 import re
@@ -9,7 +9,9 @@ from urllib.parse import unquote
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "results").glob("*.md"))]
+# The guide: the README and the pages it hands detail to (docs/*.md); then the results pages
+GUIDE = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [*GUIDE, *sorted((ROOT / "docs" / "results").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 MODULE = re.compile(r"python -m ([\w.]+)")
 OPTION = re.compile(r"(?<![\w.])(drafter|tree|target|experiment)=([\w/]+)(?=[\s'\"]|$)")
@@ -23,8 +25,12 @@ def test_every_relative_link_resolves(page):
     assert not missing, f"{page.name} links to missing files: {missing}"
 
 
+def _guide_text() -> str:
+    return "\n".join(page.read_text() for page in GUIDE)
+
+
 def test_every_command_module_in_the_readme_exists():
-    modules = set(MODULE.findall((ROOT / "README.md").read_text()))
+    modules = set(MODULE.findall(_guide_text()))
     assert "experiments.bench" in modules
     missing = [m for m in sorted(modules) if m not in ("pytest",)
                and importlib.util.find_spec(m) is None]
@@ -32,7 +38,7 @@ def test_every_command_module_in_the_readme_exists():
 
 
 def test_every_config_option_the_readme_names_exists():
-    options = set(OPTION.findall((ROOT / "README.md").read_text()))
+    options = set(OPTION.findall(_guide_text()))
     assert ("drafter", "eagle3") in options
     missing = [f"{g}={o}" for g, o in sorted(options)
                if not (ROOT / "conf" / g / f"{o}.yaml").is_file()]

@@ -226,7 +226,7 @@ def test_only_held_out_prompts_are_decoded(tmp_path):
 
 def test_a_drafter_without_training_data_decodes_self_distillations_held_out_prompts(tmp_path):
     suffix = compose_dynamic(tmp_path, "drafter=suffix")
-    assert "data" not in suffix  # nothing to train: no conf/data/default/suffix.yaml
+    assert suffix.data is None  # nothing to train: no conf/data/default/suffix.yaml
     medusa = compose_dynamic(tmp_path, "drafter=medusa")  # trains on self_distill
     assert prompt_data(medusa) is medusa.data
     assert OmegaConf.to_container(prompt_data(suffix)) == OmegaConf.to_container(medusa.data)
