@@ -10,12 +10,17 @@ setup:
 engines:
 	bash scripts/engine_env.sh
 
+# Tests run on every core (pytest-xdist; each worker's torch on one thread, tests/conftest.py),
+# split between the workers, an idle one taking over queued tests of a busy one. JOBS=0: one process.
+JOBS ?= auto
+PYTEST := $(PYTHON) -m pytest -n $(JOBS) --dist worksteal
+
 # Fast suite: everything except end-to-end runs on the real default model.
 test: setup
-	$(PYTHON) -m pytest -m "not slow" -q
+	$(PYTEST) -m "not slow" -q
 
 test-all: setup
-	$(PYTHON) -m pytest -q
+	$(PYTEST) -q
 
 demo: setup
 	$(PYTHON) -m experiments.demo
