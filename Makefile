@@ -1,6 +1,6 @@
 PYTHON := .venv/bin/python
 
-.PHONY: setup engines test test-all demo lint
+.PHONY: setup engines peers test test-all demo lint
 
 setup:
 	bash scripts/setup.sh
@@ -9,6 +9,11 @@ setup:
 # loads exported EAGLE-3 drafts with it; without it that test is skipped.
 engines:
 	bash scripts/engine_env.sh
+
+# .venv-peers/: vLLM, OpenVINO GenAI and llama.cpp, one environment each, for
+# `python -m experiments.peers`; an engine that fails to install is reported and skipped.
+peers:
+	bash scripts/peers.sh
 
 # Tests run on every core (pytest-xdist; each worker's torch on one thread, tests/conftest.py),
 # split between the workers, an idle one taking over queued tests of a busy one. JOBS=0: one process.

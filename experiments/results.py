@@ -104,6 +104,8 @@ KINDS = (
          "experiments.tree_search_dynamic:format_budget_table"),
     Kind("experiments.simulate", lambda row: "optimal_gamma" in row,
          "experiments.simulate:format_table"),
+    Kind("experiments.peers", lambda row: "engine" in row,
+         "experiments.peers:format_table"),
     Kind("experiments.runs_table", lambda row: "series" in row and "eval" in row,
          "experiments.runs_table:format_report", reads="report"),
 )

@@ -156,6 +156,26 @@ class ExportConfig:
 
 
 @dataclass
+class PeersConfig:
+    """conf/peers.yaml (experiments.peers)."""
+
+    target: TargetConfig = MISSING
+    data_root: str | None = MISSING
+    categories: list[str] | None = MISSING
+    num_prompts: int = MISSING
+    max_new_tokens: int = MISSING
+    warmup: int = MISSING
+    max_model_len: int = MISSING
+    treedraft: list[str] = MISSING
+    venvs: str = MISSING
+    # {engine: its settings}; open here, so that `+engines.<name>=...` adds one: each is typed
+    # by experiments.peers.EngineConfig before anything loads
+    engines: dict[str, Any] = MISSING
+    out_dir: str = MISSING
+    plot: bool = MISSING
+
+
+@dataclass
 class ProfileConfig:
     """conf/profile.yaml (experiments.profile)."""
 
@@ -314,6 +334,7 @@ SCHEMAS = {
     "correctness": CorrectnessConfig,
     "distill_speed": DistillSpeedConfig,
     "export": ExportConfig,
+    "peers": PeersConfig,
     "profile": ProfileConfig,
     "regenerate": RegenerateConfig,
     "reproduce": ReproduceConfig,

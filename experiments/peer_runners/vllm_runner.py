@@ -1,0 +1,89 @@
+"""One vLLM method on given token-id prompts, run by experiments.peers in vLLM's own environment
+(.venv-peers/vllm; this file imports nothing of treedraft, whose environment differs).
+
+    <venv>/bin/python vllm_runner.py <request.json> <result.json>
+
+The request (experiments/peers.py, `engine_request`): the model folder, its dtype, the prompts
+as token ids (the chat template applied by treedraft, so every engine decodes the same
+tokens), max_new_tokens, the EOS ids, warmup, and the method: {"name": "plain"} or
+{"name": <vLLM speculative method>, ...its speculative_config keys}. The result: start-up
+seconds, then per prompt the new token ids, the seconds of its greedy generate call and of a
+one-token call (time to first token), and the spec-decode counters vLLM reports. Greedy,
+one prompt at a time, as treedraft's loop decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def counters(llm) -> dict[str, float]:
+    """vLLM's spec-decode counters (name -> value; per-position ones as name[i])."""
+    found = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith("vllm:spec_decode"):
+            continue
+        if hasattr(metric, "values"):  # a vector: accepted tokens per draft position
+            for i, value in enumerate(metric.values):
+                found[f"{metric.name}[{i}]"] = float(value)
+        elif hasattr(metric, "value"):
+            found[metric.name] = float(metric.value)
+    return found
+
+
+def run(request: dict) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    method = dict(request["method"])
+    name = method.pop("name")
+    speculative = None if name == "plain" else {"method": name, **method}
+    start = time.perf_counter()
+    llm = LLM(model=request["model"], dtype=request["dtype"], seed=0,
+              max_model_len=request["max_model_len"], disable_log_stats=False,
+              # a repeated prompt (the one-token call timing the first token) must not
+              # find its prefill cached
+              enable_prefix_caching=False,
+              # on the CPU backend the share of the node's memory vLLM reserves (the KV
+              # cache): its default 0.92 is refused beside the other processes here
+              gpu_memory_utilization=request["memory_fraction"],
+              speculative_config=speculative)
+    startup_s = time.perf_counter() - start
+    eos = request["eos_token_ids"]
+    full = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
+                          stop_token_ids=eos)
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def generate(ids, params):
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids), time.perf_counter() - start
+
+    for ids in request["prompts"][: request["warmup"]]:  # first calls pay one-off costs
+        generate(ids, SamplingParams(temperature=0.0, max_tokens=16))
+    before = counters(llm)
+    rows = []
+    for ids in request["prompts"]:
+        tokens, seconds = generate(ids, full)
+        _, ttft = generate(ids, first)
+        rows.append({"tokens": tokens, "seconds": seconds, "ttft_s": ttft})
+    after = counters(llm)
+    spec = {key: after[key] - before.get(key, 0.0) for key in after}
+    return {"engine": "vllm", "version": vllm.__version__, "startup_s": startup_s,
+            "rows": rows, "spec_decode": spec}
+
+
+def main() -> None:
+    request_path, result_path = sys.argv[1:3]
+    with open(request_path) as f:
+        request = json.load(f)
+    result = run(request)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # vLLM starts its workers by spawn: they re-import this module
+    main()

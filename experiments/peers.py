@@ -1,0 +1,298 @@
+"""treedraft side by side with the engines people serve models with, on the same prompts.
+
+    make peers                                # once: .venv-peers/<engine> (scripts/peers.sh)
+    python -m experiments.peers               # 13 Spec-Bench prompts, 64 tokens, greedy
+    python -m experiments.peers '~engines.vllm.methods.suffix' num_prompts=4   # a method less
+
+The prompts are Spec-Bench questions through the target's chat template, handed to every
+engine as token ids, so each decodes exactly the same tokens, greedily, one prompt at a time,
+up to `max_new_tokens`, in the target's dtype. treedraft's plain loop and its methods
+(`treedraft`: bench compare entries) run here first; then each engine method in a process of
+its own (experiments/peer_runners/<engine>_runner.py in that engine's environment: their
+pins differ from ours), timed there the same way; then treedraft's plain loop once more, whose
+tokens/s beside the first run's shows how far the machine drifted meanwhile.
+
+Per method: tokens/s (generated tokens over the seconds of the generate calls, prefill
+included, as experiments.bench counts), its speedup over the same engine's plain decoding
+and over treedraft's plain loop, tokens per target step where the engine reports it, and
+`identical`: the share of prompts whose output equals treedraft's plain decoding token for
+token; treedraft's plain tokens/s is the mean of its two runs, before and after the engines.
+Time to first token (a one-token call per prompt) and start-up (loading, compiling) are
+reported apart from decode speed. An engine not installed, a method it refuses, a run past
+its timeout: a row "not run: <reason>", the other rows intact, exit 0; only a treedraft row
+that fails stops the command (they run first).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from drafters import build_drafter
+from experiments.bench import Prompt, parse_compare, sampling_params, time_methods, treedraft_method
+from experiments.common import CONF_DIR, pick_questions, save_figure, write_report
+from experiments.table import cell, markdown_table
+from verify.metrics import tau
+from verify.target import Target, load_target_from_config
+
+RUNNERS = Path(__file__).resolve().parent / "peer_runners"
+REPO = Path(__file__).resolve().parents[1]
+PLAIN = "plain"  # every engine's method name for its plain decoding
+
+
+@dataclass
+class EngineConfig:
+    """One engine of conf/peers.yaml's `engines`: its methods ({name: settings}; "plain" is
+    its plain decoding), the seconds one method may take, and what its runner takes besides
+    (`options`, handed over in the request)."""
+
+    timeout_s: float = MISSING
+    options: dict[str, Any] = field(default_factory=dict)
+    methods: dict[str, Any] = MISSING
+
+
+def typed_engines(engines: DictConfig) -> dict[str, DictConfig]:
+    """Each engine's settings typed by EngineConfig; ValueError naming engines.<name>.<key>."""
+    typed = {}
+    for name, settings in engines.items():
+        try:
+            typed[name] = OmegaConf.merge(OmegaConf.structured(EngineConfig), settings)
+            OmegaConf.to_container(typed[name], throw_on_missing=True)
+        except OmegaConfBaseException as e:
+            raise ValueError(f"engines.{name}: {e}") from e
+    return typed
+
+
+def model_folder(target: Target, scratch: Path) -> str:
+    """A folder the engines load the target from: the one it was loaded from, else (a tiny
+    random target) its weights and config saved under `scratch`."""
+    loaded_from = str(target.model.config._name_or_path)  # "" for a model built here
+    if loaded_from and (Path(loaded_from) / "config.json").is_file():
+        return loaded_from
+    target.model.save_pretrained(scratch / "model")
+    return str(scratch / "model")
+
+
+def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """The tokens before the first EOS: engines differ in whether they return it."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i]
+    return tokens
+
+
+def treedraft_rows(cfg: DictConfig, target: Target, prompts: list[Prompt],
+                   entries: list[str], desc: str) -> dict[str, list[dict]]:
+    """Records of treedraft's plain loop and each compare entry on `prompts` (bench's timing)."""
+    params = sampling_params(OmegaConf.create({"temperature": 0.0, "top_k": 0, "top_p": 1.0}))
+    methods = {"treedraft/plain_loop": treedraft_method(target, None, params)}
+    for entry in entries:
+        contender = parse_compare(entry)
+        drafter = build_drafter(contender.drafter, contender.tree, target)
+        methods[f"treedraft/{contender.name}"] = treedraft_method(target, drafter, params,
+                                                                 contender.rule)
+    timing = OmegaConf.create({"warmup": cfg.warmup, "repeats": 1, "seed": 0,
+                               "max_new_tokens": cfg.max_new_tokens})
+    return time_methods(methods, prompts, timing, desc=desc, device=target.model.device)
+
+
+def engine_request(cfg: DictConfig, model: str, target: Target, prompts: list[Prompt],
+                   method: str, settings: dict, engine_cfg: DictConfig) -> dict:
+    """What a runner is given (experiments/peer_runners/: the request they read)."""
+    return {"model": model, "dtype": cfg.target.dtype,
+            "prompts": [p.ids.tolist() for p in prompts],
+            "max_new_tokens": cfg.max_new_tokens, "eos_token_ids": list(target.eos_token_ids),
+            "warmup": cfg.warmup, "max_model_len": cfg.max_model_len,
+            "method": {"name": method, **settings},
+            **OmegaConf.to_container(engine_cfg.options)}
+
+
+def run_engine_method(engine: str, python: Path, request: dict, timeout_s: float,
+                      scratch: Path) -> dict:
+    """Run one engine method in its own process; its result, or {"error": <reason>}."""
+    runner = RUNNERS / f"{engine}_runner.py"
+    if not runner.is_file():
+        return {"error": f"no runner for {engine} ({runner.name} missing)"}
+    if not python.is_file():
+        return {"error": f"{engine} not installed ({python} missing: make peers)"}
+    name = request["method"]["name"]
+    request_path, result_path = scratch / f"{engine}-{name}.json", scratch / f"{engine}-{name}.out"
+    request_path.write_text(json.dumps(request))
+    try:
+        done = subprocess.run([str(python), str(runner), str(request_path), str(result_path)],
+                              capture_output=True, text=True, timeout=timeout_s, cwd=scratch)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within timeout_s={timeout_s:.0f}"}
+    if done.returncode != 0 or not result_path.is_file():
+        return {"error": _last_error(done.stderr + done.stdout, done.returncode)}
+    return json.loads(result_path.read_text())
+
+
+EXCEPTION = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
+
+
+def _last_error(log: str, returncode: int) -> str:
+    """Why a run failed: the first exception its log names (the root cause: a chained
+    traceback prints it first, and an engine's worker before the engine's own wrapper),
+    else the log's last line."""
+    found = EXCEPTION.search(log)
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    reason = f"{found.group(1)}: {found.group(2)}" if found else (lines[-1] if lines else
+                                                                 "no output")
+    return f"{reason[:300]} (exit {returncode})"
+
+
+def figures(records: list[dict], reference: list[list[int]] | None, eos: set[int]) -> dict:
+    """tokens/s, identical share and first-token time of one method's per-prompt records."""
+    tokens = sum(len(r["tokens"]) for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    row = {"new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    if reference is not None:
+        same = [until_eos(r["tokens"], eos) == until_eos(ref, eos)
+                for r, ref in zip(records, reference)]
+        row["identical"] = sum(same) / len(same)
+    ttfts = [r["ttft_s"] for r in records if "ttft_s" in r]
+    row["ttft_s"] = statistics.median(ttfts) if ttfts else None
+    steps = [s["accepted"] for r in records for s in r.get("steps", [])]
+    row["tokens_per_step"] = tau(steps) if steps else None
+    return row
+
+
+def spec_figures(counters: dict) -> dict:
+    """Tokens per step and acceptance by draft position from vLLM-style spec-decode counters
+    (drafts proposed, accepted per position), over the timed prompts."""
+    drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
+    if not drafts:
+        return {}
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    positions = sorted((int(key.split("[")[1].rstrip("]")), value)
+                       for key, value in counters.items() if key.endswith("]"))
+    # a step that drafted verifies its drafts and emits one token of its own beside them
+    return {"tokens_per_step": 1 + accepted / drafts,
+            "acceptance_by_position": [value / drafts for _, value in positions]}
+
+
+def compare(cfg: DictConfig) -> list[dict]:
+    """Every row: treedraft's, then each engine method's, then treedraft's plain loop again."""
+    engines = typed_engines(cfg.engines)  # a bad engine setting fails before the target loads
+    target = load_target_from_config(cfg.target)
+    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
+    prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
+               for q in questions]
+    eos = set(target.eos_token_ids)
+    first = treedraft_rows(cfg, target, prompts, list(cfg.treedraft), "treedraft")
+    reference = [r["tokens"] for r in first["treedraft/plain_loop"]]
+    rows = [{"method": name, "engine": "treedraft", **figures(records, reference, eos)}
+            for name, records in first.items()]
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        model = model_folder(target, scratch)
+        for engine, engine_cfg in engines.items():
+            python = (REPO / cfg.venvs / engine / "bin" / "python").absolute()
+            for method, settings in engine_cfg.methods.items():
+                request = engine_request(cfg, model, target, prompts, method,
+                                         OmegaConf.to_container(settings), engine_cfg)
+                result = run_engine_method(engine, python, request, engine_cfg.timeout_s,
+                                           scratch)
+                rows.append(engine_row(engine, method, result, reference, eos))
+    again = treedraft_rows(cfg, target, prompts, [], "treedraft again")
+    rows.append({"method": "treedraft/plain_loop (again)", "engine": "treedraft",
+                 **figures(again["treedraft/plain_loop"], reference, eos)})
+    # the machine may drift over the minutes the engines take: the plain loop before and after
+    plain = (rows[0]["tokens_per_s"] + rows[-1]["tokens_per_s"]) / 2
+    for row in rows:
+        if "tokens_per_s" in row:
+            row["dtype"] = cfg.target.dtype
+            row["speedup_over_treedraft_plain"] = row["tokens_per_s"] / plain
+    _speedups_over_engine_plain(rows)
+    return rows
+
+
+def engine_row(engine: str, method: str, result: dict, reference: list[list[int]],
+               eos: set[int]) -> dict:
+    row = {"method": f"{engine}/{method}", "engine": engine}
+    if "error" in result:
+        return {**row, "status": f"not run: {result['error']}"}
+    row.update(figures(result["rows"], reference, eos), version=result.get("version"),
+               startup_s=result.get("startup_s"))
+    row.update(spec_figures(result.get("spec_decode", {})))
+    if method == PLAIN:
+        row["tokens_per_step"] = 1.0
+    return row
+
+
+def _speedups_over_engine_plain(rows: list[dict]) -> None:
+    plains = {r["engine"]: r["tokens_per_s"] for r in rows
+              if "tokens_per_s" in r and r["method"] in (f"{r['engine']}/{PLAIN}",
+                                                           "treedraft/plain_loop")}
+    for row in rows:
+        if "tokens_per_s" in row and row["engine"] in plains:
+            row["speedup_over_engine_plain"] = row["tokens_per_s"] / plains[row["engine"]]
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: one line per method, a "not run" line for each that could not run."""
+    header = ["method", "dtype", "tokens/s", "vs its engine's plain", "vs treedraft plain",
+              "tokens/step", "identical", "first token ms", "start-up s"]
+    table = []
+    for r in rows:
+        if "status" in r:
+            table.append([r["method"], r["status"], "", "", "", "", "", "", ""])
+            continue
+        table.append([r["method"], r["dtype"], cell(r["tokens_per_s"], ".1f"),
+                      cell(r.get("speedup_over_engine_plain"), ".2f") + "x",
+                      cell(r["speedup_over_treedraft_plain"], ".2f") + "x",
+                      cell(r.get("tokens_per_step")), cell(r.get("identical"), ".0%"),
+                      cell(r["ttft_s"] * 1000 if r.get("ttft_s") is not None else None, ".0f"),
+                      cell(r.get("startup_s"), ".0f")])
+    return markdown_table(header, table) + (
+        "\n\nGreedy, one prompt at a time, the same token ids for every engine. tokens/s: "
+        "generated tokens over the generate calls' seconds (prefill included). identical: "
+        "the share of prompts whose output equals treedraft's plain decoding. first token: "
+        "the median of a one-token call (treedraft's rows time none). vs treedraft plain: over "
+        "the mean of its plain loop's two runs, before and after the engines (the last row; "
+        "their ratio is the machine's drift meanwhile).")
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if "tokens_per_s" in r]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(ran) + 1.2))
+    colors = {"treedraft": "tab:blue", "vllm": "tab:orange", "openvino": "tab:purple",
+              "llamacpp": "tab:green"}
+    ax.barh([r["method"] for r in ran], [r["tokens_per_s"] for r in ran],
+            color=[colors.get(r["engine"], "tab:gray") for r in ran])
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s (greedy, one prompt at a time)")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="peers", version_base=None)
+def main(cfg: DictConfig) -> None:
+    torch.manual_seed(0)
+    rows = compare(cfg)
+    print(format_table(rows))
+    stem = f"{cfg.target.name}-{cfg.target.dtype}-peers"
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
+    if cfg.plot:
+        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
+    print(f"\nJSON: {path}")
+
+
+if __name__ == "__main__":
+    main()

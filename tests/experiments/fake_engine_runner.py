@@ -1,0 +1,43 @@
+"""A stand-in engine for tests/experiments/test_peers.py, run as experiments.peers runs an
+engine's runner (a separate process, request and result files). It decodes with Hugging Face
+`generate` on the model folder it is given, so its greedy output is a real, independent
+decoding of the same target; method "broken" fails as an engine refusing a method does, and
+"slow" never finishes. A counter per method stands in for vLLM's spec-decode counters."""
+
+import json
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def main() -> None:
+    request = json.loads(open(sys.argv[1]).read())
+    method = request["method"]
+    if method["name"] == "broken":
+        print("INFO: starting", file=sys.stderr)
+        raise ValueError(f"method {method['name']} is not supported on this device")
+    if method["name"] == "slow":
+        time.sleep(600)
+    model = AutoModelForCausalLM.from_pretrained(request["model"]).eval()
+    rows = []
+    for ids in request["prompts"]:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=request["max_new_tokens"],
+                                 do_sample=False, eos_token_id=request["eos_token_ids"] or None,
+                                 pad_token_id=0)
+        rows.append({"tokens": out[0, len(ids):].tolist(),
+                     "seconds": time.perf_counter() - start, "ttft_s": 0.001})
+    spec = {}
+    if method["name"] == "ngram":  # 10 drafting steps of 2 drafts: 6 then 3 accepted
+        spec = {"vllm:spec_decode_num_drafts": 10.0, "vllm:spec_decode_num_accepted_tokens": 9.0,
+                "vllm:spec_decode_num_accepted_tokens_per_pos[0]": 6.0,
+                "vllm:spec_decode_num_accepted_tokens_per_pos[1]": 3.0}
+    json.dump({"engine": "fake", "version": "0", "startup_s": 0.5, "rows": rows,
+               "spec_decode": spec}, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()

