@@ -44,7 +44,13 @@ from experiments.bench import Prompt, parse_compare, sampling_params, time_metho
 from experiments.common import CONF_DIR, pick_questions, save_figure, write_report
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
-from verify.target import Target, load_target_from_config
+from verify.target import (
+    DEFAULT_GGUF,
+    DEFAULT_NAME,
+    Target,
+    embedded_gguf_dir,
+    load_target_from_config,
+)
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
 REPO = Path(__file__).resolve().parents[1]
@@ -107,10 +113,20 @@ def treedraft_rows(cfg: DictConfig, target: Target, prompts: list[Prompt],
     return time_methods(methods, prompts, timing, desc=desc, device=target.model.device)
 
 
+def gguf_file(target: Target) -> str | None:
+    """The GGUF file the target ships as (llama.cpp reads only those): the default target's
+    embedded one; None for another."""
+    if target.name != DEFAULT_NAME:
+        return None
+    return str(embedded_gguf_dir() / DEFAULT_GGUF)
+
+
 def engine_request(cfg: DictConfig, model: str, target: Target, prompts: list[Prompt],
-                   method: str, settings: dict, engine_cfg: DictConfig) -> dict:
-    """What a runner is given (experiments/peer_runners/: the request they read)."""
-    return {"model": model, "dtype": cfg.target.dtype,
+                   method: str, settings: dict, engine_cfg: DictConfig, scratch: Path) -> dict:
+    """What a runner is given (experiments/peer_runners/: the request they read); `work_dir`
+    is where a runner may keep what it converts, for the run's other methods."""
+    return {"model": model, "gguf": gguf_file(target), "work_dir": str(scratch),
+            "dtype": cfg.target.dtype,
             "prompts": [p.ids.tolist() for p in prompts],
             "max_new_tokens": cfg.max_new_tokens, "eos_token_ids": list(target.eos_token_ids),
             "warmup": cfg.warmup, "max_model_len": cfg.max_model_len,
@@ -169,17 +185,21 @@ def figures(records: list[dict], reference: list[list[int]] | None, eos: set[int
     return row
 
 
-def spec_figures(counters: dict) -> dict:
-    """Tokens per step and acceptance by draft position from vLLM-style spec-decode counters
-    (drafts proposed, accepted per position), over the timed prompts."""
+def spec_figures(counters: dict, new_tokens: int) -> dict:
+    """Tokens per target step and acceptance by draft position from vLLM-style spec-decode
+    counters over the timed prompts (drafts proposed, drafts accepted, accepted per position)
+    and the `new_tokens` those prompts generated. Each step emits its accepted drafts and one
+    token of its own, so the steps number new_tokens - accepted, whether they drafted or not
+    (an n-gram proposer drafts only where it finds a match)."""
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
     if not drafts:
         return {}
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
     positions = sorted((int(key.split("[")[1].rstrip("]")), value)
                        for key, value in counters.items() if key.endswith("]"))
-    # a step that drafted verifies its drafts and emits one token of its own beside them
-    return {"tokens_per_step": 1 + accepted / drafts,
+    return {"tokens_per_step": new_tokens / (new_tokens - accepted),
+            "drafting_steps": drafts, "accepted_drafts": accepted,
+            # per draft position: accepted there over the steps that drafted
             "acceptance_by_position": [value / drafts for _, value in positions]}
 
 
@@ -202,7 +222,7 @@ def compare(cfg: DictConfig) -> list[dict]:
             python = (REPO / cfg.venvs / engine / "bin" / "python").absolute()
             for method, settings in engine_cfg.methods.items():
                 request = engine_request(cfg, model, target, prompts, method,
-                                         OmegaConf.to_container(settings), engine_cfg)
+                                         OmegaConf.to_container(settings), engine_cfg, scratch)
                 result = run_engine_method(engine, python, request, engine_cfg.timeout_s,
                                            scratch)
                 rows.append(engine_row(engine, method, result, reference, eos))
@@ -213,7 +233,7 @@ def compare(cfg: DictConfig) -> list[dict]:
     plain = (rows[0]["tokens_per_s"] + rows[-1]["tokens_per_s"]) / 2
     for row in rows:
         if "tokens_per_s" in row:
-            row["dtype"] = cfg.target.dtype
+            row.setdefault("dtype", cfg.target.dtype)  # a GGUF row names its own weights
             row["speedup_over_treedraft_plain"] = row["tokens_per_s"] / plain
     _speedups_over_engine_plain(rows)
     return rows
@@ -226,7 +246,11 @@ def engine_row(engine: str, method: str, result: dict, reference: list[list[int]
         return {**row, "status": f"not run: {result['error']}"}
     row.update(figures(result["rows"], reference, eos), version=result.get("version"),
                startup_s=result.get("startup_s"))
-    row.update(spec_figures(result.get("spec_decode", {})))
+    if "convert_s" in result:  # the model converted to the engine's format, once per run
+        row["convert_s"] = result["convert_s"]
+    if "weights" in result:  # not the target's own weights (llama.cpp: the GGUF file)
+        row["dtype"] = result["weights"]
+    row.update(spec_figures(result.get("spec_decode", {}), row["new_tokens"]))
     if method == PLAIN:
         row["tokens_per_step"] = 1.0
     return row

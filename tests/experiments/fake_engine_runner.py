@@ -31,10 +31,10 @@ def main() -> None:
         rows.append({"tokens": out[0, len(ids):].tolist(),
                      "seconds": time.perf_counter() - start, "ttft_s": 0.001})
     spec = {}
-    if method["name"] == "ngram":  # 10 drafting steps of 2 drafts: 6 then 3 accepted
-        spec = {"vllm:spec_decode_num_drafts": 10.0, "vllm:spec_decode_num_accepted_tokens": 9.0,
-                "vllm:spec_decode_num_accepted_tokens_per_pos[0]": 6.0,
-                "vllm:spec_decode_num_accepted_tokens_per_pos[1]": 3.0}
+    if method["name"] == "ngram":  # 4 steps drafting 2 tokens: 3 firsts, 2 seconds accepted
+        spec = {"vllm:spec_decode_num_drafts": 4.0, "vllm:spec_decode_num_accepted_tokens": 5.0,
+                "vllm:spec_decode_num_accepted_tokens_per_pos[0]": 3.0,
+                "vllm:spec_decode_num_accepted_tokens_per_pos[1]": 2.0}
     json.dump({"engine": "fake", "version": "0", "startup_s": 0.5, "rows": rows,
                "spec_decode": spec}, open(sys.argv[2], "w"))
 

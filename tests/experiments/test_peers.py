@@ -38,7 +38,8 @@ def fake_engine(tmp_path, monkeypatch):
     # a symlink would lose this environment's packages (no pyvenv.cfg beside it): a wrapper
     (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     (venv / "python").chmod(0o755)
-    return ["~engines.vllm", "venvs=" + str(tmp_path / "venvs")]
+    shipped = [f"~engines.{name}" for name in ("vllm", "openvino", "llamacpp")]
+    return [*shipped, "venvs=" + str(tmp_path / "venvs")]
 
 
 FAKE = "+engines.fake={timeout_s: 60, methods: {plain: {}, ngram: {k: 2}, broken: {}}}"
@@ -62,8 +63,11 @@ def test_each_engine_method_gets_a_row_and_failures_are_rows_too(tmp_path, fake_
              + rows["treedraft/plain_loop (again)"]["tokens_per_s"]) / 2
     assert rows["fake/ngram"]["speedup_over_treedraft_plain"] == pytest.approx(
         rows["fake/ngram"]["tokens_per_s"] / plain)
-    assert rows["fake/ngram"]["tokens_per_step"] == pytest.approx(1.9)  # 1 + 9 / 10
-    assert rows["fake/ngram"]["acceptance_by_position"] == pytest.approx([0.6, 0.3])
+    # 5 of its 16 tokens were accepted drafts: 11 steps, 4 of which drafted
+    assert rows["fake/ngram"]["new_tokens"] == 16
+    assert rows["fake/ngram"]["tokens_per_step"] == pytest.approx(16 / 11)
+    assert rows["fake/ngram"]["drafting_steps"] == 4
+    assert rows["fake/ngram"]["acceptance_by_position"] == pytest.approx([0.75, 0.5])
     assert rows["treedraft/prompt_lookup/chain2"]["tokens_per_step"] >= 1.0
     # the root cause, not the log's last line
     assert rows["fake/broken"]["status"] == (
@@ -105,7 +109,7 @@ def test_tokens_are_compared_up_to_the_first_eos():
 
 
 def test_no_counters_means_no_step_figures():
-    assert peers.spec_figures({}) == {}
+    assert peers.spec_figures({}, 10) == {}
 
 
 @pytest.mark.slow
@@ -115,7 +119,18 @@ def test_vllm_decodes_the_default_target_as_treedraft_does(tmp_path):
     plain loop on two prompts (~4 min: vLLM's start-up compiles)."""
     with initialize_config_dir(CONF_DIR, version_base=None):
         cfg = compose("peers", ["num_prompts=2", "max_new_tokens=16", "treedraft=[]",
-                                "~engines.vllm.methods.suffix", f"out_dir={tmp_path}"])
+                                "~engines.vllm.methods.suffix", "~engines.openvino",
+                                "~engines.llamacpp", f"out_dir={tmp_path}"])
     rows = {r["method"]: r for r in peers.compare(cfg)}
     assert rows["vllm/plain"]["identical"] == 1.0 and rows["vllm/ngram"]["identical"] == 1.0
     assert rows["vllm/ngram"]["tokens_per_step"] >= 1.0
+
+
+def test_a_row_on_other_weights_names_them_and_only_the_default_target_has_a_gguf():
+    result = {"rows": [{"tokens": [4, 5], "seconds": 0.5}], "weights": "gguf: m.Q4_1.gguf",
+              "convert_s": 2.0}
+    row = peers.engine_row("llamacpp", "plain", result, [[4, 5]], set())
+    assert row["dtype"] == "gguf: m.Q4_1.gguf" and row["identical"] == 1.0
+    assert row["tokens_per_s"] == 4.0 and row["tokens_per_step"] == 1.0 and row["convert_s"] == 2.0
+    from verify.target import load_target
+    assert peers.gguf_file(load_target(tiny="llama")) is None

@@ -1,0 +1,70 @@
+"""One llama.cpp method (through llama-cpp-python) on given token-id prompts, run by
+experiments.peers in its own environment (.venv-peers/llamacpp; imports nothing of treedraft).
+
+    <venv>/bin/python llamacpp_runner.py <request.json> <result.json>
+
+llama.cpp reads GGUF files: the request's `gguf` is the file the target ships as (the default
+target's is quantised, Q4_1), so its rows decode that file, not the float32 weights the other
+rows decode, and are labelled so. Methods: "plain", and "prompt_lookup" (llama-cpp-python's
+LlamaPromptLookupDecoding draft: `num_pred_tokens`, `max_ngram_size`). Greedy (top_k 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def run(request: dict) -> dict:
+    import llama_cpp
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    method = dict(request["method"])
+    name = method.pop("name")
+    if name not in ("plain", "prompt_lookup"):
+        raise ValueError(f"llamacpp_runner runs plain and prompt_lookup, not {name!r}")
+    if not request.get("gguf"):
+        raise ValueError("llama.cpp needs the target as a GGUF file; this target has none")
+    draft = LlamaPromptLookupDecoding(**method) if name == "prompt_lookup" else None
+    start = time.perf_counter()
+    llm = Llama(model_path=request["gguf"], n_ctx=request["max_model_len"],
+                n_threads=os.cpu_count(), draft_model=draft, verbose=False, seed=0)
+    startup_s = time.perf_counter() - start
+    eos = set(request["eos_token_ids"])
+
+    def generate(ids, max_new_tokens):
+        llm.reset()  # no prefix reuse between prompts: each is decoded from scratch
+        tokens, ttft = [], None
+        start = time.perf_counter()
+        for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            tokens.append(token)
+            if token in eos or len(tokens) >= max_new_tokens:
+                break
+        return tokens, time.perf_counter() - start, ttft
+
+    for ids in request["prompts"][: request["warmup"]]:
+        generate(ids, 16)
+    rows = []
+    for ids in request["prompts"]:
+        tokens, seconds, ttft = generate(ids, request["max_new_tokens"])
+        rows.append({"tokens": tokens, "seconds": seconds, "ttft_s": ttft})
+    return {"engine": "llamacpp", "version": llama_cpp.__version__, "startup_s": startup_s,
+            "weights": "gguf: " + os.path.basename(request["gguf"]), "rows": rows}
+
+
+def main() -> None:
+    request_path, result_path = sys.argv[1:3]
+    with open(request_path) as f:
+        request = json.load(f)
+    result = run(request)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""One OpenVINO GenAI method on given token-id prompts, run by experiments.peers in OpenVINO's
+own environment (.venv-peers/openvino; this file imports nothing of treedraft).
+
+    <venv>/bin/python openvino_runner.py <request.json> <result.json>
+
+The request is experiments.peers' (see vllm_runner.py); the model folder is converted to
+OpenVINO IR once per run by optimum-intel (`optimum-cli export openvino`, into the request's
+`work_dir`; its seconds are `convert_s`). Methods: "plain", and "prompt_lookup" (LLMPipeline's
+prompt lookup decoding: `num_assistant_tokens`, `max_ngram_size`). The CPU plugin's inference
+and KV-cache precision are pinned to the request's dtype: its defaults (bfloat16 on CPUs that
+have it, a compressed KV cache) would decode another model than the one compared.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PRECISION = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def convert(model: str, dtype: str, out: Path) -> float:
+    """The model as OpenVINO IR in `out` (with its tokenizer); seconds spent, 0 if there."""
+    if (out / "openvino_model.xml").is_file():
+        return 0.0
+    start = time.perf_counter()
+    weights = {"float32": "fp32", "bfloat16": "fp16"}[dtype]
+    cli = Path(sys.executable).parent / "optimum-cli"
+    subprocess.run([str(cli), "export", "openvino", "--model", model, "--task",
+                    "text-generation-with-past", "--weight-format", weights, str(out)],
+                   check=True)
+    return time.perf_counter() - start
+
+
+def run(request: dict) -> dict:
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    method = dict(request["method"])
+    name = method.pop("name")
+    if name not in ("plain", "prompt_lookup"):
+        raise ValueError(f"openvino_runner runs plain and prompt_lookup, not {name!r}")
+    ir = Path(request["work_dir"]) / f"openvino-{request['dtype']}"
+    convert_s = convert(request["model"], request["dtype"], ir)
+    precision = PRECISION[request["dtype"]]
+    properties = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
+    start = time.perf_counter()
+    if name == "prompt_lookup":
+        pipe = ov_genai.LLMPipeline(str(ir), "CPU", prompt_lookup=True, **properties)
+    else:
+        pipe = ov_genai.LLMPipeline(str(ir), "CPU", **properties)
+    startup_s = time.perf_counter() - start
+
+    def config(max_new_tokens: int):
+        settings = ov_genai.GenerationConfig()
+        settings.max_new_tokens = max_new_tokens
+        settings.do_sample = False
+        settings.stop_token_ids = set(request["eos_token_ids"])
+        for key, value in method.items():  # num_assistant_tokens, max_ngram_size
+            setattr(settings, key, value)
+        return settings
+
+    def generate(ids, settings):
+        tensor = ov.Tensor(np.array([ids], dtype=np.int64))
+        start = time.perf_counter()
+        result = pipe.generate(tensor, settings)
+        seconds = time.perf_counter() - start
+        return list(result.tokens[0]), seconds, result.perf_metrics.get_ttft().mean / 1000
+
+    for ids in request["prompts"][: request["warmup"]]:
+        generate(ids, config(16))
+    rows = []
+    for ids in request["prompts"]:
+        tokens, seconds, ttft = generate(ids, config(request["max_new_tokens"]))
+        rows.append({"tokens": tokens, "seconds": seconds, "ttft_s": ttft})
+    return {"engine": "openvino", "version": ov_genai.__version__, "startup_s": startup_s,
+            "convert_s": convert_s, "rows": rows}
+
+
+def main() -> None:
+    request_path, result_path = sys.argv[1:3]
+    with open(request_path) as f:
+        request = json.load(f)
+    result = run(request)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
