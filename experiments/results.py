@@ -149,7 +149,12 @@ def render_table(path: Path, link: str) -> str:
 
 def method_rows(path: Path, link: str, methods: list[str]) -> list[str]:
     """`| method | speedup | tau | identical | run |` for each named method of a saved
-    experiments.bench JSON (its first summary), speedup over that run's own baseline."""
+    experiments.bench JSON (its first summary), speedup over that run's own baseline; of an
+    experiments.peers JSON, every engine's over treedraft's plain loop in that run (tau: tokens
+    per step, identical: to treedraft's plain loop)."""
+    report = read_json(path, "a saved report")
+    if kind_of(report, path).command == "experiments.peers":
+        return _peer_rows(report["rows"], path, link, methods)
     summary = BenchReport.read(path).rows[0]
     if not isinstance(summary, BenchSummary):
         raise ValueError(f"{path}: rows are read from experiments.bench reports only")
@@ -160,6 +165,21 @@ def method_rows(path: Path, link: str, methods: list[str]) -> list[str]:
         m = summary.methods[name]
         lines.append(markdown_row([name, f"{m.speedup['overall']:.2f}x over {summary.baseline}",
                                    cell(m.tau, ".2f"), cell(m.identical, ".0%"),
+                                   f"[{path.parent.name}]({link})"]))
+    return lines
+
+
+def _peer_rows(rows: list[dict], path: Path, link: str, methods: list[str]) -> list[str]:
+    by_name = {row["method"]: row for row in rows if "tokens_per_s" in row}
+    lines = []
+    for name in methods:
+        if name not in by_name:
+            raise ValueError(f"{path} has no method {name!r} that ran; it has {sorted(by_name)}")
+        row = by_name[name]
+        over = row["speedup_over_treedraft_plain"]
+        lines.append(markdown_row([name, f"{over:.2f}x over treedraft/plain_loop",
+                                   cell(row.get("tokens_per_step"), ".2f"),
+                                   cell(row.get("identical"), ".0%"),
                                    f"[{path.parent.name}]({link})"]))
     return lines
 

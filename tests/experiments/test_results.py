@@ -82,6 +82,27 @@ def test_rows_and_the_readme_block(tmp_path):
         generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)
 
 
+def test_peer_rows_in_the_readme_block_are_over_treedrafts_plain_loop(tmp_path):
+    rows = [{"method": "treedraft/plain_loop", "engine": "treedraft", "tokens_per_s": 10.0,
+             "speedup_over_treedraft_plain": 1.0, "tokens_per_step": 1.0, "identical": 1.0},
+            {"method": "vllm/ngram", "engine": "vllm", "tokens_per_s": 15.0,
+             "speedup_over_treedraft_plain": 1.5, "tokens_per_step": 1.4, "identical": 0.5},
+            {"method": "vllm/suffix", "engine": "vllm", "status": "not run: no"}]
+    _report(tmp_path / "reports", "peers/p.json", rows)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "page.md").write_text("# Page\n\nAbout.\n")
+    (src / "_headline.md").write_text("<!-- rows: peers/*.json :: vllm/ngram -->\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results: begin -->\n<!-- results: end -->\n")
+    text = generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)[readme]
+    assert ("| vllm/ngram | 1.50x over treedraft/plain_loop | 1.40 | 50% | "
+            "[peers](reports/peers/p.json) |") in text
+    (src / "_headline.md").write_text("<!-- rows: peers/*.json :: vllm/suffix -->\n")
+    with pytest.raises(ValueError, match="no method 'vllm/suffix' that ran"):
+        generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)
+
+
 @pytest.mark.parametrize("pattern, error", [("none/*.json", "matches none"),
                                             ("two/*.json", "matches two/a.json, two/b.json")])
 def test_a_directive_must_name_one_file(tmp_path, pattern, error):
