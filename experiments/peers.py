@@ -289,6 +289,13 @@ def format_table(rows: list[dict]) -> str:
         "their ratio is the machine's drift meanwhile).")
 
 
+def _label(row: dict) -> str:
+    """The method, and the weights when they are not the target's (llama.cpp: Q4_1 GGUF)."""
+    if row["dtype"].startswith("gguf"):
+        return f"{row['method']} ({row['dtype'].split('.')[-2]} GGUF)"
+    return row["method"]
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -298,7 +305,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(ran) + 1.2))
     colors = {"treedraft": "tab:blue", "vllm": "tab:orange", "openvino": "tab:purple",
               "llamacpp": "tab:green"}
-    ax.barh([r["method"] for r in ran], [r["tokens_per_s"] for r in ran],
+    ax.barh([_label(r) for r in ran], [r["tokens_per_s"] for r in ran],
             color=[colors.get(r["engine"], "tab:gray") for r in ran])
     ax.invert_yaxis()
     ax.set_xlabel("tokens/s (greedy, one prompt at a time)")
