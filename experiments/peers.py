@@ -192,9 +192,9 @@ def spec_figures(counters: dict, new_tokens: int) -> dict:
     token of its own, so the steps number new_tokens - accepted, whether they drafted or not
     (an n-gram proposer drafts only where it finds a match)."""
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
-    if not drafts:
-        return {}
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    if not drafts or accepted >= new_tokens:  # no drafting, or counters of other calls too
+        return {}
     positions = sorted((int(key.split("[")[1].rstrip("]")), value)
                        for key, value in counters.items() if key.endswith("]"))
     return {"tokens_per_step": new_tokens / (new_tokens - accepted),
