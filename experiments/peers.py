@@ -40,10 +40,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from drafters import build_drafter
-from experiments.bench import Prompt, parse_compare, sampling_params, time_methods, treedraft_method
+from experiments.bench import Prompt, parse_compare, time_methods, treedraft_method
 from experiments.common import CONF_DIR, pick_questions, save_figure, write_report
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
+from verify.sampling import SamplingParams
 from verify.target import (
     DEFAULT_GGUF,
     DEFAULT_NAME,
@@ -101,7 +102,7 @@ def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 def treedraft_rows(cfg: DictConfig, target: Target, prompts: list[Prompt],
                    entries: list[str], desc: str) -> dict[str, list[dict]]:
     """Records of treedraft's plain loop and each compare entry on `prompts` (bench's timing)."""
-    params = sampling_params(OmegaConf.create({"temperature": 0.0, "top_k": 0, "top_p": 1.0}))
+    params = SamplingParams()  # greedy
     methods = {"treedraft/plain_loop": treedraft_method(target, None, params)}
     for entry in entries:
         contender = parse_compare(entry)
@@ -151,14 +152,14 @@ def run_engine_method(engine: str, python: Path, request: dict, timeout_s: float
     except subprocess.TimeoutExpired:
         return {"error": f"no result within timeout_s={timeout_s:.0f}"}
     if done.returncode != 0 or not result_path.is_file():
-        return {"error": _last_error(done.stderr + done.stdout, done.returncode)}
+        return {"error": _failure_reason(done.stderr + done.stdout, done.returncode)}
     return json.loads(result_path.read_text())
 
 
 EXCEPTION = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
 
 
-def _last_error(log: str, returncode: int) -> str:
+def _failure_reason(log: str, returncode: int) -> str:
     """Why a run failed: the first exception its log names (the root cause: a chained
     traceback prints it first, and an engine's worker before the engine's own wrapper),
     else the log's last line."""

@@ -11,10 +11,10 @@ LlamaPromptLookupDecoding draft: `num_pred_tokens`, `max_ngram_size`). Greedy (t
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
+
+from runner_io import serve, timed_rows, warm_up
 
 
 def run(request: dict) -> dict:
@@ -35,7 +35,7 @@ def run(request: dict) -> dict:
     startup_s = time.perf_counter() - start
     eos = set(request["eos_token_ids"])
 
-    def generate(ids, max_new_tokens):
+    def decode(ids, max_new_tokens):
         llm.reset()  # no prefix reuse between prompts: each is decoded from scratch
         tokens, ttft = [], None
         start = time.perf_counter()
@@ -47,24 +47,11 @@ def run(request: dict) -> dict:
                 break
         return tokens, time.perf_counter() - start, ttft
 
-    for ids in request["prompts"][: request["warmup"]]:
-        generate(ids, 16)
-    rows = []
-    for ids in request["prompts"]:
-        tokens, seconds, ttft = generate(ids, request["max_new_tokens"])
-        rows.append({"tokens": tokens, "seconds": seconds, "ttft_s": ttft})
+    warm_up(request, decode)
+    rows = timed_rows(request, decode)
     return {"engine": "llamacpp", "version": llama_cpp.__version__, "startup_s": startup_s,
             "weights": "gguf: " + os.path.basename(request["gguf"]), "rows": rows}
 
 
-def main() -> None:
-    request_path, result_path = sys.argv[1:3]
-    with open(request_path) as f:
-        request = json.load(f)
-    result = run(request)
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)

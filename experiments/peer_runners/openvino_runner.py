@@ -13,11 +13,12 @@ have it, a compressed KV cache) would decode another model than the one compared
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from runner_io import serve, timed_rows, warm_up
 
 PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 
@@ -66,31 +67,18 @@ def run(request: dict) -> dict:
             setattr(settings, key, value)
         return settings
 
-    def generate(ids, settings):
+    def decode(ids, max_new_tokens):
         tensor = ov.Tensor(np.array([ids], dtype=np.int64))
         start = time.perf_counter()
-        result = pipe.generate(tensor, settings)
+        result = pipe.generate(tensor, config(max_new_tokens))
         seconds = time.perf_counter() - start
         return list(result.tokens[0]), seconds, result.perf_metrics.get_ttft().mean / 1000
 
-    for ids in request["prompts"][: request["warmup"]]:
-        generate(ids, config(16))
-    rows = []
-    for ids in request["prompts"]:
-        tokens, seconds, ttft = generate(ids, config(request["max_new_tokens"]))
-        rows.append({"tokens": tokens, "seconds": seconds, "ttft_s": ttft})
+    warm_up(request, decode)
+    rows = timed_rows(request, decode)
     return {"engine": "openvino", "version": ov_genai.__version__, "startup_s": startup_s,
             "convert_s": convert_s, "rows": rows}
 
 
-def main() -> None:
-    request_path, result_path = sys.argv[1:3]
-    with open(request_path) as f:
-        request = json.load(f)
-    result = run(request)
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)

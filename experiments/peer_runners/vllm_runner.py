@@ -14,9 +14,9 @@ one prompt at a time, as treedraft's loop decodes.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
+
+from runner_io import serve, timed_rows, warm_up
 
 
 def counters(llm) -> dict[str, float]:
@@ -53,37 +53,27 @@ def run(request: dict) -> dict:
               speculative_config=speculative)
     startup_s = time.perf_counter() - start
     eos = request["eos_token_ids"]
-    full = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
-                          stop_token_ids=eos)
     first = SamplingParams(temperature=0.0, max_tokens=1)
 
-    def generate(ids, params):
+    def call(ids, params):
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         return list(out[0].outputs[0].token_ids), time.perf_counter() - start
 
-    for ids in request["prompts"][: request["warmup"]]:  # first calls pay one-off costs
-        generate(ids, SamplingParams(temperature=0.0, max_tokens=16))
+    def decode(ids, max_new_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=eos)
+        tokens, seconds = call(ids, params)
+        _, ttft = call(ids, first)  # the first token alone: a one-token call
+        return tokens, seconds, ttft
+
+    warm_up(request, decode)
     before = counters(llm)
-    rows = []
-    for ids in request["prompts"]:
-        tokens, seconds = generate(ids, full)
-        _, ttft = generate(ids, first)
-        rows.append({"tokens": tokens, "seconds": seconds, "ttft_s": ttft})
+    rows = timed_rows(request, decode)
     after = counters(llm)
     spec = {key: after[key] - before.get(key, 0.0) for key in after}
     return {"engine": "vllm", "version": vllm.__version__, "startup_s": startup_s,
             "rows": rows, "spec_decode": spec}
 
 
-def main() -> None:
-    request_path, result_path = sys.argv[1:3]
-    with open(request_path) as f:
-        request = json.load(f)
-    result = run(request)
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-
-
 if __name__ == "__main__":  # vLLM starts its workers by spawn: they re-import this module
-    main()
+    serve(run)
