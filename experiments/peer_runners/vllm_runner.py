@@ -6,10 +6,11 @@
 The request (experiments/peers.py, `engine_request`): the model folder, its dtype, the prompts
 as token ids (the chat template applied by treedraft, so every engine decodes the same
 tokens), max_new_tokens, the EOS ids, warmup, and the method: {"name": "plain"} or
-{"name": <vLLM speculative method>, ...its speculative_config keys}. The result: start-up
-seconds, then per prompt the new token ids, the seconds of its greedy generate call and of a
-one-token call (time to first token), and the spec-decode counters vLLM reports. Greedy,
-one prompt at a time, as treedraft's loop decodes.
+{"name": <vLLM speculative method>, ...its speculative_config keys}; `llm_options`, if any,
+more keyword arguments of vllm.LLM (experiments.served's workaround for Medusa). The result:
+start-up seconds, then per prompt the new token ids, the seconds of its greedy generate call
+and of a one-token call (time to first token), and the spec-decode counters vLLM reports.
+Greedy, one prompt at a time, as treedraft's loop decodes.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def run(request: dict) -> dict:
               # on the CPU backend the share of the node's memory vLLM reserves (the KV
               # cache): its default 0.92 is refused beside the other processes here
               gpu_memory_utilization=request["memory_fraction"],
-              speculative_config=speculative)
+              speculative_config=speculative, **request.get("llm_options", {}))
     startup_s = time.perf_counter() - start
     eos = request["eos_token_ids"]
     first = SamplingParams(temperature=0.0, max_tokens=1)

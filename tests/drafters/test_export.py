@@ -30,7 +30,8 @@ def randomize(module, seed=0):
     return module
 
 
-@pytest.mark.parametrize("share, vocab", [(True, None), (False, torch.arange(3, 200, 3))])
+@pytest.mark.parametrize("share, vocab", [(True, None), (True, torch.arange(3, 200, 3)),
+                                          (False, None)])
 def test_medusa_heads_round_trip_through_the_vllm_layout(tiny, tmp_path, share, vocab):
     target = tiny("llama")
     heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 3, 2, share, vocab))
@@ -38,28 +39,49 @@ def test_medusa_heads_round_trip_through_the_vllm_layout(tiny, tmp_path, share, 
     assert medusa_logit_gap(heads, load_vllm_medusa(tmp_path / "medusa", target)) == 0.0
 
 
-def test_the_vllm_medusa_files_compute_what_our_heads_do(tiny, tmp_path):
-    # vLLM's computation, from its files alone: per head x <- x + SiLU(W x + b) for each
-    # block, then lm_heads.k, scattered to token_map's ids (-inf elsewhere)
+@pytest.mark.parametrize("share, vocab", [(True, torch.arange(0, 256, 2)), (False, None)])
+def test_the_vllm_medusa_files_compute_what_our_heads_do(tiny, tmp_path, share, vocab):
+    # vLLM 0.32's computation, from its files alone: per head x <- x + SiLU(W x + b) for each
+    # block, then the shared lm_head (original_lm_head) scattered to token_map's ids (-inf
+    # elsewhere), or head k's own full-vocabulary lm_heads.k
     target = tiny("llama")
-    vocab = torch.arange(0, 256, 2)
-    heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 2, False, vocab))
+    heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 2, share, vocab))
     export_vllm_medusa(heads, tmp_path / "m", target)
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     state = load_file(str(tmp_path / "m" / "model.safetensors"))
-    assert config["model_type"] == "medusa" and config["truncated_vocab_size"] == 128
-    assert state["token_map"].dtype == torch.int64
+    assert config["model_type"] == "medusa" and config["original_lm_head"] == share
+    assert config["truncated_vocab_size"] == (len(vocab) if vocab is not None else 256)
     hidden = torch.randn(5, 64)
     for k in range(config["num_heads"]):
         x = hidden
         for j in range(config["num_hidden_layers"]):
             w, b = state[f"blocks.{k}.layers.{j}.weight"], state[f"blocks.{k}.layers.{j}.bias"]
             x = x + torch.nn.functional.silu(x @ w.T + b)
+        projection = state["lm_head.weight" if share else f"lm_heads.{k}.weight"]
         logits = torch.full((5, config["vocab_size"]), float("-inf"))
-        logits[:, state["token_map"]] = x @ state[f"lm_heads.{k}.weight"].T
+        ids = state["token_map"] if "token_map" in state else torch.arange(config["vocab_size"])
+        assert state.get("token_map", ids).dtype == torch.int64
+        logits[:, ids] = x @ projection.T
         with torch.no_grad():
             ours = heads.to_target_vocab(heads.head_logits(hidden, k))
         torch.testing.assert_close(logits, ours)
+
+
+def test_heads_vllm_cannot_hold_are_refused_and_a_foreign_shared_head_is_kept(tiny, tmp_path):
+    target = tiny("llama")
+    lm_head = target.model.get_output_embeddings()
+    with pytest.raises(ValueError, match="per-head projections over the whole vocabulary"):
+        export_vllm_medusa(MedusaHeads(lm_head, 2, 1, False, torch.arange(9, 99)),
+                           tmp_path / "x", target)
+    export_vllm_medusa(MedusaHeads(lm_head, 2, 1, True, torch.arange(9, 99)), tmp_path / "m",
+                       target)
+    path = tmp_path / "m" / "model.safetensors"
+    state = load_file(str(path))
+    state["lm_head.weight"] = state["lm_head.weight"] + 1.0  # a fine-tune's head
+    save_file(state, str(path))
+    loaded = load_vllm_medusa(tmp_path / "m", target)
+    assert torch.equal(loaded.head_lm(0).weight, state["lm_head.weight"])
+    assert torch.equal(loaded.head_lm(1).weight, state["lm_head.weight"])
 
 
 def eagle3_draft(target, vocab=None):
@@ -156,12 +178,12 @@ def drop_and_reshape(path, drop: str, reshape: str | None = None) -> None:
 
 def test_exports_with_missing_or_misshapen_weights_are_refused_by_name(tiny, tmp_path):
     target = tiny("llama")
-    heads = MedusaHeads(target.model.get_output_embeddings(), 2, 2, False, torch.arange(9, 99))
+    heads = MedusaHeads(target.model.get_output_embeddings(), 2, 2, True, torch.arange(9, 99))
     export_vllm_medusa(heads, tmp_path / "m", target)
     drop_and_reshape(tmp_path / "m" / "model.safetensors", "blocks.1.layers.0.weight",
-                     reshape="lm_heads.0.weight")
+                     reshape="lm_head.weight")
     with pytest.raises(ValueError, match=r"missing: blocks\.1\.layers\.0\.weight.*"
-                                         r"wrong shape: lm_heads\.0\.weight \(89, 64\)"):
+                                         r"wrong shape: lm_head\.weight \(89, 64\)"):
         load_vllm_medusa(tmp_path / "m", target)
     export_speculators_eagle3(eagle3_draft(target), tmp_path / "s", target)
     drop_and_reshape(tmp_path / "s" / "model.safetensors", "layers.0.mlp.up_proj.weight")

@@ -2,7 +2,9 @@
 engine's runner (a separate process, request and result files). It decodes with Hugging Face
 `generate` on the model folder it is given, so its greedy output is a real, independent
 decoding of the same target; method "broken" fails as an engine refusing a method does, and
-"slow" never finishes. A counter per method stands in for vLLM's spec-decode counters."""
+"slow" never finishes. A counter per method stands in for vLLM's spec-decode counters (for a
+served draft, tests/experiments/test_served.py: 4 drafting steps, accepting 3, 2, 1 at
+positions 1, 2, 3)."""
 
 import json
 import sys
@@ -35,6 +37,10 @@ def main() -> None:
         spec = {"vllm:spec_decode_num_drafts": 4.0, "vllm:spec_decode_num_accepted_tokens": 5.0,
                 "vllm:spec_decode_num_accepted_tokens_per_pos[0]": 3.0,
                 "vllm:spec_decode_num_accepted_tokens_per_pos[1]": 2.0}
+    if "model" in method:  # a served draft (experiments.served)
+        spec = {"vllm:spec_decode_num_drafts": 4.0, "vllm:spec_decode_num_accepted_tokens": 6.0,
+                **{f"vllm:spec_decode_num_accepted_tokens_per_pos[{i}]": float(3 - i)
+                   for i in range(method["num_speculative_tokens"])}}
     json.dump({"engine": "fake", "version": "0", "startup_s": 0.5, "rows": rows,
                "spec_decode": spec}, open(sys.argv[2], "w"))
 

