@@ -26,6 +26,7 @@ that fails stops the command (they run first).
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -61,12 +62,16 @@ PLAIN = "plain"  # every engine's method name for its plain decoding
 @dataclass
 class EngineConfig:
     """One engine of conf/peers.yaml's `engines`: its methods ({name: settings}; "plain" is
-    its plain decoding), the seconds one method may take, and what its runner takes besides
-    (`options`, handed over in the request)."""
+    its plain decoding), the seconds one method may take, what its runner takes besides
+    (`options`, handed over in the request), the environment variables of its processes
+    (`env`), and `runner`: the runner and environment it runs in when they are another
+    engine's (the same engine under other settings; None: its own name's)."""
 
     timeout_s: float = MISSING
     options: dict[str, Any] = field(default_factory=dict)
     methods: dict[str, Any] = MISSING
+    env: dict[str, str] = field(default_factory=dict)
+    runner: str | None = None
 
 
 def typed_engines(engines: DictConfig) -> dict[str, DictConfig]:
@@ -137,19 +142,23 @@ def engine_request(cfg: DictConfig, model: str, target: Target, prompts: list[Pr
 
 
 def run_engine_method(engine: str, python: Path, request: dict, timeout_s: float,
-                      scratch: Path) -> dict:
-    """Run one engine method in its own process; its result, or {"error": <reason>}."""
+                      scratch: Path, env: dict[str, str] | None = None,
+                      label: str | None = None) -> dict:
+    """Run one method with `engine`'s runner in its own process (`env`: variables added to
+    its environment; `label`: the entry's name, for its files); its result, or {"error":
+    <reason>}."""
     runner = RUNNERS / f"{engine}_runner.py"
     if not runner.is_file():
         return {"error": f"no runner for {engine} ({runner.name} missing)"}
     if not python.is_file():
         return {"error": f"{engine} not installed ({python} missing: make peers)"}
-    name = request["method"]["name"]
-    request_path, result_path = scratch / f"{engine}-{name}.json", scratch / f"{engine}-{name}.out"
+    stem = f"{label or engine}-{request['method']['name']}"
+    request_path, result_path = scratch / f"{stem}.json", scratch / f"{stem}.out"
     request_path.write_text(json.dumps(request))
     try:
         done = subprocess.run([str(python), str(runner), str(request_path), str(result_path)],
-                              capture_output=True, text=True, timeout=timeout_s, cwd=scratch)
+                              capture_output=True, text=True, timeout=timeout_s, cwd=scratch,
+                              env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
         return {"error": f"no result within timeout_s={timeout_s:.0f}"}
     if done.returncode != 0 or not result_path.is_file():
@@ -221,12 +230,13 @@ def compare(cfg: DictConfig) -> list[dict]:
         scratch = Path(tmp)
         model = model_folder(target, scratch)
         for engine, engine_cfg in engines.items():
-            python = (REPO / cfg.venvs / engine / "bin" / "python").absolute()
+            runner = engine_cfg.runner or engine
+            python = (REPO / cfg.venvs / runner / "bin" / "python").absolute()
             for method, settings in engine_cfg.methods.items():
                 request = engine_request(cfg, model, target, prompts, method,
                                          OmegaConf.to_container(settings), engine_cfg, scratch)
-                result = run_engine_method(engine, python, request, engine_cfg.timeout_s,
-                                           scratch)
+                result = run_engine_method(runner, python, request, engine_cfg.timeout_s,
+                                           scratch, dict(engine_cfg.env), label=engine)
                 rows.append(engine_row(engine, method, result, reference, eos))
     again = treedraft_rows(cfg, target, prompts, [], "treedraft again")
     rows.append({"method": "treedraft/plain_loop (again)", "engine": "treedraft",
@@ -308,7 +318,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     colors = {"treedraft": "tab:blue", "vllm": "tab:orange", "openvino": "tab:purple",
               "llamacpp": "tab:green"}
     ax.barh([_label(r) for r in ran], [r["tokens_per_s"] for r in ran],
-            color=[colors.get(r["engine"], "tab:gray") for r in ran])
+            color=[colors.get(r["engine"].split("-")[0], "tab:gray") for r in ran])
     ax.invert_yaxis()
     ax.set_xlabel("tokens/s (greedy, one prompt at a time)")
     fig.tight_layout()

@@ -203,18 +203,29 @@ def write_account_report(folder: Path, target: Target, regen: RegenConfig, accou
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown: saved regeneration accounts (report.json's rows), as the results pages show."""
+    """Markdown: saved regeneration accounts (report.json's rows), as the results pages show;
+    with the engine and, where one was asked for, the comparison with another regeneration."""
     header = ["input", "done", "skipped", "failed", "answers", "tokens", "cut answers",
-              "dropped turns", "ranks", "seconds", "tokens/s"]
+              "dropped turns", "engine", "ranks", "seconds", "tokens/s", "identical"]
     table = [[a["input"], a["done"], f"{a['skipped']} ({_reasons(a['skipped_by_reason'])})",
               f"{a['failed']} ({_reasons(a['failed_by_reason'])})", a["answers"],
-              f"{a['tokens']:,}", a["cut_answers"], a["dropped_turns"], *_last_run(a)]
+              f"{a['tokens']:,}", a["cut_answers"], a["dropped_turns"],
+              a["this_run"].get("engine", "builtin"), *_last_run(a), _identical(a)]
              for a in rows]
+    notes = "".join(_format_comparison(a.get("compared_to")).replace("\n", "\n\n")
+                    for a in rows)
     return markdown_table(header, table) + (
         "\n\ninput = done + skipped + failed. cut answers: stopped at regen.max_new_tokens; "
         "dropped turns: not asked, the conversation had reached regen.max_context_tokens. "
         "ranks, seconds and tokens/s: the last invocation, \"-\" when it only gathered what "
-        "earlier ones had finished (a resumed run counts what it did).")
+        "earlier ones had finished (a resumed run counts what it did). identical: "
+        "conversations answered as in the regeneration compared with (compare_to).") + notes
+
+
+def _identical(account: dict) -> str:
+    compared = account.get("compared_to")
+    return (f"{compared['identical']}/{compared['conversations']}" if compared
+            else cell(None))
 
 
 def _last_run(account: dict) -> list:

@@ -30,8 +30,12 @@ def run(request: dict) -> dict:
         raise ValueError("llama.cpp needs the target as a GGUF file; this target has none")
     draft = LlamaPromptLookupDecoding(**method) if name == "prompt_lookup" else None
     start = time.perf_counter()
+    # logits_all with a draft: llama-cpp-python 0.3.36 keeps logits of every position when it
+    # drafts but sizes their buffer by the argument (n_batch rows when False), so a prompt
+    # past n_batch tokens fails ("could not broadcast input array ... into shape (0,)")
     llm = Llama(model_path=request["gguf"], n_ctx=request["max_model_len"],
-                n_threads=os.cpu_count(), draft_model=draft, verbose=False, seed=0)
+                n_threads=os.cpu_count(), draft_model=draft, logits_all=draft is not None,
+                verbose=False, seed=0)
     startup_s = time.perf_counter() - start
     eos = set(request["eos_token_ids"])
 

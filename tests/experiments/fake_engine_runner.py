@@ -7,6 +7,7 @@ served draft, tests/experiments/test_served.py: 4 drafting steps, accepting 3, 2
 positions 1, 2, 3)."""
 
 import json
+import os
 import sys
 import time
 
@@ -41,7 +42,8 @@ def main() -> None:
         spec = {"vllm:spec_decode_num_drafts": 4.0, "vllm:spec_decode_num_accepted_tokens": 6.0,
                 **{f"vllm:spec_decode_num_accepted_tokens_per_pos[{i}]": float(3 - i)
                    for i in range(method["num_speculative_tokens"])}}
-    json.dump({"engine": "fake", "version": "0", "startup_s": 0.5, "rows": rows,
+    version = os.environ.get("FAKE_ENGINE_VERSION", "0")  # an entry's env reaches its runner
+    json.dump({"engine": "fake", "version": version, "startup_s": 0.5, "rows": rows,
                "spec_decode": spec}, open(sys.argv[2], "w"))
 
 

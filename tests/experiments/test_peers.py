@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import experiments.peers as peers
 from experiments.common import CONF_DIR
@@ -38,7 +39,8 @@ def fake_engine(tmp_path, monkeypatch):
     # a symlink would lose this environment's packages (no pyvenv.cfg beside it): a wrapper
     (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     (venv / "python").chmod(0o755)
-    shipped = [f"~engines.{name}" for name in ("vllm", "openvino", "llamacpp")]
+    engines = OmegaConf.load(Path(CONF_DIR) / "peers.yaml").engines
+    shipped = [f"~engines.{name}" for name in engines]
     return [*shipped, "venvs=" + str(tmp_path / "venvs")]
 
 
@@ -75,6 +77,18 @@ def test_each_engine_method_gets_a_row_and_failures_are_rows_too(tmp_path, fake_
     assert rows["absent/plain"]["status"].startswith("not run: absent not installed")
     table = peers.format_table(list(rows.values()))
     assert "| fake/broken | not run: ValueError" in table
+
+
+def test_an_entry_can_run_another_engines_runner_with_its_own_environment(tmp_path,
+                                                                          fake_engine):
+    again = ("+engines.fake-again={runner: fake, env: {FAKE_ENGINE_VERSION: '2'}, "
+             "timeout_s: 60, methods: {plain: {}}}")
+    cfg = compose_peers(tmp_path, *fake_engine, "+engines.fake={timeout_s: 60, methods: "
+                        "{plain: {}}}", again)
+    rows = {r["method"]: r for r in peers.compare(cfg)}
+    assert rows["fake/plain"]["version"] == "0" and rows["fake-again/plain"]["version"] == "2"
+    assert rows["fake-again/plain"]["identical"] == 1.0
+    assert rows["fake-again/plain"]["speedup_over_engine_plain"] == 1.0  # over its own plain
 
 
 def test_a_run_past_its_timeout_is_a_row(tmp_path, fake_engine):
@@ -120,7 +134,8 @@ def test_vllm_decodes_the_default_target_as_treedraft_does(tmp_path):
     with initialize_config_dir(CONF_DIR, version_base=None):
         cfg = compose("peers", ["num_prompts=2", "max_new_tokens=16", "treedraft=[]",
                                 "~engines.vllm.methods.suffix", "~engines.openvino",
-                                "~engines.llamacpp", f"out_dir={tmp_path}"])
+                                "~engines.llamacpp", "~engines.vllm-all-cores",
+                                f"out_dir={tmp_path}"])
     rows = {r["method"]: r for r in peers.compare(cfg)}
     assert rows["vllm/plain"]["identical"] == 1.0 and rows["vllm/ngram"]["identical"] == 1.0
     assert rows["vllm/ngram"]["tokens_per_step"] >= 1.0

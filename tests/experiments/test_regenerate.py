@@ -115,3 +115,24 @@ def test_an_engine_is_part_of_the_folders_key_and_an_unknown_one_is_refused():
         cfg = compose("regenerate", ["regen.engine=sglang"])
     with pytest.raises(ValueError, match="regen.engine='sglang': choose from"):
         regenerate_command.run(cfg)
+
+
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="make peers installs .venv-peers/vllm")
+def test_vllm_regenerates_the_default_targets_answers_as_the_builtin_loop(tmp_path):
+    """regen.engine=vllm on the default target, greedy float32: four conversations' answers
+    equal the built-in loop's (~4 min: vLLM's start-up compiles)."""
+    settings = ["regen.conversations=4", "regen.max_new_tokens=24", "regen.batch_size=4"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        builtin = compose("regenerate", [*settings, f"regen.out_dir={tmp_path / 'builtin'}"])
+        engine = compose("regenerate", [*settings, f"regen.out_dir={tmp_path / 'vllm'}",
+                                        "regen.engine=vllm",
+                                        f"compare_to={tmp_path / 'builtin'}"])
+    regenerate_command.run(builtin)
+    account = regenerate_command.run(engine)
+    assert account["this_run"]["engine"] == "vllm"
+    compared = account["compared_to"]
+    assert compared["identical"] == compared["conversations"] == account["done"] > 0, compared
