@@ -11,7 +11,9 @@ engines:
 	bash scripts/engine_env.sh
 
 # .venv-peers/: vLLM, OpenVINO GenAI and llama.cpp, one environment each, for
-# `python -m experiments.peers`; an engine that fails to install is reported and skipped.
+# `python -m experiments.peers`, and ArcticInference's suffix decoding cache alone, for
+# `python -m experiments.suffix_reference`; an engine that fails to install is reported and
+# skipped.
 peers:
 	bash scripts/peers.sh
 

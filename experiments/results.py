@@ -106,6 +106,8 @@ KINDS = (
          "experiments.simulate:format_table"),
     Kind("experiments.peers", lambda row: "engine" in row,
          "experiments.peers:format_table"),
+    Kind("experiments.suffix_reference", lambda row: "side" in row and "label" in row,
+         "experiments.suffix_reference:format_table"),
     Kind("experiments.served", lambda row: "draft" in row and "speculative_tokens" in row,
          "experiments.served:format_table"),
     Kind("experiments.runs_table", lambda row: "series" in row and "eval" in row,

@@ -304,6 +304,51 @@ class SimulateConfig:
 
 
 @dataclass
+class SuffixArcticConfig:
+    max_tree_depth: int = MISSING
+    memory: str = MISSING
+    use_tree_spec: bool = MISSING
+
+
+@dataclass
+class SuffixCheckConfig:
+    """One row of conf/suffix_reference.yaml's `checks`: its keys' defaults are here, a check
+    naming only what it changes."""
+
+    label: str = MISSING
+    side: str = MISSING  # treedraft | arctic
+    compare_to: str = "ArcticInference"
+    note: str = ""
+    drafter: dict[str, Any] = field(default_factory=dict)  # treedraft side: overrides
+    tree: dict[str, Any] = field(default_factory=dict)
+    whole_outputs: bool = False
+    scoring: bool = False
+    memory: str = "finished"  # finished | live
+    arctic: dict[str, Any] = field(default_factory=dict)  # arctic side: overrides
+
+
+@dataclass
+class SuffixReferenceConfig:
+    """conf/suffix_reference.yaml (experiments.suffix_reference)."""
+
+    target: TargetConfig = MISSING
+    drafter: Any = MISSING
+    tree: Any = MISSING
+    data_root: str | None = MISSING
+    categories: list[str] | None = MISSING
+    num_prompts: int = MISSING
+    max_new_tokens: int = MISSING
+    arctic: SuffixArcticConfig = field(default_factory=SuffixArcticConfig)
+    arctic_venv: str = MISSING
+    timeout_s: float = MISSING
+    bootstrap: int = MISSING
+    seed: int = MISSING
+    checks: list[SuffixCheckConfig] = MISSING
+    out_dir: str = MISSING
+    plot: bool = MISSING
+
+
+@dataclass
 class StepLimitConfig:
     """conf/step_limit.yaml (experiments.step_limit)."""
 
@@ -365,6 +410,7 @@ SCHEMAS = {
     "served": ServedConfig,
     "simulate": SimulateConfig,
     "step_limit": StepLimitConfig,
+    "suffix_reference": SuffixReferenceConfig,
     "tree_search": TreeSearchConfig,
 }
 

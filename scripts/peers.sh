@@ -5,7 +5,10 @@
 # that fails to install is reported (its log: .venv-peers/<engine>.log) and skipped, the rest
 # still install; experiments.peers gives it a "not run: not installed" row. Idempotent, like
 # setup.sh. Not part of `make test`'s install.
-#   bash scripts/peers.sh [vllm] [openvino] [llamacpp]     (default: all three)
+#   bash scripts/peers.sh [vllm] [openvino] [llamacpp] [arctic]     (default: all four)
+# arctic is ArcticInference's SuffixDecodingCache alone (its C++ extension built by hand: no
+# torch, no vLLM), for `python -m experiments.suffix_reference`; ~45 s here, and it needs
+# treedraft's .venv (`make setup`): `bash scripts/peers.sh arctic` installs it alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +25,8 @@ install_vllm() {
     # it pulls torchvision, torchaudio and torchcodec built for another torch: they fail to
     # import beside this one, and transformers imports them when present
     "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec &&
-    "$1/bin/python" -c "import vllm"
+    "$1/bin/python" -c "import vllm" &&
+    arctic_suffix "$1"  # for vLLM's suffix method (it needs arctic_inference.suffix_decoding)
 }
 
 install_openvino() {
@@ -41,8 +45,44 @@ install_llamacpp() {
     "$1/bin/python" -c "import llama_cpp"
 }
 
+install_arctic() {
+    "$1/bin/python" -m pip install -q numpy==2.4.6 && arctic_suffix "$1"
+}
+
+# ArcticInference's suffix decoding cache alone, built into the environment $1 (which has
+# numpy): its own (install_arctic) and vLLM's, whose suffix method imports it.
+arctic_suffix() {
+    local venv version=0.3.0
+    venv=$(cd "$1" && pwd)  # absolute: cmake runs its tools from the build folder
+    local python="$venv/bin/python" src="$venv/src" pip=("$venv/bin/python" -m pip)
+    # The sdist's setup.py builds vLLM's custom ops and imports torch; its suffix decoding is
+    # csrc/suffix_decoding (a nanobind module, C++20, no torch) and two Python files, which
+    # this builds and copies alone. nanobind is the sdist's own pin.
+    "${pip[@]}" install -q nanobind==2.9.2 cmake==4.4.5 ninja==1.13.2 &&
+    rm -rf "$src" && mkdir -p "$src" &&
+    # pip reads an sdist's metadata before saving it, running that setup.py (import torch):
+    # treedraft's .venv has torch, so its pip fetches the file (and installs nothing there)
+    .venv/bin/python -m pip download -q --no-deps --no-build-isolation \
+        --no-binary arctic-inference "arctic-inference==$version" -d "$src" &&
+    tar -xzf "$src/arctic_inference-$version.tar.gz" -C "$src" &&
+    local tree="$src/arctic_inference-$version" &&
+    "$venv/bin/cmake" -S "$tree/csrc/suffix_decoding" -B "$src/build" -G Ninja \
+        -DCMAKE_MAKE_PROGRAM="$venv/bin/ninja" -DCMAKE_BUILD_TYPE=Release \
+        -DPython_EXECUTABLE="$python" &&
+    "$venv/bin/cmake" --build "$src/build" &&
+    local site &&
+    site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') &&
+    mkdir -p "$site/arctic_inference/suffix_decoding" "$site/arctic_inference-$version.dist-info" &&
+    cp "$tree/arctic_inference/__init__.py" "$site/arctic_inference/" &&
+    cp "$tree/arctic_inference/suffix_decoding/"{__init__,cache}.py "$src/build/"_C.*.so \
+        "$site/arctic_inference/suffix_decoding/" &&
+    # importlib.metadata then names the version (the runner reports it)
+    cp "$tree/PKG-INFO" "$site/arctic_inference-$version.dist-info/METADATA" &&
+    "$python" -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+}
+
 ENGINES=("$@")
-[[ ${#ENGINES[@]} -eq 0 ]] && ENGINES=(vllm openvino llamacpp)
+[[ ${#ENGINES[@]} -eq 0 ]] && ENGINES=(vllm openvino llamacpp arctic)
 failed=()
 for engine in "${ENGINES[@]}"; do
     venv="$ROOT/$engine"

@@ -35,6 +35,7 @@ COMMANDS = {
     "simulate": (),
     "reproduce": (),
     "step_limit": ("target",),
+    "suffix_reference": ("target", "drafter", "tree"),
     "distill_speed": ("target",),
     "regenerate": ("target",),
     "scale_speed": ("target",),
@@ -117,6 +118,7 @@ WRONGLY_TYPED = {
     "served": ("speculative_tokens=three", "speculative_tokens"),
     "simulate": ("cost_ratio=small", "cost_ratio"),
     "step_limit": ("bandwidth_gib=one", "bandwidth_gib"),
+    "suffix_reference": ("bootstrap=many", "bootstrap"),
     "tree_search": ("draft_cost_s=free", "draft_cost_s"),
 }
 
