@@ -223,7 +223,8 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(0)
     rows = compare(cfg)
     print(format_table(rows))
-    stem = f"{cfg.target.name}-{cfg.target.dtype}-served"
+    kinds = "+".join(kind for kind, path in cfg.drafts.items() if path)
+    stem = f"{cfg.target.name}-{cfg.target.dtype}-served-{kinds}"
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     if cfg.plot:
         print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")

@@ -84,7 +84,7 @@ def test_an_entry_can_run_another_engines_runner_with_its_own_environment(tmp_pa
     again = ("+engines.fake-again={runner: fake, env: {FAKE_ENGINE_VERSION: '2'}, "
              "timeout_s: 60, methods: {plain: {}}}")
     cfg = compose_peers(tmp_path, *fake_engine, "+engines.fake={timeout_s: 60, methods: "
-                        "{plain: {}}}", again)
+                        "{plain: {}}}", again, "treedraft=[]", "num_prompts=1")
     rows = {r["method"]: r for r in peers.compare(cfg)}
     assert rows["fake/plain"]["version"] == "0" and rows["fake-again/plain"]["version"] == "2"
     assert rows["fake-again/plain"]["identical"] == 1.0

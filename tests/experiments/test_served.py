@@ -68,7 +68,7 @@ def fake_vllm(tmp_path, monkeypatch):
     return f"venv={tmp_path / 'venv'}"
 
 
-BASE = ("target=tiny_llama", "num_prompts=2", "max_new_tokens=8", "warmup=0")
+BASE = ("target=tiny_llama", "num_prompts=1", "max_new_tokens=8", "warmup=0")
 
 
 def test_every_draft_gets_its_row_beside_treedrafts_decoding_of_it(tmp_path, fake_vllm):
