@@ -9,7 +9,7 @@ EAGLE-2's dynamic tree its confidence decides where the tree grows (drafters.dyn
 The draft can be any compatible model; the target itself cut to its first layers
 (`truncated_copy`, a self-draft that needs no training); or a draft distilled from the target
 (`python train.py drafter=draft_model`, train.draft_model), a Hugging Face folder whose LM head
-may cover a reduced draft vocabulary (draft_vocab.safetensors beside it).
+may cover a reduced draft vocabulary (draft_vocab.json beside it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from drafters.checkpoint import check_target, read_config, target_record
@@ -30,13 +29,16 @@ from drafters.dynamic_tree import DynamicTree
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
 from drafters.vocab import check_vocab_ids, copy_linear
 from verify.accept import Acceptance
-from verify.files import load_tensors, write_atomically
+from verify.files import load_tensors, read_json, write_atomically
 from verify.protocol import DraftContext
 from verify.target import Target
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import batched_forward, context_window
 
-VOCAB_FILE = "draft_vocab.safetensors"  # a distilled draft's vocab_ids (V',), EAGLE-3's d2t
+# A distilled draft's vocab_ids (V',). JSON, not safetensors: engines (vLLM) load every
+# *.safetensors file of a model folder as weights and refuse one that holds no parameter.
+VOCAB_FILE = "draft_vocab.json"
+LEGACY_VOCAB_FILE = "draft_vocab.safetensors"  # drafts distilled before: read, never written
 INFO_FILE = "treedraft.json"  # a distilled draft's settings and the target it was distilled from
 
 
@@ -316,8 +318,11 @@ def share_token_table(draft: PreTrainedModel, target: PreTrainedModel) -> bool:
 def read_vocab(folder: str | Path) -> torch.Tensor | None:
     """A distilled draft's vocab_ids (V',), or None when the folder has none (a hub model,
     or a draft over the whole vocabulary)."""
-    path = Path(folder) / VOCAB_FILE
-    return load_tensors(path)["vocab_ids"] if path.is_file() else None
+    path, legacy = Path(folder) / VOCAB_FILE, Path(folder) / LEGACY_VOCAB_FILE
+    if path.is_file():
+        ids = read_json(path, "draft vocabulary")["vocab_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+    return load_tensors(legacy)["vocab_ids"] if legacy.is_file() else None
 
 
 def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, folder: str | Path,
@@ -331,9 +336,10 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
 
     A reduced head (V' rows) is saved inside a full (V, H) head: the rows of vocab_ids are the
     draft's, the others the target's own when the widths agree (zeros otherwise), so
-    AutoModelForCausalLM loads the folder as it is; drafter.path= reads draft_vocab.safetensors
-    and keeps the V' rows only. Hugging Face's assisted generation should be given a draft
-    trained over the whole vocabulary (draft_vocab_size: null), whose rows are all trained.
+    AutoModelForCausalLM (and vLLM) load the folder as it is, drafting over all V ids;
+    drafter.path= reads draft_vocab.json and keeps the V' rows only. Hugging Face's assisted
+    generation and vLLM should be given a draft trained over the whole vocabulary
+    (draft_vocab_size: null), whose rows are all trained.
     """
     state = model.state_dict() if state is None else state
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
@@ -353,7 +359,7 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(tmp)
         if vocab_ids is not None:
-            save_file({"vocab_ids": vocab_ids.cpu().contiguous()}, str(tmp / VOCAB_FILE))
+            (tmp / VOCAB_FILE).write_text(json.dumps({"vocab_ids": vocab_ids.tolist()}) + "\n")
         (tmp / INFO_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         if extra is not None:
             extra(tmp)

@@ -156,13 +156,15 @@ def run_engine_method(engine: str, python: Path, request: dict, timeout_s: float
     request_path, result_path = scratch / f"{stem}.json", scratch / f"{stem}.out"
     request_path.write_text(json.dumps(request))
     try:
+        # one stream in time order: an engine's worker logs the root cause before the
+        # engine's own wrapper raises on another stream
         done = subprocess.run([str(python), str(runner), str(request_path), str(result_path)],
-                              capture_output=True, text=True, timeout=timeout_s, cwd=scratch,
-                              env={**os.environ, **(env or {})})
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s, cwd=scratch, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
         return {"error": f"no result within timeout_s={timeout_s:.0f}"}
     if done.returncode != 0 or not result_path.is_file():
-        return {"error": failure_reason(done.stderr + done.stdout, done.returncode)}
+        return {"error": failure_reason(done.stdout, done.returncode)}
     return json.loads(result_path.read_text())
 
 

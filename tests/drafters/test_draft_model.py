@@ -281,3 +281,28 @@ def test_a_draft_model_loaded_from_a_folder(tmp_path, conf):
     target.tokenizer = tokenizer({3: "x"})
     with pytest.raises(ValueError, match="tokenizers differ"):
         build_drafter(cfg, conf("tree", "chain4"), target)
+
+
+def test_a_distilled_folder_holds_only_weights_in_safetensors_and_its_vocabulary_reads_back(
+        tiny, tmp_path):
+    # vLLM loads every *.safetensors file of a model folder as weights: the draft vocabulary
+    # lives in JSON, and a folder saved before (draft_vocab.safetensors) still reads
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from drafters.draft_model import LEGACY_VOCAB_FILE, read_vocab, save_draft_model
+    from drafters.vocab import copy_linear
+
+    target = tiny("llama")
+    vocab = torch.arange(3, 200, 3)
+    draft = copy.deepcopy(truncated_copy(target.model, 1))
+    draft.set_output_embeddings(copy_linear(draft.get_output_embeddings(), vocab))  # V' rows
+    save_draft_model(draft, vocab, tmp_path / "d", target, {"num_layers": 1})
+    params = set(dict(draft.named_parameters())) | {"lm_head.weight"}
+    for path in (tmp_path / "d").glob("*.safetensors"):
+        with safe_open(str(path), "pt") as weights:
+            assert set(weights.keys()) <= params, path.name
+    assert torch.equal(read_vocab(tmp_path / "d"), vocab)
+    (tmp_path / "d" / "draft_vocab.json").unlink()
+    save_file({"vocab_ids": vocab}, str(tmp_path / "d" / LEGACY_VOCAB_FILE))
+    assert torch.equal(read_vocab(tmp_path / "d"), vocab)
