@@ -7,7 +7,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,6 +41,18 @@ def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig | d
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     write_json(path, {"command": invocation(), "config": config,
                       "environment": environment(), "rows": rows})
+    return path
+
+
+def publish(cfg: DictConfig, stem: str, rows: list[dict], table: Callable[[list[dict]], str],
+            plot: Callable[[list[dict], Path], Path]) -> Path:
+    """What a command ends with: its markdown `table` printed, the JSON report written under
+    cfg.out_dir as <stem>.json, its `plot` beside it when cfg.plot; returns the JSON's path."""
+    print(table(rows))
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
+    if cfg.plot:
+        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
+    print(f"\nJSON: {path}")
     return path
 
 

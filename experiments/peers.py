@@ -42,7 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafters import build_drafter
 from experiments.bench import Prompt, parse_compare, time_methods, treedraft_method
-from experiments.common import CONF_DIR, pick_questions, save_figure, write_report
+from experiments.common import CONF_DIR, pick_questions, publish, save_figure
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
 from verify.sampling import SamplingParams
@@ -331,12 +331,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     torch.manual_seed(0)
     rows = compare(cfg)
-    print(format_table(rows))
     stem = f"{cfg.target.name}-{cfg.target.dtype}-peers"
-    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
-    if cfg.plot:
-        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
-    print(f"\nJSON: {path}")
+    publish(cfg, stem, rows, format_table, plot)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.bench import Prompt, parse_compare
-from experiments.common import CONF_DIR, pick_questions, save_figure, write_report
+from experiments.common import CONF_DIR, pick_questions, publish, save_figure
 from experiments.export import export
 from experiments.peers import (
     REPO,
@@ -222,13 +222,9 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     torch.manual_seed(0)
     rows = compare(cfg)
-    print(format_table(rows))
     kinds = "+".join(kind for kind, path in cfg.drafts.items() if path)
     stem = f"{cfg.target.name}-{cfg.target.dtype}-served-{kinds}"
-    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
-    if cfg.plot:
-        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
-    print(f"\nJSON: {path}")
+    publish(cfg, stem, rows, format_table, plot)
 
 
 if __name__ == "__main__":

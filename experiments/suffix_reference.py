@@ -65,7 +65,7 @@ from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import Speculation, SuffixConfig, SuffixDrafter, SuffixMemory
 from drafters.suffix_trie import SuffixTrie
-from experiments.common import CONF_DIR, pick_questions, save_figure, write_report
+from experiments.common import CONF_DIR, pick_questions, publish, save_figure
 from experiments.peers import REPO, run_engine_method
 from experiments.table import cell, markdown_table
 from verify.loop import generate
@@ -548,12 +548,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     requests, target_name = decode_outputs(cfg)
     rows = replay_rows(cfg, requests)
-    print(format_table(rows))
     stem = f"{target_name}-suffix-reference"
-    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
-    if cfg.plot:
-        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
-    print(f"\nJSON: {path}")
+    publish(cfg, stem, rows, format_table, plot)
 
 
 if __name__ == "__main__":
