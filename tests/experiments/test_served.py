@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import experiments.peers as peers
 import experiments.served as served
-from drafters.draft_model import save_draft_model, truncated_copy
+from drafters.draft_model import VOCAB_FILE, save_draft_model, truncated_copy
 from drafters.eagle import EagleDraft, save_draft
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.common import CONF_DIR
@@ -97,6 +97,20 @@ def test_an_engine_missing_or_a_draft_it_cannot_take_is_a_row(tmp_path):
     assert rows["medusa"]["status"].startswith("not run: export failed: vLLM's Medusa holds")
     assert rows["eagle3"]["status"].startswith("not run: vllm not installed")
     assert rows["draft_model"]["status"].startswith("not run: vllm not installed")
+
+
+def test_a_draft_model_over_a_reduced_vocabulary_is_not_served(tmp_path, fake_vllm):
+    # vLLM would draft from the whole head, whose rows outside the draft vocabulary are the
+    # target's: the row says so and names the fix instead of reporting acceptance near zero
+    cfg = compose_served(*BASE, fake_vllm)
+    target = load_target_from_config(cfg.target)
+    save_draft_model(truncated_copy(target.model, 1), None, tmp_path / "dm", target,
+                     {"num_layers": 1})
+    (tmp_path / "dm" / VOCAB_FILE).write_text('{"vocab_ids": [0, 1, 2]}\n')
+    rows = served.compare(compose_served(*BASE, fake_vllm, f"drafts.draft_model={tmp_path}/dm"))
+    assert rows[0]["status"].startswith("not run: ")
+    assert "reduced draft vocabulary" in rows[0]["status"]
+    assert "drafter.draft_vocab_size=null" in rows[0]["status"]
 
 
 def test_no_draft_or_an_unknown_kind_is_refused():
