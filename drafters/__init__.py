@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from drafters import draft_model, eagle, hybrid, medusa, prompt_lookup, suffix
+from drafters import draft_model, eagle, hybrid, medusa, prompt_lookup, recycling, suffix
 from drafters.adaptive import measured_cost
 from drafters.dynamic_tree import DynamicTree
 from verify.protocol import Drafter
@@ -32,6 +32,7 @@ DRAFTERS: dict[str, DrafterBuilder] = {
     "eagle3": eagle.from_config,
     "medusa": medusa.from_config,
     "prompt_lookup": prompt_lookup.from_config,
+    "recycling": recycling.from_config,
     "suffix": suffix.from_config,
 }
 # Combinators build their members through build_drafter, from the raw tree config.

@@ -42,6 +42,8 @@ DRAFTERS = [
     Row("prompt_lookup", accepts=False),
     # model-free, from counted continuations; adaptive: sized per step by measured t(n)
     Row("suffix", accepts=False, own_trees=("suffix", "adaptive")),
+    # the target's own recorded successors: best first and cost-sized, or the paper's template
+    Row("recycling", own_trees=("recycling80", "adaptive")),
     Row("hybrid", accepts=False, own_trees=("suffix", "adaptive")),  # suffix, then fresh EAGLE
     Row("hybrid", {"policy": "merge"}, accepts=False, own_trees=("suffix",), label="hybrid_merge"),
 ]
