@@ -47,6 +47,7 @@ class SuffixConfig:
 
     name: str = "suffix"
     max_match: int = 12  # longest context suffix matched
+    min_match: int = 1  # a shorter match drafts nothing (SAM-Decoding's switch to another drafter)
     max_spec_factor: float = 1.0  # tree nodes <= factor * match length + offset
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # candidates estimated below this are never drafted
@@ -159,6 +160,9 @@ class SuffixDrafter(StatelessDrafter, Resettable):
         if config.max_match < 1 or not 0 < config.min_token_prob <= 1:
             raise ValueError(f"need max_match >= 1 and 0 < min_token_prob <= 1, got "
                              f"{config.max_match} and {config.min_token_prob}")
+        if not 1 <= config.min_match <= config.max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {config.min_match} and "
+                             f"{config.max_match}")
         self.tree, self.config, self.name = tree, config, config.name
         self.trie_depth = config.max_match + tree.depth
         self.memory = memory if memory is not None else SuffixMemory(self.trie_depth)
@@ -202,7 +206,7 @@ class SuffixDrafter(StatelessDrafter, Resettable):
         size = min(self.tree.total_tokens,
                    math.floor(self.config.max_spec_factor * length + self.config.max_spec_offset))
         root = context[-1]
-        if length == 0 or size < 1:
+        if length < self.config.min_match or size < 1:
             return Speculation(TokenTree([root], [-1], scores=torch.ones(1)), 0.0, length)
         tokens, parents, scores = self._grow(trie, node, root, size)
         tree = TokenTree(tokens, parents, scores=torch.tensor(scores, dtype=torch.float64))

@@ -45,13 +45,14 @@ DRAFTERS = [
     # the target's own recorded successors: best first and cost-sized, or the paper's template
     Row("recycling", own_trees=("recycling80", "adaptive")),
     Row("hybrid", accepts=False, own_trees=("suffix", "adaptive")),  # suffix, then fresh EAGLE
+    Row("sam_hybrid", own_trees=("recycling",)),  # suffix on long matches, else recycling
     Row("hybrid", {"policy": "merge"}, accepts=False, own_trees=("suffix",), label="hybrid_merge"),
 ]
 CASES = [(row, tree) for row in DRAFTERS for tree in row.trees]
 # A tiny model's step takes microseconds, whose measured t(n) is noise: the cost-sized tree
 # gets a hand-set, nearly flat one instead (trees of up to 16 nodes pay).
-TREE_OVERRIDES = {"adaptive": {"cost": {"measure": False,
-                                        "t_ms": {1: 10.0, 2: 10.2, 8: 10.8, 16: 11.5, 32: 30.0}}}}
+FLAT_COST = {"cost": {"measure": False, "t_ms": {1: 10.0, 2: 10.2, 8: 10.8, 16: 11.5, 32: 30.0}}}
+TREE_OVERRIDES = {"adaptive": FLAT_COST, "recycling": FLAT_COST}
 CASE_IDS = [f"{row.label or row.config}-{tree}" for row, tree in CASES]
 ARCHS = ["llama", "gpt2"]
 NEW_TOKENS = 80

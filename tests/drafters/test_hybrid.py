@@ -163,3 +163,22 @@ def test_a_hybrid_decodes_like_plain_decoding_and_counts_its_proposers(policy, t
     assert sum(hybrid.proposed.values()) == len(first.steps) + len(second.steps)
     if policy == "pick":
         assert hybrid.proposed["suffix"] > 0 and hybrid.proposed["eagle"] > 0
+
+
+def test_sam_hybrid_drafts_by_suffix_on_long_matches_else_by_recycling(tiny, conf):
+    # the shipped preset: suffix when its match is >= min_match tokens, else Token Recycling
+    target = tiny("llama")
+    tree = OmegaConf.merge(conf("tree", "recycling"),
+                           {"cost": {"measure": False, "t_ms": {1: 10.0, 32: 11.0}}})
+    drafter = build_drafter(conf("drafter", "sam_hybrid"), tree, target)
+    prompt = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 40, 41])
+    plain = generate(target.model, prompt, 48).tokens
+    first = generate(target.model, prompt, 48, drafter=drafter)
+    # a random model's text never repeats 4 tokens: recycling drafted every step
+    assert dict(drafter.proposed) == {"recycling": len(first.steps)}
+    # the same prompt again, memory kept (no forget: a test of the switch, not a benchmark):
+    # the first answer sits in the suffix memory, so long matches send steps to suffix
+    second = generate(target.model, prompt, 48, drafter=drafter)
+    assert torch.equal(first.tokens, plain) and torch.equal(second.tokens, plain)
+    assert drafter.proposed["suffix"] > 0
+    assert sum(drafter.proposed.values()) == len(first.steps) + len(second.steps)

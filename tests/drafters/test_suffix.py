@@ -222,3 +222,11 @@ def test_a_suffix_drafter_warms_from_a_file_through_the_target_tokenizer(tmp_pat
     assert drafter.memory.trie.counts == from_config(
         {"name": "suffix", "warm_from": str(path)}, DynamicTree(4, 2, 8), Target()
     ).memory.trie.counts
+
+
+def test_a_match_shorter_than_min_match_drafts_nothing():
+    # COUNTED's longest matched suffix is "1 2": two tokens
+    assert len(suffix_drafter(min_match=2).propose(context(COUNTED))) > 1
+    assert len(suffix_drafter(min_match=3).propose(context(COUNTED))) == 1
+    with pytest.raises(ValueError, match="1 <= min_match <= max_match"):
+        suffix_drafter(min_match=13)
