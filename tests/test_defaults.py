@@ -22,6 +22,7 @@ from drafters.eagle import EagleConfig
 from drafters.hybrid import HybridConfig
 from drafters.medusa import MedusaConfig
 from drafters.prompt_lookup import PromptLookupConfig
+from drafters.recycling import RecyclingConfig
 from drafters.suffix import SuffixConfig
 from experiments.common import CONF_DIR
 from train.schema import OptimConfig
@@ -34,12 +35,15 @@ DRAFTER_SCHEMAS = {
     "hybrid": HybridConfig,
     "medusa": MedusaConfig,
     "prompt_lookup": PromptLookupConfig,
+    "recycling": RecyclingConfig,
+    "sam_hybrid": HybridConfig,
     "suffix": SuffixConfig,
 }
 # The fields a variant YAML exists to change; every other field stays at its dataclass default.
 VARIANT_FIELDS = {
     "eagle3": {"name", "variant", "train_lm_head", "layout", "ttt_steps", "feature_weight",
                "ce_weight", "noise"},
+    "sam_hybrid": {"members", "threshold"},
 }
 OPTIM_PRESETS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
 
