@@ -173,7 +173,9 @@ class HybridDrafter(Resettable, ProposalCounts):
 def merge_trees(trees: Sequence[TokenTree], budget: int | None) -> TokenTree:
     """One trie of the trees' token paths (all rooted at the same token), each node scored by
     the best score a tree gives its path (a tree without scores counts as 0), cut to the
-    `budget` best nodes (ties: the earlier tree's node first); no draft probabilities."""
+    `budget` best nodes (ties: the earlier tree's node first); no draft probabilities, so no
+    node is sampled: the merged children of a node come from several drafters' draws and
+    choices, which exact sampling takes as one-hot proposals (exact whatever was chosen)."""
     roots = {int(tree.tokens[0]) for tree in trees}
     if len(roots) != 1:
         raise TreeError(f"merged trees must share their root, got roots {sorted(roots)}")

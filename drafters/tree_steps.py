@@ -111,8 +111,8 @@ def add_children(builder: TreeBuilder, topology: TreeTopology, placed: dict[int,
     draft logits, recording where each child lands in `placed`."""
     kids = topology.children(node)
     tokens, q = propose_children(logits, len(kids), params, generator)
-    if q is not None:
-        builder.set_draft_probs(placed[node], q)
+    if q is not None:  # the builder holds the children to the draw order (TokenTree's notes)
+        builder.set_draft_probs(placed[node], q, draws=tokens)
     # Children in rank order take the proposals best first; a sampled child must be the next
     # draw without replacement, so a gap in the ranks is closed up, never skipped.
     for kid, token in zip(kids, tokens):

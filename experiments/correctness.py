@@ -7,8 +7,9 @@
   `generate`) on Spec-Bench prompts: match rate and first divergence.
 - sampling: the distribution of generated sequences against the exact target distribution
   (chi-square over the first tokens, on a tiny-vocabulary target with fixed seeds), for exact
-  tree sampling, for typical acceptance (lossy by design), and for a deliberately wrong rule
-  that must fail: the test's negative control.
+  tree sampling, for typical acceptance (lossy by design), for block verification where the
+  drafter proposes chains (a static chain topology), and for a deliberately wrong rule that
+  must fail: the test's negative control.
 - chain: mean tokens per step of a chain with controlled acceptance rate alpha against
   Leviathan et al.'s (1 - alpha^(gamma+1)) / (1 - alpha).
 
@@ -29,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from drafters import build_drafter
+from drafters import COMBINATORS, build_drafter
 from experiments.chain import chain_rows
 from experiments.common import pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
@@ -39,6 +40,7 @@ from verify.loop import generate, generate_batch
 from verify.metrics import TokensPerForward
 from verify.sampling import SamplingParams
 from verify.target import Target, build_tiny_model, hf_generate, load_target_from_config
+from verify.tree import TreeTopology
 
 
 class WrongResidualRule(SpeculativeSamplingRule):
@@ -151,11 +153,23 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     # a repeating prompt, so that n-gram drafters find matches too
     prompt = torch.arange(dist.prompt_length) % dist.prompt_period
     expected = sequence_distribution(model, prompt, dist.length, params)
-    # every registered rule that samples (greedy has its own row), then the negative control
-    rules = [make_rule(name, params) for name in RULES if name != "greedy"]
+    # every registered rule that samples (greedy has its own row; chain rules on chains
+    # only), then the negative control
+    chains = proposes_chains(cfg)
+    rules = [make_rule(name, params) for name, rule in RULES.items()
+             if name != "greedy" and (chains or not rule.chains_only)]
     rules.append(WrongResidualRule())
     return [distribution_row(model, drafter, rule, prompt, expected, params, dist)
             for rule in rules]
+
+
+def proposes_chains(cfg: DictConfig) -> bool:
+    """Whether the configured drafter proposes chains only: one drafter filling a static
+    topology that is a chain (a combinator's merged trees may branch, dynamic trees do)."""
+    if cfg.drafter.name in COMBINATORS or "choices" not in cfg.tree:
+        return False
+    topology = TreeTopology.from_choices(cfg.tree.choices)
+    return all(len(topology.children(node)) <= 1 for node in range(topology.size))
 
 
 def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> dict:

@@ -8,6 +8,11 @@ after the path's last node, so each target forward yields at least one token.
   without replacement; a chain is Leviathan / Chen speculative sampling. Exact in distribution.
 - typical: Medusa's typical acceptance (settings epsilon, alpha: `make_rule`). Faster, lossy
   by design: never reported as exact.
+- block: block verification (Sun et al. 2024) for chains: the whole chain judged jointly,
+  exact in distribution and never fewer tokens accepted in expectation than `sampling`.
+
+Which proposals are draws from q and which are one-hot is each node's `TokenTree.sampled` flag:
+the rules read it, never the draft rows themselves.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class AcceptanceRule:
 
     name = "base"
     exact = False
+    chains_only = False  # True: the rule verifies chains (every node <= 1 child) only
 
     def __call__(self, tree: TokenTree, logits: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Acceptance:
@@ -90,7 +96,9 @@ class SpeculativeSamplingRule(AcceptanceRule):
     """Recursive rejection sampling. At a node with target distribution p and children
     c1, c2, ... drawn in order without replacement from q: accept c_i with probability
     min(1, p(c_i) / q(c_i)); on rejection p <- norm(max(p - q, 0)) and c_i is removed from q.
-    With no q (deterministic drafts) each child is a one-hot proposal."""
+    At a node that is not sampled (deterministic drafts) each child is a one-hot proposal.
+    Trying c1, c2, ... in node order against q, q without c1, ... is exact only because node
+    order is draw order (TokenTree's notes)."""
 
     name = "sampling"
     exact = True
@@ -178,6 +186,81 @@ class SpeculativeSamplingRule(AcceptanceRule):
         return [Acceptance(path, int(token)) for path, token in zip(paths, bonus.tolist())]
 
 
+class BlockVerificationRule(AcceptanceRule):
+    """Block verification (Sun et al. 2024, "Block Verification Accelerates Speculative
+    Decoding", their Algorithm 2) for a chain x_1..x_g: the draft is judged as a block rather
+    than token by token. With p_i, q_i the target's and the draft's distributions after x_1..x_i
+    (q_i one-hot at a node that is not sampled), the weights
+        w_0 = 1,  w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i))
+    give each prefix a residual r_i = max(w_i p_i - q_i, 0) of mass m_i, and a stop chance
+        h_i = m_i / (m_i + 1 - w_i) for 0 < i < g,  h_g = w_g  (h_0 = 1).
+    The chain is accepted up to the last i whose uniform falls below h_i, so
+        P(accept exactly k) = h_k * prod_{j > k} (1 - h_j),
+    and the bonus token comes from norm(r_k) (from p_g when all g are accepted). Token-level
+    verification stops at the first rejection; block verification may still accept a longer
+    prefix, and its expected accepted length is never below token-level's (the paper proves it
+    optimal among exact verifications of a block). The gain needs sampled drafts: on a
+    deterministic chain no exact rule keeps x_1..x_k more often than the target writes it,
+    prod p(x_i), which token-level verification already does.
+
+    `outcomes` gives these probabilities exactly, for enumeration; the rule draws from them.
+    Trees that branch are refused: use 'sampling' (recursive rejection sampling) for them.
+    """
+
+    name = "block"
+    exact = True
+    chains_only = True
+
+    def __call__(self, tree, logits, params, generator=None):
+        accept, bonus = self.outcomes(tree, warp(logits, params))
+        length = sample(accept, generator)
+        return Acceptance(list(range(length + 1)), sample(bonus[length], generator))
+
+    def outcomes(self, tree: TokenTree, probs: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule's outcome given chain `tree` and the target's (N, V) probabilities after
+        each node: (N,) P(exactly k draft tokens accepted) and (N, V) the bonus distribution
+        given k, in float64. A chain's nodes are 0..N-1 from the root, so k accepted is the
+        path [0, ..., k]."""
+        _check_chain(tree, self.name)
+        probs = probs.double()
+        g, device = len(tree) - 1, probs.device
+        tokens = tree.tokens[1:].to(device)
+        proposals = _proposals(tree, probs)  # (g, V): q_{i} for x_{i+1}
+        steps = torch.arange(g, device=device)
+        q_drafted = proposals[steps, tokens]
+        if bool((q_drafted <= 0).any()):
+            raise ValueError("a node drafts a token its recorded draft distribution gives "
+                             "probability 0: the drafter is inconsistent")
+        ratios = probs[steps, tokens] / q_drafted  # p_{i-1}(x_i) / q_{i-1}(x_i), i = 1..g
+        weights = [torch.ones((), dtype=probs.dtype, device=device)]
+        for ratio in ratios:
+            weights.append(torch.clamp(weights[-1] * ratio, max=1.0))
+        weights = torch.stack(weights)  # (g + 1,)
+        residual = self.residual(weights[:g, None], probs[:g], proposals)  # (g, V)
+        mass = residual.sum(-1)
+        denominator = mass + 1 - weights[:g]
+        # 0 / 0 only where w_i = 1 and p_i = q_i: every later weight is then 1 as well, so the
+        # chain never stops at i whatever h_i is
+        stop = torch.where(denominator > 0, mass / denominator.clamp_min(1e-300),
+                           torch.ones_like(mass))
+        stop = torch.cat([stop, weights[g:]])
+        stop[0] = 1.0
+        # P(exactly k) = h_k * prod_{j > k} (1 - h_j): a reversed cumulative product
+        later = torch.cat([torch.flip(torch.cumprod(torch.flip(1 - stop[1:], [0]), 0), [0]),
+                           stop.new_ones(1)])
+        accept = (stop * later).clamp_min(0)  # sums to 1: h_0 = 1
+        # where m_k = 0 the chain never stops at k (P = 0): p_k there only keeps rows valid
+        stopped = torch.where(mass[:, None] > 0, residual / mass.clamp_min(1e-300)[:, None],
+                              probs[:g])
+        return accept, torch.cat([stopped, probs[g:g + 1]])
+
+    def residual(self, weight: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Unnormalised max(w p - q, 0): what the target still owes after a prefix accepted
+        with weight w, row by row."""
+        return (weight * p - q).clamp_min(0)
+
+
 class TypicalRule(AcceptanceRule):
     """Medusa's typical acceptance: a draft token passes when its target probability exceeds
     min(epsilon, alpha * exp(-entropy)); the deepest passing path wins (ties: higher target
@@ -209,7 +292,8 @@ class TypicalRule(AcceptanceRule):
 
 
 RULES: dict[str, type[AcceptanceRule]] = {
-    rule.name: rule for rule in (GreedyRule, SpeculativeSamplingRule, TypicalRule)
+    rule.name: rule for rule in (GreedyRule, SpeculativeSamplingRule, TypicalRule,
+                                 BlockVerificationRule)
 }
 
 
@@ -267,10 +351,33 @@ def rule_from_config(rule: RuleConfig, params: SamplingParams) -> AcceptanceRule
 
 
 def _draft_row(tree: TokenTree, node: int) -> torch.Tensor | None:
-    # A row of zeros marks a node whose children were chosen deterministically.
-    if tree.draft_probs is None or float(tree.draft_probs[node].sum()) == 0:
+    """q for `node`'s children if they were sampled; None: deterministic, one-hot proposals
+    (whatever draft_probs holds: the flag decides)."""
+    if not bool(tree.sampled[node]):
         return None
     return tree.draft_probs[node].float()
+
+
+def _check_chain(tree: TokenTree, rule: str) -> None:
+    """Refuse a tree in which some node has more than one child."""
+    counts = torch.bincount(tree.parents[1:], minlength=len(tree))
+    if bool((counts > 1).any()):
+        node = int((counts > 1).nonzero()[0])
+        raise ValueError(f"the {rule!r} rule verifies chains only, but node {node} has "
+                         f"{int(counts[node])} children: use the 'sampling' rule (recursive "
+                         "rejection sampling) for trees")
+
+
+def _proposals(tree: TokenTree, like: torch.Tensor) -> torch.Tensor:
+    """(N - 1, V) the distribution each chain node's child was proposed from: its draft row
+    where the node is sampled, one-hot at the child's token where it is not."""
+    tokens = tree.tokens[1:].to(like.device)
+    proposals = torch.nn.functional.one_hot(tokens, like.shape[-1]).to(like.dtype)
+    sampled = tree.sampled[:-1].to(like.device)
+    if bool(sampled.any()):
+        drafts = tree.draft_probs[:-1].to(like.device, like.dtype)
+        proposals = torch.where(sampled[:, None], drafts, proposals)
+    return proposals
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
@@ -292,13 +399,15 @@ def _without(q: torch.Tensor, token: int | torch.Tensor) -> torch.Tensor:
 
 def _draft_rows(trees: Sequence[TokenTree], batch: TreeBatch, like: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each node's draft distribution (B, N, V) padded with zeros, and (B, N) whether it has
-    one (a zero row marks children chosen deterministically: one-hot proposals)."""
+    """Each node's draft distribution (B, N, V), zero where the node is not sampled (and for
+    padding), and (B, N) the sampled flags (False: one-hot proposals)."""
     drafts = torch.zeros_like(like)
+    sampled = batch.sampled.to(like.device)
     for row, tree in enumerate(trees):
-        if tree.draft_probs is not None:
-            drafts[row, :len(tree)] = tree.draft_probs.to(like.device, torch.float32)
-    return drafts, drafts.sum(-1) > 0
+        if bool(tree.sampled.any()):
+            rows = tree.draft_probs.to(like.device, torch.float32)
+            drafts[row, :len(tree)] = torch.where(sampled[row, :len(tree), None], rows, 0.0)
+    return drafts, sampled
 
 
 def _sibling_ranks(parents: torch.Tensor) -> torch.Tensor:

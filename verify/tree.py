@@ -69,24 +69,40 @@ class TokenTree:
 
     tokens:      (N,) long, tokens[0] is the root.
     parents:     (N,) long, parents[0] == -1, parents[i] < i otherwise.
-    draft_probs: optional (N, V) float; row u is the draft distribution from which u's children
-                 were drawn (in order, without replacement). None means the children were chosen
-                 deterministically, which exact sampling treats as one-hot proposals.
+    draft_probs: optional (N, V) float; row u is the draft distribution q from which u's
+                 children were drawn (in order, without replacement) where u is sampled.
     scores:      optional (N,) float, the drafter's estimate that each node's whole path is
                  accepted (root 1.0; a child never above its parent). Only tree policies read
                  them (a hybrid drafter's merge, a cost-sized cut); acceptance never does.
+    sampled:     (N,) bool, what acceptance rules read: True where u's children were drawn
+                 from draft_probs[u] in node order (successive draws without replacement),
+                 False where they were chosen deterministically (top-k, n-gram matches, a cut
+                 or merge): exact sampling then treats each as a one-hot proposal, whatever
+                 draft_probs[u] holds. Not given: True exactly where draft_probs has a
+                 non-zero row (the convention drafters used before the flag). A sampled node
+                 needs a non-zero row that gives each of its children's tokens mass.
+
+    Sibling order is draw order. Recursive rejection sampling tries a sampled node's
+    children in node order, the first against q, the next against q without the first, and so
+    on: that is exact only when node order is the order the drafter drew them in. Draws
+    without replacement are not exchangeable (P(a then b) = q_a q_b / (1 - q_a) differs from
+    P(b then a)), so children sorted or shuffled after drawing bias the output, silently. A
+    transform that renumbers nodes goes through `reorder` (which refuses to reorder a sampled
+    node's children); one that leaves nodes out or merges trees drops the flags (`keep`).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
     depths: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).flatten()
         self.parents = torch.as_tensor(self.parents, dtype=torch.long).flatten()
         self._validate()
+        self.sampled = self._sampled_flags()
         depths = [0] * len(self.parents)
         for i in range(1, len(depths)):
             depths[i] = depths[int(self.parents[i])] + 1
@@ -114,6 +130,41 @@ class TokenTree:
         if self.scores is not None and self.scores.shape != (n,):
             raise TreeError(f"scores has shape {tuple(self.scores.shape)} for {n} nodes")
 
+    def _sampled_flags(self) -> torch.Tensor:
+        """The (N,) sampled flags, given or derived from draft_probs, checked against it."""
+        n, q = len(self.tokens), self.draft_probs
+        if self.sampled is None:
+            if q is None:
+                return torch.zeros(n, dtype=torch.bool)
+            sampled = (q.sum(-1) > 0).cpu()
+        else:
+            sampled = torch.as_tensor(self.sampled, dtype=torch.bool).flatten().cpu()
+        if sampled.shape != (n,):
+            raise TreeError(f"sampled has shape {tuple(sampled.shape)} for {n} nodes")
+        if not bool(sampled.any()):
+            return sampled
+        if q is None:
+            raise TreeError(f"nodes {sampled.nonzero().flatten().tolist()} are marked sampled "
+                            "but the tree has no draft_probs to have drawn their children from")
+        empty = sampled & ~(q.sum(-1) > 0).cpu()
+        if bool(empty.any()):
+            raise TreeError(f"nodes {empty.nonzero().flatten().tolist()} are marked sampled "
+                            "but their draft_probs rows are all zero")
+        # every child of a sampled node is a draw from its q: its token must have mass there
+        kids = (sampled[self.parents.clamp_min(0)] & (self.parents >= 0)).nonzero().flatten()
+        if len(kids):
+            tokens, vocab = self.tokens[kids], q.shape[-1]
+            outside = tokens >= vocab
+            mass = q[self.parents[kids].to(q.device),
+                     tokens.clamp_max(vocab - 1).to(q.device)].cpu()
+            bad = kids[outside | (mass <= 0)]
+            if len(bad):
+                node = int(bad[0])
+                raise TreeError(f"node {node} drafts token {int(self.tokens[node])}, which its "
+                                f"sampled parent {int(self.parents[node])}'s draft distribution "
+                                "gives probability 0: a sampled child must be a draw from it")
+        return sampled
+
     # -- construction -------------------------------------------------------------------------
 
     @staticmethod
@@ -136,9 +187,11 @@ class TokenTree:
     def keep(self, nodes: Sequence[int]) -> TokenTree:
         """The tree of `nodes` only: ascending ids from the root, closed under ancestors.
 
-        The result carries no draft probabilities: with siblings left out, the kept children
-        are no longer successive draws from q, so they become one-hot proposals, which stay
-        exact whichever children a drafter chose (independently of the target's draws).
+        The result carries no draft probabilities and no node is sampled: which nodes a cut
+        keeps depends on the drawn tokens (their scores), so the kept children are no longer
+        draws from q, even where all of a node's children stay. They become one-hot
+        proposals, which stay exact whichever children a drafter chose (independently of the
+        target's draws).
         """
         nodes = list(nodes)
         index = {node: i for i, node in enumerate(nodes)}
@@ -150,6 +203,26 @@ class TokenTree:
         parents = [-1] + [index[int(self.parents[n])] for n in nodes[1:]]
         scores = None if self.scores is None else self.scores[nodes]
         return TokenTree(self.tokens[nodes], torch.tensor(parents), scores=scores)
+
+    def reorder(self, order: Sequence[int]) -> TokenTree:
+        """The same tree with its nodes renumbered: new node i is old node `order[i]` (every
+        node once, the root first, parents before children). Draft rows, sampled flags and
+        scores move with their nodes. Deterministic siblings may change places; a sampled
+        node's children must keep their order (draw order, see the class notes): TreeError
+        otherwise."""
+        order = [int(node) for node in order]
+        if sorted(order) != list(range(len(self))) or order[0] != 0:
+            raise TreeError(f"a reorder lists every node of {len(self)} once, the root first; "
+                            f"got {order}")
+        check_draw_order(self, order)
+        index = {node: i for i, node in enumerate(order)}
+        parents = [-1] + [index[int(self.parents[node])] for node in order[1:]]
+        pick = torch.tensor(order)
+        return TokenTree(self.tokens[pick], torch.tensor(parents),
+                         None if self.draft_probs is None else self.draft_probs[pick.to(
+                             self.draft_probs.device)],
+                         None if self.scores is None else self.scores[pick],
+                         self.sampled[pick])
 
     # -- derived views --------------------------------------------------------------------------
 
@@ -185,6 +258,20 @@ class TokenTree:
                 if not has_child[leaf]]
 
 
+def check_draw_order(tree: TokenTree, order: Sequence[int]) -> None:
+    """Refuse a renumbering (new node i is old node `order[i]`) that puts a sampled node's
+    children out of their order: node order is their draw order, the order exact sampling
+    tries them in (TokenTree's notes). Deterministic siblings may move freely."""
+    position = {int(node): i for i, node in enumerate(order)}
+    for node in tree.sampled.nonzero().flatten().tolist():
+        placed = [position[kid] for kid in tree.children(node) if kid in position]
+        if placed != sorted(placed):
+            raise TreeError(f"node {node}'s children were sampled in the order "
+                            f"{tree.children(node)}: renumbered they would be tried in another "
+                            "order, which biases exact sampling; keep sampled siblings in "
+                            "draw order (or drop the flags, as TokenTree.keep does)")
+
+
 class TreeBuilder:
     """A tree grown node by node: tries (TokenTree.from_paths), filled topologies
     (drafters.tree_steps.fill_steps), and every candidate of a dynamic tree (drafters.dynamic_tree).
@@ -203,6 +290,8 @@ class TreeBuilder:
         self.parents = [-1]
         self.log_scores: list[float] | None = [0.0] if scored else None
         self.probs: list[torch.Tensor | None] = [None]
+        self.draws: list[list[int] | None] = [None]  # per node: its children's draw order
+        self._child_count = [0]
         self._depths = [0]
 
     def add(self, parent: int, token: int, log_score: float | None = None) -> int:
@@ -213,11 +302,20 @@ class TreeBuilder:
         if (log_score is None) != (self.log_scores is None):
             raise TreeError("a scored builder needs a score for every node, an unscored one "
                             f"takes none (got {log_score!r})")
+        draws, rank = self.draws[parent], self._child_count[parent]
+        if draws is not None and (rank >= len(draws) or draws[rank] != int(token)):
+            expected = f"draw {rank}, token {draws[rank]}" if rank < len(draws) else "none"
+            raise TreeError(f"node {parent}'s children are sampled: its child {rank} must be "
+                            f"the next draw ({expected}), got token {int(token)}; sampled "
+                            "siblings stay in draw order, none skipped (TokenTree's notes)")
         self.tokens.append(int(token))
         self.parents.append(parent)
+        self._child_count[parent] += 1
         if self.log_scores is not None:
             self.log_scores.append(log_score)
         self.probs.append(None)
+        self.draws.append(None)
+        self._child_count.append(0)
         self._depths.append(self._depths[parent] + 1)
         return len(self.tokens) - 1
 
@@ -228,8 +326,17 @@ class TreeBuilder:
                 return i
         return self.add(parent, token)
 
-    def set_draft_probs(self, node: int, probs: torch.Tensor) -> None:
-        """Record the draft distribution (V,) that `node`'s children are drawn from."""
+    def set_draft_probs(self, node: int, probs: torch.Tensor,
+                        draws: Sequence[int] | None = None) -> None:
+        """Record the draft distribution (V,) that `node`'s children are drawn from, which
+        makes `node` sampled in the built tree. `draws`: the tokens in the order they were
+        drawn (without replacement), given before any child is added; `add` then refuses a
+        child of `node` that is not the next draw, so sibling order is draw order."""
+        if draws is not None:
+            if self._child_count[node]:
+                raise TreeError(f"node {node} has children already: record its draws before "
+                                "adding them")
+            self.draws[node] = [int(token) for token in draws]
         self.probs[node] = probs
 
     def __len__(self) -> int:
@@ -248,11 +355,15 @@ class TreeBuilder:
     def build(self, kept: Sequence[int] | None = None) -> TokenTree:
         """The TokenTree of every node, or of the `kept` nodes only: ascending indices from
         the root, closed under ancestors (so parents still come first). Draft probabilities
-        come with the whole tree only: with siblings left out, the kept children are no longer
-        successive draws from q (TokenTree.keep says why that stays exact)."""
+        come with the whole tree only (nodes with one recorded are the sampled ones): with
+        siblings left out, the kept children are no longer successive draws from q
+        (TokenTree.keep says why that stays exact)."""
         if kept is None:
+            sampled = torch.tensor([p is not None for p in self.probs])
+            draft_probs = self._draft_probs()
             return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents),
-                             self._draft_probs(), self._scores(range(len(self))))
+                             draft_probs, self._scores(range(len(self))),
+                             sampled if draft_probs is not None else None)
         # Built directly rather than through TokenTree.keep: a dynamic tree keeps a few
         # nodes of hundreds of candidates every step, and validating them all costs time.
         index = {node: i for i, node in enumerate(kept)}
@@ -269,7 +380,7 @@ class TreeBuilder:
 
     def _draft_probs(self) -> torch.Tensor | None:
         """(C, V) rows of the recorded draft distributions (zero where none was recorded:
-        deterministic children), or None when no node has one."""
+        deterministic children, not sampled), or None when no node has one."""
         known = [p for p in self.probs if p is not None]
         if not known:
             return None
@@ -288,7 +399,8 @@ class TreeBatch:
     parents: (B, N) long, -1 for each root and every padding node;
     sizes: (B,) long, the real node count of each row;
     ancestors: (B, N, N) bool, ancestors[b, i, j] when j is i or an ancestor of i. A padding
-    node sees only itself, so no attention row is empty (an empty row gives NaN with sdpa).
+    node sees only itself, so no attention row is empty (an empty row gives NaN with sdpa);
+    sampled: (B, N) bool, each tree's sampled flags (TokenTree.sampled), False for padding.
     """
 
     tokens: torch.Tensor
@@ -296,20 +408,23 @@ class TreeBatch:
     depths: torch.Tensor
     sizes: torch.Tensor
     ancestors: torch.Tensor
+    sampled: torch.Tensor
 
     @staticmethod
     def pad(trees: Sequence[TokenTree], width: int = 1) -> TreeBatch:
         """`trees` padded to the largest one, or to `width` nodes if that is more."""
         width = max(width, *(len(tree) for tree in trees))
         tokens, parents, depths, ancestors = _padding(len(trees), width)
+        sampled = torch.zeros_like(tokens, dtype=torch.bool)
         for row, tree in enumerate(trees):
             n = len(tree)
             tokens[row, :n] = tree.tokens
             parents[row, :n] = tree.parents
             depths[row, :n] = tree.depths
             ancestors[row, :n, :n] = tree.ancestor_mask()
+            sampled[row, :n] = tree.sampled
         sizes = torch.tensor([len(tree) for tree in trees], dtype=torch.long)
-        return TreeBatch(tokens, parents, depths, sizes, ancestors)
+        return TreeBatch(tokens, parents, depths, sizes, ancestors, sampled)
 
     @property
     def width(self) -> int:
@@ -323,7 +438,9 @@ class TreeBatch:
         n = self.width
         tokens[:, :n], parents[:, :n], depths[:, :n] = self.tokens, self.parents, self.depths
         ancestors[:, :n, :n] = self.ancestors
-        return TreeBatch(tokens, parents, depths, self.sizes, ancestors)
+        sampled = torch.zeros_like(tokens, dtype=torch.bool)
+        sampled[:, :n] = self.sampled
+        return TreeBatch(tokens, parents, depths, self.sizes, ancestors, sampled)
 
 
 def _padding(rows: int, width: int) -> tuple[torch.Tensor, ...]:

@@ -11,7 +11,7 @@ from verify.accept import (
     rule_from_config,
 )
 from verify.sampling import SamplingParams, warp
-from verify.tree import TokenTree
+from verify.tree import TokenTree, TreeBatch
 
 V = 5
 GREEDY = SamplingParams()
@@ -144,6 +144,39 @@ def test_rule_choice_and_bad_parameters():
 
 def test_draft_with_zero_recorded_probability_is_refused():
     tree = TokenTree(torch.tensor([0, 1]), torch.tensor([-1, 0]),
-                     draft_probs=torch.tensor([[0.5, 0.0, 0.5, 0, 0], [0] * 5]))
+                     draft_probs=torch.tensor([[0.5, 0.6, 0.5, 0, 0], [0] * 5]))
+    tree.draft_probs[0, 1] = 0.0  # changed after the tree checked it: the rule refuses too
     with pytest.raises(ValueError, match="probability 0"):
         SpeculativeSamplingRule()(tree, torch.zeros(2, V), SamplingParams(1.0))
+
+
+def flagged_trees():
+    """One tree three ways: no draft rows, rows flagged deterministic, rows flagged sampled
+    (the default for non-zero rows)."""
+    tokens, parents = torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 1])
+    rows = torch.tensor([[0.1, 0.6, 0.3, 0, 0], [0, 0, 0, 0.5, 0.5], [0] * 5, [0] * 5])
+    return (TokenTree(tokens, parents), TokenTree(tokens, parents, rows, sampled=[False] * 4),
+            TokenTree(tokens, parents, rows))
+
+
+def test_a_node_flagged_deterministic_is_one_hot_whatever_its_draft_row():
+    plain, deterministic, sampled = flagged_trees()
+    assert sampled.sampled.tolist() == [True, True, False, False]
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    rule, params, differ = SpeculativeSamplingRule(), SamplingParams(1.0), 0
+    for seed in range(200):
+        runs = [rule(tree, logits, params, torch.Generator().manual_seed(seed))
+                for tree in (plain, deterministic, sampled)]
+        assert runs[0] == runs[1]
+        differ += runs[0] != runs[2]
+    assert differ > 0  # the flag is what changed the outcome
+    # the vectorized rule reads the flags too (through the batch)
+    trees = [plain, deterministic] * 50
+    batch = TreeBatch.pad(trees)
+    assert batch.sampled.any(1).tolist() == [False, False] * 50
+    out = rule.accept_batch(trees, batch, logits.expand(len(trees), -1, -1), params,
+                            torch.Generator().manual_seed(0))
+    again = rule.accept_batch([plain] * 100, TreeBatch.pad([plain] * 100),
+                              logits.expand(100, -1, -1), params,
+                              torch.Generator().manual_seed(0))
+    assert out == again

@@ -108,3 +108,76 @@ def test_duplicate_siblings_are_refused():
 def test_choices_without_parent_are_refused():
     with pytest.raises(TreeError, match="has no parent"):
         TreeTopology.from_choices([[0], [1, 0]])
+
+
+def sampled_tree():
+    """Root 9 with children 1 then 2 drawn from q (in that order); node 1 has a deterministic
+    child 3, node 2 a deterministic child 4."""
+    q = torch.tensor([0.0, 0.5, 0.3, 0.2, 0.0])
+    zeros = torch.zeros(5)
+    return TokenTree(torch.tensor([9, 1, 2, 3, 4]), torch.tensor([-1, 0, 0, 1, 2]),
+                     torch.stack([q, zeros, zeros, zeros, zeros]))
+
+
+def test_sampled_flags_default_to_the_non_zero_draft_rows():
+    assert sampled_tree().sampled.tolist() == [True, False, False, False, False]
+    assert TokenTree(torch.tensor([1, 2]), torch.tensor([-1, 0])).sampled.tolist() == [False] * 2
+    flagged = TokenTree(torch.tensor([1, 2]), torch.tensor([-1, 0]),
+                        torch.tensor([[0.5, 0, 0.5], [0.2, 0.8, 0]]), sampled=[False, False])
+    assert flagged.sampled.tolist() == [False, False]  # rows given, children deterministic
+
+
+def test_inconsistent_sampled_flags_are_refused():
+    tokens, parents = torch.tensor([1, 2]), torch.tensor([-1, 0])
+    with pytest.raises(TreeError, match="no draft_probs"):
+        TokenTree(tokens, parents, sampled=[True, False])
+    with pytest.raises(TreeError, match="rows are all zero"):
+        TokenTree(tokens, parents, torch.tensor([[0.5, 0, 0.5], [0, 0, 0]]),
+                  sampled=[True, True])
+    with pytest.raises(TreeError, match="sampled has shape"):
+        TokenTree(tokens, parents, torch.tensor([[0.5, 0, 0.5], [0, 0, 0]]), sampled=[True])
+    # a sampled child must be a draw: its token needs mass in its parent's q
+    with pytest.raises(TreeError, match="node 1 drafts token 2.*probability 0"):
+        TokenTree(tokens, parents, torch.tensor([[0.5, 0.5, 0.0], [0, 0, 0]]))
+    with pytest.raises(TreeError, match="node 1 drafts token 2.*probability 0"):
+        TokenTree(tokens, parents, torch.tensor([[0.5, 0.5], [0, 0]]))  # outside q's vocabulary
+
+
+def test_a_reorder_keeps_sampled_siblings_in_draw_order_or_is_refused():
+    tree = sampled_tree()
+    depth_first = tree.reorder([0, 1, 3, 2, 4])  # siblings 1, 2 keep their order
+    assert depth_first.tokens.tolist() == [9, 1, 3, 2, 4]
+    assert depth_first.parents.tolist() == [-1, 0, 1, 0, 3]
+    assert depth_first.sampled.tolist() == [True, False, False, False, False]
+    assert torch.equal(depth_first.draft_probs[0], tree.draft_probs[0])
+    assert [int(depth_first.tokens[c]) for c in depth_first.children(0)] == [1, 2]
+    with pytest.raises(TreeError, match="node 0's children were sampled in the order"):
+        tree.reorder([0, 2, 1, 4, 3])  # would try 2 before 1: not how they were drawn
+    # deterministic siblings may move: the same tree without draft rows reorders freely
+    plain = TokenTree(tree.tokens, tree.parents)
+    assert plain.reorder([0, 2, 1, 4, 3]).tokens.tolist() == [9, 2, 1, 4, 3]
+    with pytest.raises(TreeError, match="every node"):
+        tree.reorder([0, 1, 2])
+
+
+def test_cuts_drop_the_sampled_flags():
+    kept = sampled_tree().keep([0, 1, 2])
+    assert kept.draft_probs is None and not kept.sampled.any()
+
+
+def test_a_builder_holds_sampled_children_to_their_draw_order():
+    b = TreeBuilder(9)
+    b.set_draft_probs(0, torch.tensor([0.0, 0.5, 0.3, 0.2]), draws=[2, 1])
+    with pytest.raises(TreeError, match="child 0 must be the next draw .*token 2.*got token 1"):
+        b.add(0, 1)  # sorted by q instead of drawn order
+    first = b.add(0, 2)
+    b.add(0, 1)
+    with pytest.raises(TreeError, match="child 2 must be the next draw \\(none\\)"):
+        b.add(0, 3)  # not drawn at all
+    b.add(first, 3)  # first's children are not sampled: anything goes
+    with pytest.raises(TreeError, match="children already"):
+        b.set_draft_probs(first, torch.tensor([0.0, 0.0, 0.0, 1.0]), draws=[3])
+    tree = b.build()
+    assert tree.sampled.tolist() == [True, False, False, False]
+    assert tree.tokens.tolist() == [9, 2, 1, 3]
+    assert b.build([0, 1]).sampled.tolist() == [False, False]
