@@ -61,13 +61,15 @@ def choose_budget(accuracies: Sequence[Sequence[float]], cost: dict[int, float])
     return best - 1
 
 
-def write_tree_config(topology: TreeTopology, path: str | Path, name: str) -> None:
-    """Write `topology` as a conf/tree YAML (`name` and Medusa-style `choices`)."""
+def write_tree_config(topology: TreeTopology, path: str | Path, name: str,
+                      builder: str = "drafters.tree_builder") -> None:
+    """Write `topology` as a conf/tree YAML (`name` and Medusa-style `choices`); the header
+    names the module that built it."""
     choices = json.dumps([list(c) for c in topology.choices])
     # Flow lists wrapped like the shipped configs: a break inside brackets is plain whitespace.
     body = textwrap.fill(f"choices: {choices}", width=100, subsequent_indent=" " * 10,
                          break_long_words=False, break_on_hyphens=False)
-    header = (f"# Built by drafters.tree_builder from measured accuracies: {topology.size - 1} "
+    header = (f"# Built by {builder} from measured accuracies: {topology.size - 1} "
               f"nodes, depth {topology.depth}.")
     write_text(Path(path), f"{header}\nname: {name}\n{body}\n")  # whole or not at all
 

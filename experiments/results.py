@@ -98,6 +98,8 @@ KINDS = (
          "experiments.profile:format_products"),
     Kind("experiments.profile", lambda row: "step_greedy" in row,
          "experiments.profile:format_table"),
+    Kind("experiments.tree_search mode=sequoia", lambda row: "sequoia_tokens" in row,
+         "experiments.tree_search_sequoia:format_sequoia_table"),
     Kind("experiments.tree_search", lambda row: "chosen" in row and "nodes" in row,
          "experiments.tree_search:format_table"),
     Kind("experiments.tree_search mode=dynamic", lambda row: "chosen" in row,

@@ -377,9 +377,13 @@ class TreeSearchConfig:
     mode: str = MISSING
     context_len: int = MISSING
     repeats: int = MISSING
-    accuracies: str | None = MISSING
+    accuracies: str | None = MISSING  # a JSON file, or "decode"
+    measure_depth: int = MISSING
+    measure_top_k: int = MISSING
     sizes: list[int] = MISSING
     draft_cost_s: float = MISSING
+    draft_depth_cost_s: float = MISSING
+    max_depth: int | None = MISSING
     budgets: list[int] = MISSING
     depth: Any = MISSING  # an int or a list of them (every shape measured)
     top_k: Any = MISSING  # likewise

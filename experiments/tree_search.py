@@ -1,17 +1,32 @@
-"""Size a draft tree from measured costs, Sequoia-style: a static Medusa tree, or the node
-budget of EAGLE-2's dynamic tree.
+"""Size a draft tree from measured costs, Sequoia-style: a static Medusa tree, Sequoia's
+dynamic-programming tree, or the node budget of EAGLE-2's dynamic tree.
 
     python -m experiments.tree_search accuracies=<path to a JSON file> \
         sizes=[1,2,4,8,16,32,64] name=medusa_auto out=conf/tree/medusa_auto.yaml
     python -m experiments.tree_search mode=dynamic drafter=eagle3 \
         drafter.checkpoint=<run>/checkpoint budgets=[4,8,12,16,24,32] depth=5 top_k=8 \
         num_prompts=8 max_new_tokens=64 name=eagle2_auto
+    python -m experiments.tree_search mode=sequoia accuracies=<path to a JSON file> \
+        sizes=[1,2,4,8,16,32] draft_depth_cost_s=0.004 max_depth=6
 
 mode=static (the default): the JSON holds {"rank_accuracy": [[...], ...]}: rank_accuracy[d][r]
 is the probability that the drafter's rank-r proposal at depth d is right (see
 drafters.tree_builder). The command times one verification step of n tokens on the target for
 each size n, picks the node budget whose best tree gives the most expected tokens per unit of
 time (drafters.tree_builder.choose_budget), and writes that tree as a conf/tree YAML.
+
+mode=sequoia: the same table and timing, but the tree of each size is Sequoia's (Chen et al.
+2024; drafters.sequoia): the most expected tokens within each depth limit up to max_depth, by
+dynamic programming, then the (size, depth) with the most expected tokens per second, the step
+costing t(n) plus draft_depth_cost_s per depth level drafted (one draft forward per level for
+EAGLE or a draft model; 0 for Medusa, whose heads draft every depth at once). The table sets
+it beside today's best-first tree of the same size (drafters.tree_builder), and the Sequoia
+tree chosen is written as a conf/tree YAML.
+
+Either of those modes takes accuracies=decode for a drafter with no table of its own (EAGLE,
+recycling): the table is then measured by decoding held-out prompts with `drafter` on a
+complete tree (measure_depth, measure_top_k; experiments.tree_search_sequoia) and saved as
+<out_dir>/<target>-<name>-rank_accuracy.json, which later searches can read.
 
 mode=dynamic: a dynamic tree has no such table, so each budget's tau and draft time are
 measured by decoding held-out training prompts (experiments.tree_search_dynamic), and t(n) is
@@ -20,7 +35,7 @@ YAML (depth, top_k, total_tokens). depth and top_k may be lists (`depth=[2,3,5]
 top_k=[2,4,8]`): every budget is then decoded on every shape, taking turns on each prompt
 against one timing of t(n), and the best shape is chosen with the budget.
 
-Either mode prints (and writes as JSON) the table behind the choice.
+Every mode prints (and writes as JSON) the table behind the choice.
 """
 
 from __future__ import annotations
@@ -50,9 +65,16 @@ from experiments.tree_search_dynamic import (
     tree_shapes,
     write_dynamic_tree_config,
 )
+from experiments.tree_search_sequoia import (
+    DECODE,
+    format_sequoia_table,
+    measure_rank_accuracy,
+    plot_sequoia,
+    sequoia_rows,
+)
 from verify.costs import measure_verify_cost
-from verify.files import read_json
-from verify.target import load_target_from_config
+from verify.files import read_json, write_json
+from verify.target import Target, load_target_from_config
 from verify.tree import TreeTopology
 
 
@@ -61,7 +83,8 @@ def load_accuracies(path: str | Path | None) -> list[list[float]]:
     eval.json train.py writes): a list over depths of lists over ranks."""
     if path is None:
         raise ValueError('set accuracies=<path to a JSON file with {"rank_accuracy": '
-                         '[[p(rank 0 at depth 0), p(rank 1 at depth 0), ...], ...]}>')
+                         '[[p(rank 0 at depth 0), p(rank 1 at depth 0), ...], ...]}>, or '
+                         'accuracies=decode to measure drafter=<name> by decoding')
     data = read_json(path, "accuracies")
     # train.py's eval.json keeps the table under "accuracy"; a hand-made file at the top
     nested = data.get("accuracy") if isinstance(data.get("accuracy"), dict) else {}
@@ -110,17 +133,51 @@ def format_table(rows: list[dict]) -> str:
 
 def search(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:
     """Measure t(n) on the configured target; returns the chosen tree and the size table."""
-    accuracies = load_accuracies(cfg.accuracies)
+    accuracies, cost = table_and_costs(cfg)
+    budget = choose_budget(accuracies, cost)
+    return build_tree(accuracies, budget), size_table(accuracies, cost, budget)
+
+
+def search_sequoia(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:
+    """Measure t(n) on the configured target; returns the chosen Sequoia tree and the table
+    of greedy against Sequoia at each size (experiments.tree_search_sequoia)."""
+    if cfg.draft_depth_cost_s < 0 or (cfg.max_depth is not None and cfg.max_depth < 1):
+        raise ValueError(f"draft_depth_cost_s must be >= 0 and max_depth >= 1 (or null), got "
+                         f"{cfg.draft_depth_cost_s}, {cfg.max_depth}")
+    accuracies, cost = table_and_costs(cfg)
+    return sequoia_rows(accuracies, cost, cfg.draft_depth_cost_s, cfg.max_depth)
+
+
+def table_and_costs(cfg: DictConfig) -> tuple[list[list[float]], dict[int, float]]:
+    """The accuracy table (cfg.accuracies' file, or with accuracies=decode measured by
+    decoding with cfg.drafter and saved beside the report) and {n: t(n)} for cfg.sizes on the
+    configured target, cfg.draft_cost_s added above n = 1."""
+    decode = cfg.accuracies == DECODE
+    # A file's values are checked now rather than after minutes of measuring.
+    accuracies = None if decode else load_accuracies(cfg.accuracies)
     if 1 not in cfg.sizes:
         raise ValueError(f"sizes must include 1, the plain decoding step every speedup divides "
                          f"by, got {list(cfg.sizes)}")
     target = load_target_from_config(cfg.target)
     # Tiny models run faster on one thread; real ones use torch's default threads.
     with single_thread() if cfg.target.tiny else nullcontext():
+        if decode:
+            accuracies = _measured_table(cfg, target)
         cost = measure_verify_cost(target.step, list(cfg.sizes), cfg.context_len, cfg.repeats,
                                    cfg.draft_cost_s)
-    budget = choose_budget(accuracies, cost)
-    return build_tree(accuracies, budget), size_table(accuracies, cost, budget)
+    return accuracies, cost
+
+
+def _measured_table(cfg: DictConfig, target: Target) -> list[list[float]]:
+    # Saved as a file accuracies= reads, so later searches (another size list, another draft
+    # cost) need not decode again.
+    table, steps = measure_rank_accuracy(cfg, target)
+    path = Path(cfg.out_dir) / f"{cfg.target.name}-{cfg.name}-rank_accuracy.json"
+    write_json(path, {"rank_accuracy": table, "steps": steps, "drafter": cfg.drafter.name,
+                      "measure_depth": cfg.measure_depth, "measure_top_k": cfg.measure_top_k,
+                      "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens})
+    print(f"rank accuracy of drafter={cfg.drafter.name} over {steps} steps: {path}")
+    return table
 
 
 def search_dynamic(cfg: DictConfig) -> tuple[DynamicTree, list[dict], str]:
@@ -190,29 +247,39 @@ def plot_budgets(rows: list[dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
+# The modes that build a static tree from an accuracy table: mode -> (search, table, plot,
+# the module named in the written tree's header)
+TABLE_MODES = {
+    "static": (search, format_table, plot_budgets, "drafters.tree_builder"),
+    "sequoia": (search_sequoia, format_sequoia_table, plot_sequoia, "drafters.sequoia"),
+}
+
+
 @hydra.main(config_path="../conf", config_name="tree_search", version_base=None)
 def main(cfg: DictConfig) -> None:
-    if cfg.mode not in ("static", "dynamic"):  # before `name`, which the mode picks, resolves
-        raise ValueError(f"mode must be static (a Medusa tree from an accuracy table) or "
-                         f"dynamic (an EAGLE-2 budget from decoding), got {cfg.mode!r}")
+    if cfg.mode not in (*TABLE_MODES, "dynamic"):  # before `name`, which the mode picks, resolves
+        raise ValueError(f"mode must be static (a Medusa tree from an accuracy table), sequoia "
+                         f"(Sequoia's tree from the same table) or dynamic (an EAGLE-2 budget "
+                         f"from decoding), got {cfg.mode!r}")
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
-    if cfg.mode == "static":
-        topology, rows = search(cfg)
+    if cfg.mode in TABLE_MODES:
+        run, format_rows, plot, builder = TABLE_MODES[cfg.mode]
+        topology, rows = run(cfg)
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_tree_config(topology, out, cfg.name)
-        table, about = format_table(rows), f"{topology.size - 1} nodes, depth {topology.depth}"
+        write_tree_config(topology, out, cfg.name, builder)
+        table, about = format_rows(rows), f"{topology.size - 1} nodes, depth {topology.depth}"
     else:
         tree, rows, note = search_dynamic(cfg)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_dynamic_tree_config(tree, out, cfg.name, note)
-        table, about = format_budget_table(rows), note
+        table, about, plot = format_budget_table(rows), note, plot_budgets
     stem = f"{cfg.target.name}-{cfg.name}"
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(table)
     print(f"\ntree: {out} ({about})\nJSON: {path}")
     if cfg.plot:
-        print(f"plot: {plot_budgets(rows, Path(cfg.out_dir) / f'{stem}.png')}")
+        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
 
 
 if __name__ == "__main__":

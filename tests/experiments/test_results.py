@@ -131,6 +131,9 @@ def _recorded(module: str | None, row: dict) -> dict:
     # a command with several kinds: its rows pick among them only
     ("experiments.profile", {"best": 1}, "experiments.profile products=true"),
     ("experiments.profile", {"step_greedy": 1}, "experiments.profile"),
+    ("experiments.tree_search", {"sequoia_tokens": 2.0, "chosen": True},
+     "experiments.tree_search mode=sequoia"),
+    ("experiments.tree_search", {"chosen": True, "nodes": 3}, "experiments.tree_search"),
     # no record, or one naming no command (a test, a notebook): the guess by rows
     (None, {"skipped_by_reason": {}}, "train.regenerate"),
     ("pytest", {"methods": {}}, "experiments.bench"),

@@ -1,6 +1,8 @@
 """Tree search: verification timed per size without disturbing the cache, and the command end to
-end on a tiny target, its tree the one choose_budget picks from the measured costs; in dynamic
-mode, EAGLE-2's budget chosen from decoded tau, draft time and t(n), written as a tree config."""
+end on a tiny target, its tree the one choose_budget picks from the measured costs; in sequoia
+mode, Sequoia's tree beside best-first's at each size, from a file's accuracy table or one
+measured by decoding; in dynamic mode, EAGLE-2's budget chosen from decoded tau, draft time and
+t(n), written as a tree config."""
 
 import json
 
@@ -14,6 +16,7 @@ from drafters.dynamic_tree import DynamicTree
 from drafters.tree_builder import build_tree, choose_budget
 from experiments import tree_search
 from experiments.common import CONF_DIR
+from experiments.results import kind_of
 from experiments.tree_search import load_accuracies
 from experiments.tree_search_dynamic import (
     BudgetCost,
@@ -24,6 +27,13 @@ from experiments.tree_search_dynamic import (
     prompt_data,
     tree_shapes,
 )
+from experiments.tree_search_sequoia import (
+    RankTally,
+    complete_tree,
+    format_sequoia_table,
+    sequoia_rows,
+)
+from verify.accept import GreedyRule
 from verify.costs import measure_verify_cost, time_step
 from verify.target import build_tiny_model, load_target_from_config
 from verify.tree import TokenTree, TreeError, TreeTopology
@@ -31,6 +41,8 @@ from verify.verifier import TreeVerifier
 
 # 6 nodes worth drafting: size 8 (7 nodes) is measured but no candidate.
 TABLE = [[0.6, 0.2], [0.5, 0.1]]
+# Rank 2 beats rank 1 at depth 0: at 3 nodes best-first has 1.65 tokens, Sequoia 1.95.
+GUARDED = [[0.5, 0.05, 0.4], [0.2]]
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +119,86 @@ def test_the_accuracies_file_is_required():
         cfg = compose("tree_search", ["target=tiny_llama"])
     with pytest.raises(ValueError, match="set accuracies="):
         tree_search.search(cfg)
+
+
+def test_sequoia_rows_set_best_first_beside_sequoia_at_each_size():
+    cost = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2}
+    tree, rows = sequoia_rows(GUARDED, cost, 0.0, None)
+    assert tree.choices == ((0,), (1,), (2,))
+    by_n = {r["n"]: r for r in rows}
+    assert by_n[4]["greedy_tokens"] == pytest.approx(1.65)
+    assert by_n[4]["sequoia_tokens"] == pytest.approx(1.95) and by_n[4]["chosen"]
+    assert by_n[4]["sequoia_speedup"] == pytest.approx(1.95)  # t(4) = t(1), no draft cost
+    assert all(r["sequoia_best_tokens"] >= r["greedy_tokens"] - 1e-12 for r in rows)
+    assert not by_n[8]["candidate"]  # 6 nodes worth drafting: no tree of 7
+    assert (by_n[1]["sequoia_nodes"], by_n[1]["sequoia_speedup"]) == (0, 1.0)
+    # a draft forward per depth level: both sides pay it for their own depth
+    _, dear = sequoia_rows([[0.9, 0.05], [0.9, 0.05]], {1: 1.0, 3: 1.0}, 0.8, None)
+    assert (dear[1]["greedy_depth"], dear[1]["sequoia_depth"]) == (2, 1)
+    assert dear[1]["greedy_speedup"] == pytest.approx(2.71 / 2.6)
+    assert dear[1]["sequoia_speedup"] == pytest.approx(1.95 / 1.8)
+    table = format_sequoia_table(rows)
+    assert "| n | t(n) ms | greedy nodes / depth |" in table
+    assert "**chosen**" in table and "no candidate" in table
+    with pytest.raises(ValueError, match="cost needs t\\(1\\)"):
+        sequoia_rows(GUARDED, {2: 1.0}, 0.0, None)
+
+
+def test_sequoia_mode_end_to_end_on_a_tiny_target(tmp_path, capsys):
+    accuracies = tmp_path / "acc.json"
+    accuracies.write_text(json.dumps({"rank_accuracy": GUARDED}))
+    out = tmp_path / "tree" / "auto.yaml"
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("tree_search", ["target=tiny_llama", "mode=sequoia",
+                                      f"accuracies={accuracies}", "sizes=[1,2,4]",
+                                      "context_len=32", "repeats=2", "draft_depth_cost_s=0.0001",
+                                      f"out={out}", f"out_dir={tmp_path}"])
+    tree_search.main(cfg)
+    report = json.loads((tmp_path / "tiny-llama-sequoia_auto.json").read_text())
+    rows = report["rows"]
+    assert [r["n"] for r in rows] == [1, 2, 4]
+    chosen, expected = sequoia_rows(GUARDED, {r["n"]: r["t_s"] for r in rows}, 0.0001, None)
+    assert [r["chosen"] for r in rows] == [r["chosen"] for r in expected]
+    written = OmegaConf.load(out)
+    assert written.name == "sequoia_auto" and TreeTopology.from_choices(written.choices) == chosen
+    assert out.read_text().startswith("# Built by drafters.sequoia")
+    printed = capsys.readouterr().out
+    assert "| n | t(n) ms | greedy nodes / depth |" in printed and "**chosen**" in printed
+    assert (tmp_path / "tiny-llama-sequoia_auto.png").stat().st_size > 1000
+    assert kind_of(report, out).command == "experiments.tree_search mode=sequoia"
+
+
+def test_the_complete_tree_offers_every_rank_at_every_depth():
+    tree = complete_tree(2, 3)
+    assert tree.size - 1 == 3 + 9 and all(len(tree.children(i)) == 3 for i in range(4))
+    with pytest.raises(ValueError, match="measure_depth and measure_top_k must be >= 1"):
+        complete_tree(0, 3)
+
+
+def test_the_rank_tally_counts_the_accepted_rank_at_each_depth():
+    #        0
+    #      1   2
+    #     3 4   5
+    tree = TokenTree(torch.tensor([9, 1, 2, 3, 4, 5]), torch.tensor([-1, 0, 0, 1, 1, 2]))
+    tally = RankTally(GreedyRule(), depth=2, top_k=2)
+    tally.count(tree, [0, 2, 5])  # rank 1 at depth 0, rank 0 at depth 1, then a leaf
+    tally.count(tree, [0])  # nothing accepted: depth 0 tried, depth 1 never reached
+    tally.count(tree, [0, 1])  # rank 0, then node 1's children both rejected
+    assert tally.reached == [3, 2] and tally.table() == [[1 / 3, 1 / 3], [0.5, 0.0]]
+    assert (tally.name, tally.exact) == ("greedy", True)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "recycling"])
+def test_accuracies_measured_by_decoding_on_a_tiny_target(tmp_path, drafter):
+    cfg = compose_dynamic(tmp_path, "mode=sequoia", "accuracies=decode", f"drafter={drafter}",
+                          "measure_depth=2", "measure_top_k=2", "sizes=[1,3]", "plot=false")
+    tree_search.main(cfg)
+    measured = json.loads((tmp_path / "tiny-llama-sequoia_auto-rank_accuracy.json").read_text())
+    assert measured["drafter"] == drafter and measured["steps"] > 0
+    table = load_accuracies(tmp_path / "tiny-llama-sequoia_auto-rank_accuracy.json")
+    assert [len(row) for row in table] == [2, 2]  # what a later search reads back
+    rows = json.loads((tmp_path / "tiny-llama-sequoia_auto.json").read_text())["rows"]
+    assert [r["n"] for r in rows] == [1, 3] and sum(r["chosen"] for r in rows) == 1
 
 
 def compose_dynamic(tmp_path, *overrides):
@@ -236,4 +328,4 @@ def test_a_drafter_without_training_data_decodes_self_distillations_held_out_pro
 
 def test_an_unknown_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mode must be static .* or dynamic"):
-        tree_search.main(compose_dynamic(tmp_path, "mode=sequoia"))
+        tree_search.main(compose_dynamic(tmp_path, "mode=beam"))
