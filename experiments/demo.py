@@ -9,7 +9,10 @@
 3. correctness rows with the trained draft: greedy output token for token against plain
    decoding on Spec-Bench prompts; the sampling distribution test and its negative control on
    a tiny target;
-4. a short benchmark against plain decoding of the same target, per Spec-Bench category.
+4. a short benchmark against plain decoding of the same target, per Spec-Bench category: the
+   trained draft beside the fastest exact method measured on this kind of machine in float32,
+   the hybrid of suffix decoding and the same EAGLE draft on cost-sized trees
+   (docs/results/suffix-hybrid.md), and the demo's last lines name the faster of the two.
 
     python -m experiments.demo [num_prompts=13 max_new_tokens=64]
 Full-size runs: python -m experiments.correctness / python -m experiments.bench.
@@ -36,6 +39,7 @@ DRAFTER = "eagle"
 # Where `python train.py drafter=eagle` (no other overrides) puts its run, so the two share it.
 TRAIN_OUT = "results/train/smollm2-135m-instruct/eagle"
 TREE_NAME = "eagle2_demo"
+HYBRID_LABEL = "suffix+eagle"
 
 
 def _compose(command: str, overrides: list[str]) -> DictConfig:
@@ -66,6 +70,27 @@ def size_tree(checkpoint: str) -> list[str]:
             f"tree.top_k={tree.top_k}", f"tree.total_tokens={tree.total_tokens}"]
 
 
+def fastest_exact(checkpoint: str) -> str:
+    """The bench override adding the fastest exact method measured here in float32: suffix
+    decoding, else the trained EAGLE draft on a 2-token tree, picked per step and sized by the
+    measured t(n) (drafter=hybrid tree=adaptive, docs/results/suffix-hybrid.md)."""
+    return (f'compare=["hybrid:adaptive:members.1.checkpoint={checkpoint},'
+            f'label={HYBRID_LABEL}"]')
+
+
+def fastest_line(summary: dict) -> str:
+    """The exact method with the most tokens/s in the benchmark `summary` (the baseline, and
+    methods whose output differed from it on some prompt, left out), with its speedup."""
+    baseline, methods = summary["baseline"], summary["methods"]
+    exact = {name: m for name, m in methods.items()
+             if name != baseline and m.get("identical") == 1.0}
+    if not exact:
+        return "fastest exact method: none (every method's output differed from the baseline)"
+    name = max(exact, key=lambda n: exact[n]["tokens_per_s"]["overall"])
+    return (f"fastest exact method here: {name}, {exact[name]['speedup']['overall']:.2f}x "
+            f"{baseline} ({exact[name]['tokens_per_s']['overall']:.1f} tokens/s)")
+
+
 def main(argv: list[str]) -> int:
     overrides = dict(arg.split("=", 1) if "=" in arg else (arg, None) for arg in argv)
     unknown = set(overrides) - {"num_prompts", "max_new_tokens"}
@@ -84,10 +109,12 @@ def main(argv: list[str]) -> int:
     correctness = write_report(Path(cfg.out_dir), f"demo-{DRAFTER}-{TREE_NAME}", rows, cfg)
     print(f"\n## 3. Correctness ({correctness})\n\n{format_table(rows)}")
     cfg = _compose("bench", drafter + [f"num_prompts={num_prompts}",
-                                       f"max_new_tokens={max_new}", "peers=[]"])
+                                       f"max_new_tokens={max_new}", "peers=[]",
+                                       fastest_exact(trained["checkpoint"])])
     summary = run_benchmark(cfg)
     bench = write_report(Path(cfg.out_dir), f"demo-{DRAFTER}-{TREE_NAME}", [summary], cfg)
     print(f"\n## 4. Benchmark against plain decoding\n\n{format_tables(summary)}")
+    print(f"\n{fastest_line(summary)}")
     print(f"\ncheckpoint: {trained['checkpoint']}\nlogs: {trained['logged_to']}\n"
           f"results: {trained['eval']}, {correctness}, {bench}")
     return 1 if any(row["passed"] is False for row in rows) else 0

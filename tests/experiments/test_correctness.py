@@ -15,6 +15,7 @@ from experiments.correctness import (
     float32_parameters,
     format_table,
     greedy_row,
+    proposes_chains,
 )
 from experiments.stats import (
     chi_square_test,
@@ -99,8 +100,14 @@ NEW_DRAFTERS = {
     "suffix-adaptive-top_p-batched": ("suffix", ["tree=adaptive", *HAND_SET_COST,
                                                  *TOP_P_BATCHED]),
     "hybrid-pick": ("hybrid", ["tree=suffix", "drafter.threshold=0.5", *T1]),
+    # Token Recycling's deterministic trees (one-hot proposals), cost-sized and the template,
+    # and SAM's pick between suffix and recycling trees
+    "recycling": ("recycling", ["tree=recycling", *HAND_SET_COST, *T1]),
+    "recycling80-top_p-batched": ("recycling", ["tree=recycling80", *TOP_P_BATCHED]),
+    "sam_hybrid": ("sam_hybrid", ["tree=recycling", *HAND_SET_COST, *T1]),
 }
-SLOW_CASES = {"suffix-adaptive-top_p-batched", "hybrid-pick", "eagle-adaptive"}
+SLOW_CASES = {"suffix-adaptive-top_p-batched", "hybrid-pick", "eagle-adaptive",
+              "recycling80-top_p-batched", "sam_hybrid"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
@@ -113,6 +120,19 @@ def test_new_drafters_sample_exactly_and_the_wrong_rule_is_caught(case):
     assert rows["sampling"]["detail"]["draft_tokens_per_sample"] > 0.5
     control = rows["wrong-residual (control)"]
     assert control["passed"] and control["value"] < 0.001, control
+
+
+def test_block_verification_has_a_row_where_the_drafter_proposes_chains():
+    assert proposes_chains(correctness_cfg("tree=chain4"))
+    assert not proposes_chains(correctness_cfg("tree=tree8"))
+    assert not proposes_chains(correctness_cfg("tree=eagle2", drafter="eagle"))
+    assert not proposes_chains(correctness_cfg("tree=suffix", drafter="hybrid"))
+    # on the sampled chain of a self-draft, through the loop: exact as well
+    cfg = correctness_cfg("tree=chain4", "distribution.samples=1000")
+    rows = {row["rule"]: row for row in distribution_rows(cfg)}
+    assert rows["block"]["passed"] and rows["block"]["exact_claimed"], rows["block"]
+    assert rows["block"]["detail"]["draft_tokens_per_sample"] > 0.5
+    assert rows["wrong-residual (control)"]["passed"]
 
 
 @pytest.mark.parametrize("drafter, tree", [("draft_model", "tree8"), ("eagle3", "eagle2")])
