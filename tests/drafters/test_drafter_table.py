@@ -54,7 +54,7 @@ CASES = [(row, tree) for row in DRAFTERS for tree in row.trees]
 FLAT_COST = {"cost": {"measure": False, "t_ms": {1: 10.0, 2: 10.2, 8: 10.8, 16: 11.5, 32: 30.0}}}
 TREE_OVERRIDES = {"adaptive": FLAT_COST, "recycling": FLAT_COST}
 CASE_IDS = [f"{row.label or row.config}-{tree}" for row, tree in CASES]
-ARCHS = ["llama", "gpt2"]
+ARCHS = ["llama", "qwen2", "gpt2"]
 NEW_TOKENS = 80
 # Repetitive, so prompt lookup finds matches; chosen so that no greedy step of the tiny targets
 # is a near tie (see test_prompt_has_no_near_ties), where tree and plain forwards may round apart.
