@@ -302,6 +302,10 @@ def run_benchmark(cfg: DictConfig) -> dict:
     if cfg.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     drafters = contenders(cfg)  # a bad compare entry fails before the target loads
+    if cfg.reference not in (None, "plain_loop") or (cfg.reference and
+                                                    cfg.reference not in cfg.peers):
+        raise ValueError(f"reference must be null (the baseline) or plain_loop with plain_loop "
+                         f"in peers, got reference={cfg.reference!r}, peers={list(cfg.peers)}")
     target = load_target_from_config(cfg.target)
     methods = build_methods(cfg, target, drafters)
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
@@ -310,9 +314,10 @@ def run_benchmark(cfg: DictConfig) -> dict:
     records = time_methods(methods, prompts, cfg, device=target.model.device)
     params = sampling_params(cfg)
     baseline = baseline_name(params)
-    # greedy: every method's output must be the baseline's, token for token; sampled outputs
+    # greedy: every method's output must be the reference's, token for token; sampled outputs
     # differ by design (their distribution is the correctness command's test)
-    summary = summarise(records, baseline, reference=baseline if params.greedy else None)
+    reference = (cfg.reference or baseline) if params.greedy else None
+    summary = summarise(records, baseline, reference)
     note = memory_note(methods, drafters)
     if note:
         summary["memory"] = note

@@ -50,6 +50,7 @@ def summarise(records: dict[str, list[dict]], baseline: str,
         _add_spread(methods, records, baseline, runs)
     summary = BenchSummary(baseline=baseline, prompts=len(records[baseline]) // len(runs),
                            repeats=len(runs),
+                           reference=None if reference in (None, baseline) else reference,
                            methods={name: MethodFigures(**m) for name, m in methods.items()})
     return summary.to_json()
 
@@ -158,7 +159,8 @@ def format_tables(summary: dict) -> str:
     checked = all(m.identical is not None for m in methods.values())  # greedy runs say so
     spread = (f" Speedup: all {bench.runs} runs pooled; median [min, max] of the runs' own "
               "speedups beside it." if bench.runs > 1 else "")
-    header = METHOD_HEADER + (["identical to the baseline"] if checked else [])
+    compared = f"identical to {bench.reference}" if bench.reference else "identical to the baseline"
+    header = METHOD_HEADER + ([compared] if checked else [])
     lines = [f"Baseline: {bench.baseline}, {bench.prompts} prompts.{spread}", "",
              markdown_table(header, [_method_cells(name, m) for name, m in methods.items()])]
     drafting = {name: m for name, m in methods.items() if m.drafts}

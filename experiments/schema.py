@@ -43,6 +43,7 @@ class BenchConfig:
     seed: int = MISSING
     compare: list[str] = MISSING
     peers: list[str] = MISSING
+    reference: str | None = MISSING
     hf_prompt_lookup_num_tokens: int = MISSING
     hf_assistant_num_layers: int | None = MISSING
     hf_assistant_path: str | None = MISSING

@@ -148,7 +148,7 @@ def test_a_compare_entry_sets_the_acceptance_rules_settings():
     ("eagle:chain4:name=medusa", "eagle cannot set ['name']"),
     ("eagle:chain4:checkpoint", "['checkpoint'] not key=value"),
     ("eagle:eagle2:tree.total_token=8", "eagle2 cannot set ['tree.total_token']"),
-    ("medusa:tree8:rule=typcal", "rule must be one of ['greedy', 'sampling', 'typical']"),
+    ("medusa:tree8:rule=typcal", "rule must be one of ['block', 'greedy', 'sampling', 'typical']"),
     ("eagle:chain4:tree.choices=[]", "chain4 cannot set ['tree.choices']"),
 ])
 def test_a_bad_compare_entry_is_refused_clearly(entry, message):
@@ -468,3 +468,26 @@ def test_a_method_reads_draft_work_and_proposers_through_the_declared_abilities(
     assert not isinstance(method, Resettable)  # no memory: nothing for time_methods to empty
     plain = treedraft_method(target, RepeatDrafter(2), SamplingParams(0.0))
     assert {"draft_forwards", "proposed_by"}.isdisjoint(plain(torch.tensor([40, 41]), 4, 0))
+
+
+def test_identity_is_counted_against_the_reference_method_when_one_is_named():
+    def outputs(records, tokens):
+        return [dict(r, question_id=str(i), tokens=tokens(i)) for i, r in enumerate(records)]
+
+    with_tokens = {"base": outputs(RECORDS["base"], lambda i: [1, 2]),
+                   "plain": outputs(RECORDS["base"], lambda i: [1, 3]),
+                   "tree": outputs(RECORDS["tree"], lambda i: [1, 3 if i == 0 else 4])}
+    against_plain = summarise(with_tokens, "base", reference="plain")
+    assert against_plain["reference"] == "plain"
+    assert against_plain["methods"]["tree"]["identical"] == 0.5
+    assert against_plain["methods"]["base"]["identical"] == 0.0
+    assert summarise(with_tokens, "base", reference="base").get("reference") is None
+    assert "| identical to plain |" in format_tables(against_plain)
+    assert "identical to the baseline" in format_tables(summarise(with_tokens, "base", "base"))
+
+
+@pytest.mark.parametrize("overrides", [["reference=hf_greedy"],
+                                       ["reference=plain_loop", "peers=[]"]])
+def test_a_reference_that_is_not_plain_decoding_in_this_run_is_refused(overrides):
+    with pytest.raises(ValueError, match="reference must be null"):
+        run_benchmark(bench_config(*overrides, "target.path=/nowhere"))
