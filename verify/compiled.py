@@ -60,7 +60,7 @@ class CompiledStep:
 
     extends_prompts = False  # its cache is room the steps run in: prompts start sequences
 
-    def __init__(self, model: PreTrainedModel, freezing: bool = True):
+    def __init__(self, model: PreTrainedModel, freezing: bool = True, one_graph: bool = False):
         self.model = model
         self.forward = torch.compile(model.forward, dynamic=None)
         # set while a graph compiles, which is on a call (measured: passed as torch.compile's
@@ -73,8 +73,12 @@ class CompiledStep:
         # keeps its faster matrix-vector graph: its trees matched plain decoding on every
         # prompt. Batches keep both graphs: padding every row doubled a plain batch's products
         # (self-distillation in bfloat16 ran at 0.84x eager), and a batch's rows are not
-        # the one-row step's bits in any case (other matrix shapes).
-        self.min_width = 2 if model.dtype in (torch.bfloat16, torch.float16) else 1
+        # the one-row step's bits in any case (other matrix shapes). `one_graph` sends float32
+        # one-token steps through the tree graph as well (target.step=compiled_one_graph):
+        # measured on another machine of this kind, its t(2) was 40 ms against the
+        # matrix-vector graph's t(1) 51 ms (docs/results/recycling.md).
+        half = model.dtype in (torch.bfloat16, torch.float16)
+        self.min_width = 2 if half or one_graph else 1
         self.compile_s: dict[tuple, float] = {}
 
     def width_for(self, rows: int, width: int) -> int:

@@ -26,7 +26,9 @@ from transformers.cache_utils import Cache
 from verify.compiled import CompiledStep
 from verify.packed import ladder_width, pack_target
 
-STEPS = ("eager", "compiled")
+# compiled_one_graph: compiled, and one row's one-token steps run the tree graph in every
+# dtype (as half precision always does: verify/compiled.py, `min_width`)
+STEPS = ("eager", "compiled", "compiled_one_graph")
 
 
 class TargetStep(Protocol):
@@ -108,10 +110,11 @@ def target_step(model: PreTrainedModel, step: str = "eager",
     step pads no tree (an eager one)."""
     if step not in STEPS:
         raise ValueError(f"target.step is one of {list(STEPS)}, not {step!r}")
-    if step == "compiled":
+    if step.startswith("compiled"):
         if packed_rows not in (None, [], (), "auto"):
             raise ValueError(f"a compiled step packs its own weights: target.packed_rows="
                              f"{packed_rows!r} goes with target.step=eager (or set it to null)")
-        return CompiledStep(model)  # inductor's freezing packs the weights for each graph
+        # inductor's freezing packs the weights for each graph
+        return CompiledStep(model, one_graph=step == "compiled_one_graph")
     ladder = pack_target(model, packed_rows)
     return PackedStep(model, ladder) if ladder else EagerStep(model)

@@ -149,3 +149,15 @@ def test_half_precision_runs_one_token_steps_through_the_tree_graph():
     drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [0, 0]]), min_ngram=1)
     assert torch.equal(generate(step, PROMPT, 40, drafter=drafter).tokens, plain)
     assert {graph[0] for graph in step.compile_s} == {"trees"}
+
+
+def test_one_graph_runs_float32_one_token_steps_through_the_tree_graph():
+    # target.step=compiled_one_graph: plain and tree steps share the tree graph in float32 too
+    step = load_target(tiny="llama", step="compiled_one_graph").step
+    assert [step.width_for(rows, n) for rows, n in ((1, 1), (1, 3), (2, 1))] == [2, 3, 1]
+    plain = generate(step, PROMPT, 40).tokens
+    eager = generate(load_target(tiny="llama").step, PROMPT, 40).tokens
+    assert torch.equal(plain, eager)
+    drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [0, 0]]), min_ngram=1)
+    assert torch.equal(generate(step, PROMPT, 40, drafter=drafter).tokens, plain)
+    assert {graph[0] for graph in step.compile_s} == {"trees"}
