@@ -70,13 +70,14 @@ class CompiledStep:
         # nodes, the pad discarded). Measured on the default target in bfloat16: the one-token
         # graph's rows round apart from the tree graph's (trees matched plain decoding on 4 of
         # 13 prompts), one graph for both matched on 13 of 13, and t(2) = t(1) there. float32
-        # keeps its faster matrix-vector graph: its trees matched plain decoding on every
-        # prompt. Batches keep both graphs: padding every row doubled a plain batch's products
-        # (self-distillation in bfloat16 ran at 0.84x eager), and a batch's rows are not
-        # the one-row step's bits in any case (other matrix shapes). `one_graph` sends float32
+        # keeps its matrix-vector graph (the faster where first measured): its trees matched
+        # plain decoding on every prompt. Batches keep both graphs: padding every row doubled
+        # a plain batch's products (self-distillation in bfloat16 ran at 0.84x eager), and a
+        # batch's rows are not the one-row step's bits in any case (other matrix shapes).
+        # `one_graph` sends float32
         # one-token steps through the tree graph as well (target.step=compiled_one_graph):
-        # measured on another machine of this kind, its t(2) was 40 ms against the
-        # matrix-vector graph's t(1) 51 ms (docs/results/recycling.md).
+        # measured on a later machine of this kind, t(2) there was 40 ms against the
+        # matrix-vector graph's t(1) of 51 ms (docs/results/recycling.md).
         half = model.dtype in (torch.bfloat16, torch.float16)
         self.min_width = 2 if half or one_graph else 1
         self.compile_s: dict[tuple, float] = {}
