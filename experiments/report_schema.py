@@ -110,9 +110,9 @@ class BenchSummary:
     prompts: int
     repeats: int | None = None
     methods: dict[str, MethodFigures]  # in the order the methods ran, the baseline first
-    memory: str | None = None  # how drafters with memory were warmed, when any ran
     # whose output "identical" compares with, where not the baseline (bench reference=)
     reference: str | None = None
+    memory: str | None = None  # how drafters with memory were warmed, when any ran
 
     @staticmethod
     def from_json(data: Mapping, what: str = "a bench summary") -> BenchSummary:

@@ -168,11 +168,16 @@ def table_and_costs(cfg: DictConfig) -> tuple[list[list[float]], dict[int, float
     return accuracies, cost
 
 
+# The name ending of a measured accuracy table saved beside the reports: an input that
+# accuracies= reads, not a report of rows (tests/experiments/test_results.py leaves it out)
+RANK_ACCURACY = "-rank_accuracy.json"
+
+
 def _measured_table(cfg: DictConfig, target: Target) -> list[list[float]]:
     # Saved as a file accuracies= reads, so later searches (another size list, another draft
     # cost) need not decode again.
     table, steps = measure_rank_accuracy(cfg, target)
-    path = Path(cfg.out_dir) / f"{cfg.target.name}-{cfg.name}-rank_accuracy.json"
+    path = Path(cfg.out_dir) / f"{cfg.target.name}-{cfg.name}{RANK_ACCURACY}"
     write_json(path, {"rank_accuracy": table, "steps": steps, "drafter": cfg.drafter.name,
                       "measure_depth": cfg.measure_depth, "measure_top_k": cfg.measure_top_k,
                       "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens})
