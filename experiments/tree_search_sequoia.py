@@ -161,14 +161,12 @@ class RankTally(AcceptanceRule):
 
     def count(self, tree: TokenTree, path: Sequence[int]) -> None:
         """Tally one step: `path` is its accepted node indices from the root (0)."""
-        children: dict[int, list[int]] = {}
-        for node, parent in enumerate(tree.parents.tolist()[1:], start=1):
-            children.setdefault(parent, []).append(node)  # in proposal order: rank order
         for depth, node in enumerate(path[:len(self.reached)]):
-            if node not in children:
+            kids = tree.children(node)  # in proposal order: rank order
+            if not kids:
                 break  # a leaf: the step says nothing about deeper ranks
             self.reached[depth] += 1
-            rank = children[node].index(path[depth + 1]) if depth + 1 < len(path) else None
+            rank = kids.index(path[depth + 1]) if depth + 1 < len(path) else None
             if rank is not None and rank < len(self.hits[depth]):
                 self.hits[depth][rank] += 1
 
