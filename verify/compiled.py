@@ -42,6 +42,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from verify.cache import cache_length, room_cache, room_for
+from verify.hf_state import CacheState
 from verify.timing import device_clock
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class CompiledStep:
     def width_for(self, rows: int, width: int) -> int:
         """The width a forward of `rows` trees of `width` nodes runs at (`min_width`, one row)."""
         return max(width, self.min_width) if rows == 1 else width
+
+    def new_state(self, feature_layers: tuple[int, ...]) -> CacheState:
+        return CacheState(self, feature_layers)
 
     def steps_cache(self, cache: DynamicCache) -> Cache:
         """A room cache holding the prefilled `cache`'s entries, with room for a step."""

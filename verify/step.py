@@ -3,15 +3,20 @@
 `load_target` chooses it (`target.step`, `target.packed_rows`) and the `Target` carries it; a
 `TreeVerifier` built from a bare model gets the eager step. Each kind answers for:
 - its width rule: the node count a forward of B trees of N nodes runs at;
-- its cache: what the prefilled (growing) cache becomes for the steps, making room in it,
-  and the columns every step's mask spans;
+- its state (`new_state`): the KV cache of B rows and the forwards over it, in the form the
+  step runs them (`StepState`): the model's own cache and 4D masks on the steps below
+  (verify/hf_state.py), paged blocks and ancestor matrices on OpenVINO's
+  (verify/openvino_step.py); on the model's own cache, what the prefilled cache becomes for
+  the steps, making room in it, and the columns every step's mask spans;
 - compiling: whether the graphs a decode runs exist yet (TreeVerifier.compile_graphs
   compiles the missing ones before the clock starts);
 - calling: the forward, with the model's keyword arguments.
 
 The kinds: `EagerStep`, the model's forward as it is; `PackedStep`, the same forward on
 weights pre-packed for some row counts (verify/packed.py), with trees padded up to them; and
-`CompiledStep` (verify/compiled.py), the forward through torch.compile over a room cache.
+`CompiledStep` (verify/compiled.py), the forward through torch.compile over a room cache;
+`OpenVINOStep` (verify/openvino_step.py), the forward on OpenVINO's CPU kernels with
+PagedAttention and a tree mask, over cache blocks it owns.
 """
 
 from __future__ import annotations
@@ -19,16 +24,47 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from verify.compiled import CompiledStep
+from verify.hf_state import CacheState
 from verify.packed import ladder_width, pack_target
+from verify.tree import TreeBatch
 
 # compiled_one_graph: compiled, and one row's one-token steps run the tree graph in every
 # dtype (as half precision always does: verify/compiled.py, `min_width`)
-STEPS = ("eager", "compiled", "compiled_one_graph")
+STEPS = ("eager", "compiled", "compiled_one_graph", "openvino")
+
+
+class StepState(Protocol):
+    """A step's KV cache of B rows and the forwards over it (the rows' committed lengths are
+    the verifier's, passed in). Logits are float, features in the model's dtype."""
+
+    def size(self) -> int:
+        """Cache slots in use: the longest row's."""
+
+    def prefill_rows(self, prompts: Sequence[torch.Tensor]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Start B rows from (T_b,) prompts: last logits (B, V), features (T_b, F * H) each."""
+
+    def extend(self, tokens: torch.Tensor, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append (T,) tokens after the only row's `length`: last logits (V,), features
+        (T, F * H) (where the step `extends_prompts`)."""
+
+    def run_trees(self, batch: TreeBatch, lengths: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's tree after its lengths[b] tokens: logits (B, N, V), features
+        (B, N, F * H); the trees stay cached until `keep_paths`."""
+
+    def keep_paths(self, lengths: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+        """Keep row b's accepted nodes paths[b] of the last trees after its lengths[b]."""
+
+    def keep_rows(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Keep the rows `rows` (in the new order), whose lengths are now `lengths`."""
 
 
 class TargetStep(Protocol):
@@ -39,6 +75,9 @@ class TargetStep(Protocol):
 
     def width_for(self, rows: int, width: int) -> int:
         """The node count a forward of `rows` trees of `width` nodes runs at (>= width)."""
+
+    def new_state(self, feature_layers: tuple[int, ...]) -> StepState:
+        """An empty state whose forwards return the hidden states `feature_layers`."""
 
     def steps_cache(self, cache: DynamicCache) -> Cache:
         """The cache the steps run on, holding the prefilled `cache`'s entries."""
@@ -68,6 +107,9 @@ class EagerStep:
 
     def width_for(self, rows: int, width: int) -> int:
         return width
+
+    def new_state(self, feature_layers: tuple[int, ...]) -> StepState:
+        return CacheState(self, feature_layers)
 
     def steps_cache(self, cache: DynamicCache) -> Cache:
         return cache
@@ -103,13 +145,18 @@ def as_step(model_or_step: nn.Module | TargetStep) -> TargetStep:
 
 
 def target_step(model: PreTrainedModel, step: str = "eager",
-                packed_rows: str | Sequence[int] | None = None) -> TargetStep:
+                packed_rows: str | Sequence[int] | None = None, **options) -> TargetStep:
     """`target.step` and `target.packed_rows` applied to `model` (its linear layers packed in
     place where asked): the step its decoding runs through. A compiled step packs its own
     weights, so "auto" packs nothing there; oneDNN's packing serves every row count, so its
     step pads no tree (an eager one)."""
     if step not in STEPS:
         raise ValueError(f"target.step is one of {list(STEPS)}, not {step!r}")
+    if step == "openvino":
+        from verify.openvino_step import OpenVINOStep  # openvino is imported only here
+        return OpenVINOStep(model, **options)
+    if options:
+        raise ValueError(f"target.step={step} takes no options {sorted(options)}")
     if step.startswith("compiled"):
         if packed_rows not in (None, [], (), "auto"):
             raise ValueError(f"a compiled step packs its own weights: target.packed_rows="

@@ -1,39 +1,24 @@
-"""Tree attention on any Hugging Face causal LM, through transformers' own extension points.
+"""Tree attention on any Hugging Face causal LM: B growing sequences and the token trees
+appended to them, verified in one forward each step.
 
-The verifier owns the target's KV cache for B sequences (rows) decoded together. A step runs
-one token tree per row, padded to a common N nodes, as one forward: a float 4D attention mask
-(B, 1, N, S + N) lets each node see its row's committed tokens plus its own ancestors, and
-explicit position ids place each node at lengths[b] + depth. No modeling file is copied: this
-is the public `attention_mask` / `position_ids` / `cache` interface of every causal LM.
-
-Row b's committed tokens sit at cache slots 0 .. lengths[b] - 1. Slots beyond are stale (a
-shorter prompt's padding, room left by a longer row) and every mask hides them. After
-acceptance each row's path moves down to follow its committed tokens and the cache is trimmed
-to the longest row, so memory stays bounded and positions stay contiguous. With B = 1 there
-are no stale slots and the cached sequence is exactly the committed tokens. The layout and the
-moves on it live in verify/cache.py (the draft engine's cache is laid out the same way).
-
-Every step runs through the target's step (verify/step.py), which says what differs by kind:
-the width a forward runs at (a packed target pads trees up to a packed row count), the cache
-the steps run on and the columns every mask spans (a compiled step's room: (B, 1, N, C)), and
-the graphs to compile before a decode. Prompts always run the eager model.
+The verifier keeps each row's committed length and asks the target's step (verify/step.py)
+for its state (`StepState`): the KV cache and the forwards over it, in the form that step runs.
+On the eager, packed and compiled steps that is the model's own cache and a float 4D mask
+(verify/hf_state.py); on the OpenVINO step, paged cache blocks and each tree's ancestor matrix
+(verify/openvino_step.py). Either way a node sees its row's committed tokens and its own
+ancestors, at position lengths[b] + depth, and after acceptance each row keeps its accepted
+path only. The step also says the width a forward runs at (a packed target pads trees up to a
+packed row count) and the graphs to compile before a decode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from verify.cache import (
-    cache_length,
-    cache_rows_alone,
-    keep_paths,
-    new_cache,
-    trim,
-)
-from verify.features import num_layers, resolve_layers, select_features
+from verify.features import num_layers, resolve_layers
 from verify.step import TargetStep, as_step
 from verify.tree import TokenTree, TreeBatch
 
@@ -42,19 +27,6 @@ def context_window(model: PreTrainedModel) -> int | None:
     """Longest sequence (prompt + generated) the model's positions support, if it says.
     (GPT-2's config aliases max_position_embeddings to n_positions.)"""
     return getattr(model.config, "max_position_embeddings", None)
-
-
-def tree_attention_mask(batch: TreeBatch, lengths: torch.Tensor, cache_size: int,
-                        dtype: torch.dtype, columns: int | None = None) -> torch.Tensor:
-    """(B, 1, N, cache_size + N) additive mask: 0 where a node may attend (its row's
-    lengths[b] committed slots, its ancestors and itself), dtype-min elsewhere. With
-    `columns`, (B, 1, N, columns): the slots past the tree are hidden too."""
-    committed = torch.arange(cache_size)[None, None, :] < lengths[:, None, None]  # (B, 1, S)
-    allowed = torch.cat([committed.expand(-1, batch.width, -1), batch.ancestors], dim=-1)
-    if columns is not None:
-        allowed = torch.nn.functional.pad(allowed, (0, columns - allowed.shape[-1]))
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
 
 
 class TreeVerifier:
@@ -69,9 +41,8 @@ class TreeVerifier:
         self.step = as_step(model)
         self.model = self.step.model
         self.feature_layers = resolve_layers(feature_layers, num_layers(self.model.config))
-        self.cache = new_cache(self.model.config)
+        self.state = self.step.new_state(self.feature_layers)
         self.lengths = torch.zeros(1, dtype=torch.long)  # (B,) committed tokens per row
-        self._tree_start = 0  # cache slot where the last verified trees begin
 
     @property
     def length(self) -> int:
@@ -83,7 +54,13 @@ class TreeVerifier:
     @property
     def cache_size(self) -> int:
         """Cache slots in use (the longest row's; not a room cache's capacity)."""
-        return cache_length(self.cache)
+        return self.state.size()
+
+    @property
+    def cache(self):
+        """The model's own cache, on a step that runs the model's forward (verify/hf_state.py):
+        what `experiments.profile` times a bare forward over."""
+        return self.state.cache
 
     # -- one sequence -------------------------------------------------------------------------
 
@@ -98,10 +75,9 @@ class TreeVerifier:
         if not self.step.extends_prompts:
             raise NotImplementedError(f"a {type(self.step).__name__}'s verifier prefills a new "
                                       "sequence only; this one has cached tokens already")
-        positions = torch.arange(self.length, self.length + len(input_ids))
-        logits, features = self._forward(input_ids[None], positions[None], None, logits_to_keep=1)
+        logits, features = self.state.extend(input_ids, self.length)
         self.lengths += len(input_ids)
-        return logits[0, -1].cpu(), None if features is None else features[0]
+        return logits.cpu(), features
 
     @torch.no_grad()
     def verify(self, tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -117,7 +93,7 @@ class TreeVerifier:
         tokens (N' >= N: padded on a packed target), the (1, 1, N', L + N') attention mask
         (None for a lone root: plain decoding needs none) and the (N',) position ids."""
         batch = self._step_width(TreeBatch.pad([tree]))
-        mask, positions = self.batch_inputs(batch)
+        mask, positions = self.state.batch_inputs(batch, self.lengths)
         return batch.tokens[0], mask, positions[0]
 
     def commit(self, path: list[int]) -> None:
@@ -132,26 +108,13 @@ class TreeVerifier:
         """Start B sequences from (T_b,) prompts. Returns each row's last logits (B, V)
         (float, on the model's device) and each row's features (T_b, F * H), or None.
 
-        Each prompt runs alone, as `generate` would run it, and the rows' caches are then
-        stacked (right-padded): one padded forward would pay for every row's padding, and
-        Spec-Bench prompts of 40-770 tokens made a batch of 16 cost 12k tokens for 2.5k real
-        ones (15 s of a 25 s batch here)."""
+        The step's state runs them (each prompt alone on the model's own cache: see
+        verify/hf_state.py `CacheState.prefill_rows`)."""
         if self.cache_size:
             raise ValueError("prefill_batch starts new sequences: this verifier already has some")
-        logits, features = [None] * len(prompts), [None] * len(prompts)
-
-        def run_row(row: int, cache: DynamicCache) -> None:
-            prompt = prompts[row]
-            row_logits, row_features = batched_forward(
-                self.model, cache, prompt[None], torch.arange(len(prompt))[None],
-                logits_to_keep=1, feature_layers=self.feature_layers)
-            logits[row] = row_logits[0, -1]
-            features[row] = None if row_features is None else row_features[0]
-
-        self.cache = self.step.steps_cache(
-            cache_rows_alone(self.model.config, len(prompts), run_row))
+        logits, features = self.state.prefill_rows(prompts)
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        return torch.stack(logits), None if features[0] is None else features
+        return logits, features
 
     @torch.no_grad()
     def verify_batch(self, batch: TreeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -162,10 +125,7 @@ class TreeVerifier:
             raise ValueError(f"{len(batch.tokens)} trees for {len(self.lengths)} sequences")
         width = batch.width
         batch = self._step_width(batch)
-        self.step.make_room(self.cache, batch.width)
-        mask, positions = self.batch_inputs(batch)
-        self._tree_start = self.cache_size
-        logits, features = self._forward(batch.tokens, positions, mask)
+        logits, features = self.state.run_trees(batch, self.lengths)
         return logits[:, :width], None if features is None else features[:, :width]
 
     def _step_width(self, batch: TreeBatch) -> TreeBatch:
@@ -189,63 +149,16 @@ class TreeVerifier:
             scratch.verify_batch(TreeBatch.pad([tree] * rows))
             scratch.commit_batch([[]] * rows)
 
-    def batch_inputs(self, batch: TreeBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The (B, 1, N, S + N) attention mask over the S cached slots and the trees (None
-        when plain causal attention is the same: lone roots, no stale slots) and the (B, N)
-        position ids. A step whose masks span more columns (a compiled step's room) always
-        gets a mask of that many."""
-        positions = self.lengths[:, None] + batch.depths
-        size, columns = self.cache_size, self.step.mask_columns(self.cache)
-        if columns is None and batch.width == 1 and bool((self.lengths == size).all()):
-            return None, positions
-        return tree_attention_mask(batch, self.lengths, size, self.model.dtype,
-                                   columns), positions
-
     def commit_batch(self, paths: Sequence[Sequence[int]]) -> None:
         """Keep, in each row, the accepted nodes paths[b] (root first) of the last trees."""
         if len(paths) != len(self.lengths):
             raise ValueError(f"{len(paths)} paths for {len(self.lengths)} sequences")
-        keep_paths(self.cache, self.lengths, self._tree_start, paths)
+        self.state.keep_paths(self.lengths, paths)
         self.lengths = self.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the sequences `rows` (long indices, in the new order): finished rows leave
         the batch and the cache shrinks to the longest row left."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        self.cache.batch_select_indices(rows.to(self.model.device))
         self.lengths = self.lengths[rows]
-        trim(self.cache, int(self.lengths.max()) if len(rows) else 0)
-
-    def _forward(self, tokens, positions, attention_mask, logits_to_keep=0):
-        return batched_forward(self.model, self.cache, tokens, positions, attention_mask,
-                               logits_to_keep, self.feature_layers, self.step)
-
-
-def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor,
-                    positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    logits_to_keep: int | torch.Tensor = 0, feature_layers: tuple[int, ...] = (),
-                    step: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Append (B, n) tokens at (B, n) positions to `cache` in one forward of `model`.
-
-    attention_mask: None for causal attention, or an additive (B, 1, n, cached + n) mask
-    ((B, 1, n, C) over a room cache's C slots).
-    logits_to_keep: 0 for all positions, k > 0 for the last k, or a (k,) tensor of positions.
-    step: what runs the forward instead of `model` (a TargetStep), same arguments.
-    Returns float logits (B, n', V) on the model's device and, with feature_layers (absolute
-    hidden-state indices, see verify.features), the features (B, n, F * H) on the model's
-    device and in its dtype: drafters run there, so nothing is copied.
-    """
-    device = model.device
-    if isinstance(logits_to_keep, torch.Tensor):
-        logits_to_keep = logits_to_keep.to(device)
-    out = (step or model)(
-        input_ids=tokens.to(device),
-        position_ids=positions.to(device),
-        attention_mask=None if attention_mask is None else attention_mask.to(device),
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=bool(feature_layers),
-        logits_to_keep=logits_to_keep,
-    )
-    features = select_features(out.hidden_states, feature_layers) if feature_layers else None
-    return out.logits.float(), features
+        self.state.keep_rows(rows, self.lengths)

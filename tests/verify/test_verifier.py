@@ -4,9 +4,10 @@ keeps exactly the accepted path."""
 import pytest
 import torch
 
+from verify.hf_state import tree_attention_mask
 from verify.target import load_target
 from verify.tree import TokenTree, TreeBatch
-from verify.verifier import TreeVerifier, tree_attention_mask
+from verify.verifier import TreeVerifier
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 # root, two children, a grandchild under the first and one under the second, a great-grandchild
