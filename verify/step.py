@@ -79,6 +79,15 @@ class TargetStep(Protocol):
     def new_state(self, feature_layers: tuple[int, ...]) -> StepState:
         """An empty state whose forwards return the hidden states `feature_layers`."""
 
+    def has_graphs(self, rows: int, features: bool) -> bool:
+        """Whether decoding `rows` (1 or 2: any batch) sequences, with or without hidden
+        states, has every graph it runs compiled already."""
+
+
+class ModelForwardStep(TargetStep, Protocol):
+    """A step that runs the model's own forward over the model's own cache (its state is
+    verify/hf_state.py's `CacheState`): eager, packed and compiled."""
+
     def steps_cache(self, cache: DynamicCache) -> Cache:
         """The cache the steps run on, holding the prefilled `cache`'s entries."""
 
@@ -88,10 +97,6 @@ class TargetStep(Protocol):
     def mask_columns(self, cache: Cache) -> int | None:
         """The columns every step's (B, 1, N, columns) mask spans, or None: the cached
         slots and the tree's (S + N), and no mask where plain causal attention is the same."""
-
-    def has_graphs(self, rows: int, features: bool) -> bool:
-        """Whether decoding `rows` (1 or 2: any batch) sequences, with or without hidden
-        states, has every graph it runs compiled already."""
 
     def __call__(self, **inputs) -> object:
         """The forward, with the keyword arguments of the model's."""
@@ -153,8 +158,10 @@ def target_step(model: PreTrainedModel, step: str = "eager",
     if step not in STEPS:
         raise ValueError(f"target.step is one of {list(STEPS)}, not {step!r}")
     if step == "openvino":
-        from verify.openvino_step import OpenVINOStep  # openvino is imported only here
-        return OpenVINOStep(model, **options)
+        if packed_rows not in (None, [], (), "auto"):
+            raise ValueError(f"the OpenVINO step packs its own weights: target.packed_rows="
+                             f"{packed_rows!r} goes with target.step=eager (or set it to null)")
+        return _openvino_step(model, **options)
     if options:
         raise ValueError(f"target.step={step} takes no options {sorted(options)}")
     if step.startswith("compiled"):
@@ -165,3 +172,12 @@ def target_step(model: PreTrainedModel, step: str = "eager",
         return CompiledStep(model, one_graph=step == "compiled_one_graph")
     ladder = pack_target(model, packed_rows)
     return PackedStep(model, ladder) if ladder else EagerStep(model)
+
+
+def _openvino_step(model: PreTrainedModel, **options) -> TargetStep:
+    try:
+        from verify.openvino_step import OpenVINOStep  # openvino is imported only here
+    except ImportError as error:
+        raise ImportError(f"target.step=openvino needs the `openvino` package ({error}); "
+                          "`make setup` installs it") from error
+    return OpenVINOStep(model, **options)

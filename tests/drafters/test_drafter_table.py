@@ -132,6 +132,43 @@ def test_on_a_compiled_step_a_batch_decodes_each_row_as_alone(row, conf, compile
     assert max(step.tree_size for r in results for step in r.steps) > 1, "the drafter never drafted"
 
 
+@pytest.fixture(scope="module")
+def openvino_targets():
+    from verify.target import load_target
+
+    return {arch: load_target(tiny=arch, step="openvino") for arch in OPENVINO_ARCHS}
+
+
+# target.step=openvino (verify/openvino_step.py) builds Llama-family graphs: GPT-2 is refused
+OPENVINO_ARCHS = ["llama", "qwen2"]
+
+
+@pytest.mark.parametrize("arch", OPENVINO_ARCHS)
+@pytest.mark.parametrize("row, tree", CASES, ids=CASE_IDS)
+def test_on_the_openvino_step_greedy_output_is_plain_decoding(row, tree, arch, conf, plain,
+                                                               openvino_targets):
+    # every drafter's trees on OpenVINO's paged kernels give the eager plain decoding's
+    # tokens (the prompt has no near ties, so kernels ~1e-5 apart pick the same ones)
+    target = openvino_targets[arch]
+    cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
+    drafter = build_drafter(cfg, tree_config(conf, tree), target)
+    result = generate(target.step, PROMPT, NEW_TOKENS, drafter=drafter)
+    assert torch.equal(result.tokens, plain[arch])
+    assert max(step.tree_size for step in result.steps) > 1, "the drafter never drafted"
+
+
+@pytest.mark.parametrize("row, tree", CASES, ids=CASE_IDS)
+def test_on_the_openvino_step_a_batch_decodes_each_row_as_alone(row, tree, conf, plain_batch,
+                                                                 openvino_targets):
+    target = openvino_targets["llama"]
+    cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
+    drafter = build_drafter(cfg, tree_config(conf, tree), target)
+    results = generate_batch(target.step, BATCH, BATCH_TOKENS, drafter=drafter)
+    for result, expected in zip(results, plain_batch):
+        assert torch.equal(result.tokens, expected)
+    assert max(step.tree_size for r in results for step in r.steps) > 1, "the drafter never drafted"
+
+
 def test_every_shipped_drafter_has_a_row(conf_dir):
     shipped = {path.stem for path in (conf_dir / "drafter").glob("*.yaml")}
     assert shipped <= {row.config for row in DRAFTERS}

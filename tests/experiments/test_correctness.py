@@ -60,12 +60,14 @@ def test_chi_square_accepts_matching_counts_and_rejects_skewed_ones():
 
 # eagle3 on EAGLE-2's tree takes ~100 s one row at a time: CI runs its batched case below (the
 # same tree policy and rule, 8 rows at once) and leaves this one to `make test-all`.
+# The OpenVINO step (paged kernels, its own cache) samples EAGLE's trees in CI too.
 # prompt lookup runs in CI on the compiled step only (its logits equal the eager step's,
 # tests/verify/test_compiled.py); on the eager step under `make test-all`
 @pytest.mark.parametrize("drafter, tree, step", [
     ("draft_model", "tree8", "eager"),
     pytest.param("prompt_lookup", "tree8", "eager", marks=pytest.mark.slow),
     ("eagle", "tree8", "eager"), ("prompt_lookup", "tree8", "compiled"),
+    ("eagle", "tree8", "openvino"),
     pytest.param("eagle3", "eagle2", "eager", marks=pytest.mark.slow)])
 def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree, step):
     # eagle on a static tree samples its children (q recorded); eagle3 on EAGLE-2's dynamic

@@ -1,0 +1,117 @@
+"""target.step=openvino (verify/openvino_step.py): a tree's logits and features on OpenVINO's
+paged kernels equal the eager forward's, the accepted path is kept (compaction) and rows
+leave a batch; each control (no tree mask, no compaction) fails the same check; what the
+step cannot run is refused by name."""
+
+import sys
+
+import pytest
+import torch
+
+import verify.openvino_step as openvino_step
+from verify.openvino_graph import UnsupportedModel
+from verify.target import load_target
+from verify.tree import TokenTree, TreeBatch
+from verify.verifier import TreeVerifier
+
+ARCHS = ["llama", "qwen2"]
+# float32 kernels of another library sum in another order: ~1e-5 apart on these logits
+TOLERANCE = 1e-4
+PROMPT = torch.tensor([5, 9, 14, 3, 3, 27, 61, 8, 2, 40])
+# root, two children of the root, a grandchild under the second child, its child
+TREE = TokenTree(torch.tensor([7, 11, 13, 17, 19]), torch.tensor([-1, 0, 0, 2, 3]))
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {arch: (load_target(tiny=arch), load_target(tiny=arch, step="openvino"))
+            for arch in ARCHS}
+
+
+def prefilled(target, layers=(-1, 1)):
+    verifier = TreeVerifier(target.step, layers)
+    verifier.prefill(PROMPT)
+    return verifier
+
+
+def two_steps(target):
+    """Logits and features of TREE, and of a second tree after keeping the path 0, 2, 3."""
+    verifier = prefilled(target)
+    first = verifier.verify(TREE)
+    verifier.commit([0, 2, 3])
+    second = verifier.verify(TokenTree(torch.tensor([23, 29, 31]), torch.tensor([-1, 0, 0])))
+    return first, second
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_logits_and_features_equal_the_eager_forward(arch, targets):
+    eager, paged = (two_steps(target) for target in targets[arch])
+    for (eager_logits, eager_features), (logits, features) in zip(eager, paged):
+        assert (logits - eager_logits).abs().max() < TOLERANCE
+        assert (features - eager_features).abs().max() < TOLERANCE
+        assert torch.equal(logits.argmax(-1), eager_logits.argmax(-1))
+
+
+def test_without_the_tree_mask_the_logits_are_wrong(targets, monkeypatch):
+    eager, paged = targets["llama"]
+    expected, _ = prefilled(eager).verify(TREE)
+    # the control: every node sees every earlier node, as a causal chain would
+    monkeypatch.setattr(TokenTree, "ancestor_mask",
+                        lambda tree: torch.ones(len(tree), len(tree), dtype=torch.bool).tril())
+    logits, _ = prefilled(paged).verify(TREE)
+    assert (logits - expected).abs().max() > 100 * TOLERANCE
+
+
+def test_without_compaction_the_next_step_is_wrong(targets, monkeypatch):
+    eager, paged = targets["llama"]
+    _, (expected, _) = two_steps(eager)
+    # the control: the accepted path's rows stay where the tree put them
+    monkeypatch.setattr(openvino_step.PagedState, "_move", lambda self, sources, targets: None)
+    _, (logits, _) = two_steps(paged)
+    assert (logits - expected).abs().max() > 100 * TOLERANCE
+
+
+def test_the_block_pool_grows_and_rows_leave_a_batch(targets, monkeypatch):
+    monkeypatch.setattr(openvino_step, "MIN_BLOCKS", 1)  # every prompt outgrows the pool
+    eager, paged = targets["qwen2"]
+    prompts = [PROMPT, torch.arange(70) % 50, PROMPT[:4]]
+    results = []
+    for target in (eager, paged):
+        verifier = TreeVerifier(target.step)
+        verifier.prefill_batch(prompts)
+        verifier.keep_rows(torch.tensor([2, 1]))  # the first row leaves; the others swap
+        logits, _ = verifier.verify_batch(TreeBatch.pad([TREE, TREE]))
+        results.append(logits)
+    assert (results[0] - results[1]).abs().max() < TOLERANCE
+
+
+def test_what_the_step_cannot_run_is_refused_by_name(monkeypatch):
+    with pytest.raises(UnsupportedModel, match="gpt2"):
+        load_target(tiny="gpt2", step="openvino")
+    with pytest.raises(ValueError, match="target.dtype"):
+        load_target(tiny="llama", step="openvino", dtype="float16")
+    with pytest.raises(ValueError, match="packed_rows"):
+        load_target(tiny="llama", step="openvino", packed_rows=[4, 8])
+    monkeypatch.setitem(sys.modules, "verify.openvino_step", None)  # as if not installed
+    with pytest.raises(ImportError, match="target.step=openvino needs the `openvino` package"):
+        load_target(tiny="llama", step="openvino")
+
+
+def test_bfloat16_moves_the_accepted_rows_bit_for_bit():
+    # numpy shows OpenVINO's bf16 memory as float16: a move must copy bits, not values
+    target = load_target(tiny="llama", step="openvino", dtype="bfloat16")
+    verifier = prefilled(target)
+    _, features = verifier.verify(TREE)
+    assert features.dtype == torch.bfloat16
+    state, start = verifier.state, len(PROMPT)
+    sources = [state._where(0, start + node) for node in (0, 2, 3)]
+    before = {name: _rows(tensor, sources) for name, tensor in state.blocks.items()}
+    verifier.commit([0, 2, 3])
+    targets = [state._where(0, start + k) for k in range(3)]
+    for name, tensor in state.blocks.items():
+        assert torch.equal(_rows(tensor, targets), before[name])
+
+
+def _rows(tensor, slots) -> torch.Tensor:
+    blocks, offsets = zip(*slots)
+    return torch.from_numpy(openvino_step._raw(tensor)[list(blocks), :, list(offsets)].copy())

@@ -1,0 +1,182 @@
+"""The target's forward as an OpenVINO graph whose attention is PagedAttention with a tree mask.
+
+Why build the graph here rather than export it: the exporter (optimum-intel) pins an older
+transformers and needs its own environment, while a decoder of the Llama family (Llama,
+Mistral, Qwen2, SmolLM2) is a dozen operations per layer. The graph is built from the loaded
+model's own weights (shared with torch, not copied), so it is the target by construction: no
+file can belong to another model, and a fingerprint change is a new graph.
+
+Inputs (T tokens of B subsequences laid end to end; the caller owns the cache blocks):
+  input_ids (T,) i64, position_ids (T,) i64, logit_rows (R,) i64: the rows whose logits return;
+  past_lens (B,), subsequence_begins (B + 1,), block_indices (blocks,),
+  block_indices_begins (B + 1,), max_context_len () i32: PagedAttention's block tables;
+  qq_bias (sum N_b^2,) u8, qq_bias_begins (B + 1,) i32: each subsequence's new tokens' ancestor
+  matrix (row q, column k: 1 where token q may see token k), flattened row-major;
+  key_cache.i / value_cache.i: layer i's blocks (layout chosen by the plugin at compile).
+Outputs: logits (R, V) and, per requested hidden-state index h (verify.features: 0 the
+embeddings, 1..L-1 decoder layer h's output, L the final norm's), hidden.h (T, H).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import openvino as ov
+import openvino.opset16 as ops
+import torch
+from openvino._pyopenvino.op import _PagedAttentionExtension
+from transformers import PreTrainedModel
+
+SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values this builder knows
+I32, I64, F32 = ov.Type.i32, ov.Type.i64, ov.Type.f32
+# PagedAttention's 28 inputs: the 9 it reads per call come first; the rest are options this
+# step does not use (rotation, xattention, sinks, adaptive R-KV, token types), set empty.
+PA_TABLE_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins")
+# per subsequence, though no score output is asked for: the CPU kernel checks its length (B,)
+ROW_INPUTS = ("score_aggregation_window",)
+
+
+class UnsupportedModel(ValueError):
+    """The OpenVINO step cannot build this model's graph."""
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Refuse, naming the reason, a model whose forward this builder would get wrong."""
+    config = model.config
+    kind = getattr(config, "model_type", type(model).__name__)
+    if kind not in SUPPORTED:
+        raise UnsupportedModel(
+            f"target.step=openvino builds Llama-family decoders ({', '.join(SUPPORTED)}); "
+            f"{kind!r} is not one: use target.step=eager or compiled for it")
+    if getattr(config, "use_sliding_window", False) or (
+            kind == "mistral" and getattr(config, "sliding_window", None)):
+        raise UnsupportedModel(f"target.step=openvino: {kind!r} with a sliding window is not "
+                               "supported (its paged cache keeps every slot)")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"target.step=openvino: activation {config.hidden_act!r} "
+                               "(only silu is built)")
+
+
+def build_graph(model: PreTrainedModel, hidden_layers: Sequence[int] = ()) -> ov.Model:
+    """`model`'s forward over a paged cache (module docstring), with the hidden states
+    `hidden_layers` (absolute indices) as extra outputs."""
+    check_supported(model)
+    params = _parameters(model)
+    x = ops.gather(_constant(model.get_input_embeddings().weight), params["input_ids"], 0)
+    hidden = {0: x}
+    cos, sin = _rotary(model, params["position_ids"])
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        x = _decoder_layer(layer, x, cos, sin, params, index)
+        hidden[index + 1] = x
+    x = _rms_norm(x, model.model.norm)
+    hidden[len(layers)] = x
+    rows = ops.gather(x, params["logit_rows"], 0)
+    logits = _linear(rows, model.get_output_embeddings())
+    outputs = [_named(logits, "logits")]
+    outputs += [_named(hidden[h], f"hidden.{h}") for h in hidden_layers]
+    return ov.Model(outputs, list(params.values()), "treedraft-target")
+
+
+def _parameters(model: PreTrainedModel) -> dict[str, ov.Node]:
+    shapes = {"input_ids": (I64, [-1]), "position_ids": (I64, [-1]), "logit_rows": (I64, [-1]),
+              **{name: (I32, [-1]) for name in PA_TABLE_INPUTS + ROW_INPUTS},
+              "max_context_len": (I32, []), "qq_bias": (ov.Type.u8, [-1]),
+              "qq_bias_begins": (I32, [-1])}
+    for index in range(len(model.model.layers)):
+        for kind in ("key_cache", "value_cache"):
+            shapes[f"{kind}.{index}"] = (ov.Type.dynamic, ov.PartialShape.dynamic(4))
+    params = {}
+    for name, (kind, shape) in shapes.items():
+        param = ops.parameter(ov.PartialShape(shape) if isinstance(shape, list) else shape,
+                              kind, name=name)
+        param.output(0).get_tensor().set_names({name})
+        params[name] = param
+    return params
+
+
+def _named(node: ov.Node, name: str) -> ov.Output:
+    out = node.output(0)
+    out.get_tensor().set_names({name})
+    return out
+
+
+def _constant(weight: torch.Tensor) -> ov.Node:
+    """A float32 constant sharing `weight`'s memory (the plugin casts where it runs bf16)."""
+    array = weight.detach().to(torch.float32).contiguous().numpy()
+    return ops.constant(array, shared_memory=True)
+
+
+def _linear(x: ov.Node, linear: torch.nn.Linear) -> ov.Node:
+    out = ops.matmul(x, _constant(linear.weight), False, True)  # (T, out)
+    return out if linear.bias is None else ops.add(out, _constant(linear.bias))
+
+
+def _rms_norm(x: ov.Node, norm: torch.nn.Module) -> ov.Node:
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    variance = ops.reduce_mean(ops.multiply(x, x), np.array([-1]), True)
+    scale = ops.sqrt(ops.add(variance, np.float32(eps)))
+    return ops.multiply(ops.divide(x, scale), _constant(norm.weight))
+
+
+def _rotary(model: PreTrainedModel, positions: ov.Node) -> tuple[ov.Node, ov.Node]:
+    """cos and sin (T, 1, D) of each token's position, from the model's own inverse
+    frequencies and scaling (so RoPE variants the model computes at init carry over)."""
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.detach().to(torch.float32).numpy()  # (D / 2,)
+    angles = ops.multiply(ops.unsqueeze(ops.convert(positions, F32), np.array([1])),
+                          ops.constant(inv_freq[None, :]))  # (T, D / 2)
+    angles = ops.unsqueeze(ops.concat([angles, angles], -1), np.array([1]))  # (T, 1, D)
+    scale = np.float32(getattr(rotary, "attention_scaling", 1.0))
+    return ops.multiply(ops.cos(angles), scale), ops.multiply(ops.sin(angles), scale)
+
+
+def _rotate(x: ov.Node, cos: ov.Node, sin: ov.Node, heads: int, dim: int) -> ov.Node:
+    """RoPE on (T, heads * D) states: x * cos + rotate_half(x) * sin, back to (T, heads * D)."""
+    x = ops.reshape(x, np.array([0, heads, dim]), True)
+    first, second = ops.split(x, -1, 2).outputs()
+    rotated = ops.concat([ops.negative(second), first], -1)
+    out = ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin))
+    return ops.reshape(out, np.array([0, heads * dim]), True)
+
+
+def _decoder_layer(layer, x, cos, sin, params: dict, index: int) -> ov.Node:
+    attention = layer.self_attn
+    config = attention.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(attention, "head_dim", config.hidden_size // heads)
+    normed = _rms_norm(x, layer.input_layernorm)
+    query = _rotate(_linear(normed, attention.q_proj), cos, sin, heads, dim)
+    key = _rotate(_linear(normed, attention.k_proj), cos, sin, kv_heads, dim)
+    value = _linear(normed, attention.v_proj)
+    scale = float(getattr(attention, "scaling", dim ** -0.5))
+    attended = _paged_attention(query, key, value, params, index, scale)
+    attended.get_rt_info()["num_k_heads"] = kv_heads
+    attended.get_rt_info()["k_head_size"] = dim
+    attended.get_rt_info()["num_v_heads"] = kv_heads
+    attended.get_rt_info()["v_head_size"] = dim
+    x = ops.add(x, _linear(attended.output(0), attention.o_proj))
+    normed = _rms_norm(x, layer.post_attention_layernorm)
+    mlp = layer.mlp
+    gated = ops.multiply(ops.swish(_linear(normed, mlp.gate_proj)), _linear(normed, mlp.up_proj))
+    return ops.add(x, _linear(gated, mlp.down_proj))
+
+
+def _paged_attention(query, key, value, params: dict, index: int, scale: float) -> ov.Node:
+    def empty(kind, shape=(0,)):
+        return ops.constant(np.zeros(shape, dtype=kind))
+
+    scalar_i32 = lambda value: ops.constant(np.int32(value))  # noqa: E731
+    inputs = [query, key, value, params[f"key_cache.{index}"], params[f"value_cache.{index}"],
+              *(params[name] for name in PA_TABLE_INPUTS),
+              ops.constant(np.float32(scale)), scalar_i32(0), empty(np.float32),
+              params["max_context_len"], params["score_aggregation_window"],
+              empty(np.int32), empty(np.int32), empty(np.float32),  # cache rotation: none
+              empty(np.float32), scalar_i32(64), scalar_i32(8),  # xattention: off
+              empty(np.float32),  # sinks: none
+              scalar_i32(0), empty(np.int32), empty(np.int32), empty(np.int32),  # adaptive R-KV
+              empty(np.int32),  # token type ids
+              params["qq_bias"], params["qq_bias_begins"]]
+    return _PagedAttentionExtension([node.output(0) if hasattr(node, "output") else node
+                                     for node in inputs])

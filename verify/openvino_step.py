@@ -1,0 +1,239 @@
+"""`target.step=openvino`: the target's forwards on OpenVINO's CPU kernels, trees verified by
+PagedAttention with each tree's ancestor matrix as its mask, over cache blocks this step owns.
+
+Why: the engines people run on a CPU verify on kernels that the PyTorch step does not reach
+(issue 45: OpenVINO's paged step ran t(1) near the weight-streaming limit, about twice as fast
+as treedraft's compiled step on the same machine). The graph is built from the loaded model's
+weights (verify/openvino_graph.py); this module owns what a decode needs around it:
+
+- the cache: per layer, key and value blocks (blocks, kv heads, block size, head dim) in the
+  layout the plugin chose, and per row a table of the blocks holding its slots (slot s in
+  block table[s // block size] at s % block size). PagedAttention writes a forward's new keys
+  and values after each row's past length itself;
+- the inputs, built once per step in the form the kernel takes: rows laid end to end without
+  padding, each tree's (N_b, N_b) ancestor matrix as `qq_bias`, positions length + depth;
+- compaction: the accepted path's rows copied down in every layer (a few rows a step, not
+  the context), the rest left to be overwritten.
+
+Precision is pinned, never the plugin's default (bfloat16 compute and a u8 KV cache on CPUs
+with bf16): a float32 target runs f32, a bfloat16 target bf16, compute and cache alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import openvino as ov
+import torch
+from transformers import PreTrainedModel
+
+from verify.openvino_graph import build_graph, check_supported
+from verify.tree import TreeBatch
+
+PRECISIONS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MIN_BLOCKS = 16  # blocks the pool starts with; it doubles when full
+
+
+class OpenVINOStep:
+    """A `TargetStep` (verify/step.py) whose state (`PagedState`) runs `model`'s forward on
+    OpenVINO's CPU plugin. `model` stays the Hugging Face model: drafters read its config,
+    embeddings and head; its weights are shared with the graph, not copied."""
+
+    extends_prompts = True  # a paged cache takes a prompt after cached tokens
+
+    def __init__(self, model: PreTrainedModel, threads: int | None = None):
+        check_supported(model)
+        if model.dtype not in PRECISIONS or model.device.type != "cpu":
+            raise ValueError(f"target.step=openvino runs float32 or bfloat16 on the CPU, not "
+                             f"{model.dtype} on {model.device}: set target.dtype to float32 "
+                             "or bfloat16 and leave target.device unset")
+        self.model = model
+        self.precision = PRECISIONS[model.dtype]
+        self.threads = threads  # None: torch's thread count, as the other steps use
+        self._compiled: dict[tuple[int, ...], ov.CompiledModel] = {}
+
+    def width_for(self, rows: int, width: int) -> int:
+        return width  # rows run unpadded: no width to round up to
+
+    def has_graphs(self, rows: int, features: bool) -> bool:
+        return True  # a state compiles its graph when made, before any decode is timed
+
+    def new_state(self, feature_layers: tuple[int, ...]) -> PagedState:
+        return PagedState(self.model, self.compiled(feature_layers), feature_layers)
+
+    def compiled(self, feature_layers: tuple[int, ...]) -> ov.CompiledModel:
+        """The graph with these hidden states as outputs, compiled once (about a second for
+        the default target)."""
+        if feature_layers not in self._compiled:
+            threads = self.threads or torch.get_num_threads()
+            self._compiled[feature_layers] = ov.Core().compile_model(
+                build_graph(self.model, feature_layers), "CPU", {
+                    "INFERENCE_PRECISION_HINT": self.precision,
+                    "KV_CACHE_PRECISION": self.precision,
+                    "PERFORMANCE_HINT": "LATENCY",
+                    "INFERENCE_NUM_THREADS": threads,
+                    "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # no int8 activations: exact f32
+                })
+        return self._compiled[feature_layers]
+
+
+class PagedState:
+    """B rows of paged KV cache and the forwards over them (`verify.step.StepState`)."""
+
+    def __init__(self, model: PreTrainedModel, compiled: ov.CompiledModel,
+                 feature_layers: tuple[int, ...]):
+        self.dtype = model.dtype
+        self.feature_layers = feature_layers
+        self.request = compiled.create_infer_request()
+        self.cache_names = [port.get_any_name() for port in compiled.inputs
+                            if "_cache." in port.get_any_name()]
+        port = compiled.input(self.cache_names[0])
+        self.block_shape = [dim.get_length() for dim in list(port.get_partial_shape())[1:]]
+        self.block_size = self.block_shape[1]  # (kv heads, block size, head dim)
+        self.cache_type = port.get_element_type()
+        self.blocks: dict[str, ov.Tensor] = {}
+        self._grow(MIN_BLOCKS)
+        self.tables: list[list[int]] = []  # row -> its blocks, in slot order
+        self.used: list[int] = []  # row -> slots written (committed + last trees)
+
+    def size(self) -> int:
+        return max(self.used, default=0)
+
+    # -- forwards -------------------------------------------------------------------------------
+
+    def prefill_rows(self, prompts: Sequence[torch.Tensor]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """All prompts in one forward, laid end to end (PagedAttention keeps rows apart)."""
+        self.free.extend(block for table in self.tables for block in table)
+        self.tables, self.used = [[] for _ in prompts], [0] * len(prompts)
+        sizes = [len(prompt) for prompt in prompts]
+        masks = [np.tril(np.ones((n, n), dtype=np.uint8)) for n in sizes]
+        logits, features = self._run(torch.cat(list(prompts)), [0] * len(prompts), sizes,
+                                     [torch.arange(n) for n in sizes], masks,
+                                     last_only=True)
+        return logits, None if features is None else list(features.split(sizes))
+
+    def extend(self, tokens: torch.Tensor, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = len(tokens)
+        logits, features = self._run(tokens, [length], [n], [torch.arange(n)],
+                                     [np.tril(np.ones((n, n), dtype=np.uint8))], last_only=True)
+        return logits[0], features
+
+    def run_trees(self, batch: TreeBatch, lengths: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's real nodes only (no padding run); the outputs padded back to (B, N)."""
+        sizes = batch.sizes.tolist()
+        tokens = torch.cat([batch.tokens[b, :n] for b, n in enumerate(sizes)])
+        masks = [batch.ancestors[b, :n, :n].numpy().astype(np.uint8)
+                 for b, n in enumerate(sizes)]
+        logits, features = self._run(tokens, lengths.tolist(), sizes,
+                                     [batch.depths[b, :n] for b, n in enumerate(sizes)], masks)
+        return _padded(logits, sizes, batch.width), (
+            None if features is None else _padded(features, sizes, batch.width))
+
+    def _run(self, tokens: torch.Tensor, past: list[int], sizes: list[int],
+             depths: list[torch.Tensor], masks: list[np.ndarray], last_only: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of rows b = 0.. of sizes[b] new tokens after past[b] cached ones:
+        logits (sum sizes, V), or (B, V) with `last_only`, and features (sum sizes, F * H)."""
+        for row, (length, n) in enumerate(zip(past, sizes)):
+            self._reserve(row, length + n)
+            self.used[row] = length + n
+        begins = np.cumsum([0, *sizes])
+        rows = begins[1:] - 1 if last_only else np.arange(begins[-1])
+        self.request.infer(self._inputs(tokens, past, sizes, depths, masks, rows))
+        logits = torch.from_numpy(self.request.get_tensor("logits").data.copy())
+        if not self.feature_layers:
+            return logits, None
+        states = [torch.from_numpy(self.request.get_tensor(f"hidden.{h}").data.copy())
+                  for h in self.feature_layers]
+        return logits, torch.cat(states, dim=-1).to(self.dtype)
+
+    def _inputs(self, tokens, past, sizes, depths, masks, rows) -> dict[str, np.ndarray]:
+        tables = [self.tables[row][:-(-(length + n) // self.block_size)]
+                  for row, (length, n) in enumerate(zip(past, sizes))]
+        positions = torch.cat([length + d for length, d in zip(past, depths)])
+        return {
+            "input_ids": tokens.numpy().astype(np.int64),
+            "position_ids": positions.numpy().astype(np.int64),
+            "logit_rows": np.asarray(rows, dtype=np.int64),
+            "past_lens": np.asarray(past, dtype=np.int32),
+            "score_aggregation_window": np.zeros(len(past), dtype=np.int32),
+            "subsequence_begins": np.cumsum([0, *sizes], dtype=np.int32),
+            "block_indices": np.asarray([b for table in tables for b in table], dtype=np.int32),
+            "block_indices_begins": np.cumsum([0, *map(len, tables)], dtype=np.int32),
+            "max_context_len": np.asarray(max(p + n for p, n in zip(past, sizes)), np.int32),
+            "qq_bias": np.concatenate([mask.reshape(-1) for mask in masks]),
+            "qq_bias_begins": np.cumsum([0, *(mask.size for mask in masks)], dtype=np.int32),
+        }
+
+    # -- the cache ------------------------------------------------------------------------------
+
+    def keep_paths(self, lengths: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+        """Row b's accepted nodes move to slots lengths[b] + k: one copy of those rows per
+        layer (none for a path already in place: a chain, the root alone)."""
+        sources, targets = [], []
+        for row, (length, path) in enumerate(zip(lengths.tolist(), paths)):
+            for k, node in enumerate(path):
+                if node != k:
+                    sources.append(self._where(row, length + node))
+                    targets.append(self._where(row, length + k))
+            self.used[row] = length + len(path)
+        if sources:
+            self._move(sources, targets)
+
+    def _move(self, sources: list[tuple[int, int]], targets: list[tuple[int, int]]) -> None:
+        """Copy the (block, offset) slots `sources` onto `targets` in every layer (all read
+        before any is written, so overlapping moves are safe)."""
+        (src_blocks, src_slots), (dst_blocks, dst_slots) = zip(*sources), zip(*targets)
+        for tensor in self.blocks.values():
+            data = _raw(tensor)  # (blocks, kv heads, block size, head dim), a view
+            data[dst_blocks, :, dst_slots] = data[src_blocks, :, src_slots]
+
+    def keep_rows(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        kept = rows.tolist()
+        freed = [block for row, table in enumerate(self.tables) if row not in kept
+                 for block in table]
+        self.free.extend(freed)
+        self.tables = [self.tables[row] for row in kept]
+        self.used = lengths.tolist()
+
+    def _where(self, row: int, slot: int) -> tuple[int, int]:
+        return self.tables[row][slot // self.block_size], slot % self.block_size
+
+    def _reserve(self, row: int, slots: int) -> None:
+        """Blocks for `slots` slots in `row`'s table, the pool grown where it ran out."""
+        need = -(-slots // self.block_size) - len(self.tables[row])
+        if need > len(self.free):
+            self._grow(2 * self.capacity + need)
+        for _ in range(max(need, 0)):
+            self.tables[row].append(self.free.pop())
+
+    def _grow(self, capacity: int) -> None:
+        """A pool of `capacity` blocks per layer holding the blocks in use (one copy)."""
+        old = getattr(self, "capacity", 0)
+        for name in self.cache_names:
+            tensor = ov.Tensor(self.cache_type, [capacity, *self.block_shape])
+            if old:
+                _raw(tensor)[:old] = _raw(self.blocks[name])
+            self.blocks[name] = tensor
+            self.request.set_tensor(name, tensor)
+        self.free = [*range(capacity - 1, old - 1, -1), *getattr(self, "free", [])]
+        self.capacity = capacity
+
+
+def _raw(tensor: ov.Tensor) -> np.ndarray:
+    """The tensor's memory as unsigned integers of its width: moves copy bits (numpy has no
+    bfloat16, and OpenVINO shows bf16 memory as float16, whose casts would change bits)."""
+    data = tensor.data
+    return data.view(np.dtype(f"u{data.itemsize}"))
+
+
+def _padded(values: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
+    """(sum sizes, X) rows of B groups -> (B, width, X), zeros past each group's size."""
+    out = values.new_zeros((len(sizes), width, values.shape[-1]))
+    for row, chunk in enumerate(values.split(sizes)):
+        out[row, :len(chunk)] = chunk
+    return out
