@@ -15,7 +15,9 @@ is the least a step can cost, whatever the kernels; t(n) (a chain of n tokens ve
 each step option (`steps`): `eager`, the model's own products; `packed`, the weights
 pre-packed (`target.packed_rows=auto` in float32: MKL row counts; `onednn` in bfloat16); and
 `compiled`, `target.step=compiled` (verify/compiled.py), whose compile time is printed and
-saved (`compile_s`, every graph's first call: compiling, or loading inductor's disk cache).
+saved (`compile_s`, every graph's first call: compiling, or loading inductor's disk cache);
+`compiled_one_graph`, the same with one-token steps through the tree graph; and `openvino`,
+`target.step=openvino` (verify/openvino_step.py: OpenVINO's CPU kernels, paged attention).
 On a machine where a step streams its weights, t(1) / limit says how much of the step is
 something else (attention over the cache, norms, rotary, Python and dispatch), and
 t(8) / t(1) how far a wider step is from free. Writes JSON (one row per dtype and step
@@ -81,7 +83,9 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10, device: torch.device | s
 
 # Step options: eager, the model's own products; packed, its weights pre-packed as
 # target.packed_rows sets per dtype (verify/packed.py); compiled, target.step=compiled.
-STEPS = ("eager", "packed", "compiled")
+# compiled and compiled_one_graph, target.step as named; openvino, OpenVINO's kernels.
+STEPS = ("eager", "packed", "compiled", "compiled_one_graph", "openvino")
+TORCH_STEPS = ("eager", "packed", "compiled", "compiled_one_graph")  # torch.profiler sees these
 PACKED = {"float32": "auto", "bfloat16": "onednn"}
 
 
@@ -93,12 +97,12 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
         raise ValueError(f"no packed step for {dtype}; packed: {sorted(PACKED)}")
     target = load_target_from_config(cfg.target, dtype=dtype,
                                      packed_rows=PACKED[dtype] if step == "packed" else None,
-                                     step="compiled" if step == "compiled" else "eager")
+                                     step="eager" if step == "packed" else step)
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
     cost = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats)
     operators = (operator_times(target.step, cfg.context_len, cfg.repeats, cfg.operators)
-                 if cfg.operators else None)
+                 if cfg.operators and step in TORCH_STEPS else None)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
     compiled = target.step if isinstance(target.step, CompiledStep) else None

@@ -5,7 +5,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.bench import contenders
 from experiments.common import CONF_DIR
-from experiments.demo import DRAFTER, HYBRID_LABEL, fastest_exact, fastest_line
+from experiments.demo import DRAFTER, HYBRID_LABEL, PLAIN, STEP, fastest_exact, fastest_line
 
 
 def test_the_fastest_exact_method_is_the_suffix_hybrid_with_the_trained_draft():
@@ -20,20 +20,41 @@ def test_the_fastest_exact_method_is_the_suffix_hybrid_with_the_trained_draft():
     assert members[1].checkpoint == "/runs/eagle/ck"  # the draft the demo trained
 
 
-def _method(tokens_per_s: float, speedup: float, identical: float | None) -> dict:
+def _method(tokens_per_s: float, speedup: float, identical: float | None, draft_ms=None,
+            verify_ms=None, tau=None) -> dict:
     return {"tokens_per_s": {"overall": tokens_per_s}, "speedup": {"overall": speedup},
-            "identical": identical}
+            "identical": identical, "draft_ms_per_step": draft_ms,
+            "verify_ms_per_step": verify_ms, "tau": tau}
 
 
 def test_the_last_line_names_the_fastest_method_whose_output_matched():
     summary = {"baseline": "hf_greedy", "methods": {
-        "hf_greedy": _method(20.0, 1.0, 1.0),
-        "eagle/eagle2": _method(24.0, 1.2, 1.0),
-        "fast but wrong": _method(40.0, 2.0, 0.5),  # differed on a prompt: not exact
-        "hybrid/adaptive (suffix+eagle)": _method(28.0, 1.4, 1.0)}}
+        "hf_greedy": _method(18.0, 1.0, 1.0),
+        PLAIN: _method(20.0, 1.11, 1.0, verify_ms=30.0),
+        "eagle/eagle2": _method(24.0, 1.33, 1.0),
+        "fast but wrong": _method(40.0, 2.2, 0.5),  # differed on a prompt: not exact
+        "hybrid/adaptive (suffix+eagle)": _method(28.0, 1.56, 1.0)}}
     line = fastest_line(summary)
-    assert line == ("fastest exact method here: hybrid/adaptive (suffix+eagle), 1.40x "
-                    "hf_greedy (28.0 tokens/s)")
-    summary["methods"] = {"hf_greedy": _method(20.0, 1.0, 1.0),
+    # the speedup is over plain decoding on the same step, not over the baseline
+    assert line == ("fastest exact method here: hybrid/adaptive (suffix+eagle), 1.40x plain "
+                    "decoding on the same step (28.0 against 20.0 tokens/s)")
+    summary["methods"] = {"hf_greedy": _method(20.0, 1.0, 1.0), PLAIN: _method(20.0, 1.0, 1.0),
                           "x": _method(30.0, 1.5, 0.9)}
     assert "none" in fastest_line(summary)
+
+
+def test_where_no_tree_pays_the_last_line_says_so_and_why():
+    summary = {"baseline": "hf_greedy", "methods": {
+        "hf_greedy": _method(18.0, 1.0, 1.0), PLAIN: _method(20.0, 1.11, 1.0, verify_ms=30.0),
+        "eagle/eagle2": _method(17.0, 0.94, 1.0, draft_ms=12.0, verify_ms=40.0, tau=1.6)}}
+    line = fastest_line(summary)
+    assert line.startswith("no tree pays on this machine: the fastest exact method, "
+                           "eagle/eagle2, runs at 0.85x plain decoding")
+    assert "12.0 ms drafting + 40.0 ms verifying for 1.60 tokens, a plain step 30.0 ms" in line
+
+
+def test_the_demo_benchmarks_on_the_openvino_step_against_plain_decoding_there():
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("bench", [f"drafter={DRAFTER}", *STEP, f"peers=[{PLAIN}]",
+                                f"reference={PLAIN}"])
+    assert cfg.target.step == "openvino" and list(cfg.peers) == [PLAIN]
