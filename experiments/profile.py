@@ -48,12 +48,11 @@ from experiments.common import save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from verify.accept import make_rule
 from verify.cache import keep_entries
-from verify.compiled import CompiledStep
 from verify.costs import measure_verify_cost
 from verify.loop import generate
 from verify.packed import bfloat16_packing_unavailable, packing_unavailable
 from verify.sampling import SamplingParams
-from verify.step import PackedStep, TargetStep, as_step
+from verify.step import EagerStep, PackedStep, TargetStep, as_step
 from verify.target import load_target_from_config
 from verify.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
@@ -143,10 +142,11 @@ def profile_sizes(step: TargetStep | PreTrainedModel, sizes: list[int], context_
                   repeats: int, seed: int) -> dict[int, dict[str, float]]:
     """{n: {part: median seconds}} over `repeats` rounds in which the sizes take turns, on
     the target's step (its trees at the width it runs them) or a bare model's eager one."""
-    if isinstance(step, CompiledStep):
-        raise ValueError("the profile times the eager model's parts, which a compiled step "
-                         "fuses into one graph: profile target.step=eager, and time the "
-                         "compiled step with experiments.step_limit")
+    if not isinstance(as_step(step), EagerStep):
+        raise ValueError("the profile times the eager model's parts, which a compiled or an "
+                         "OpenVINO step fuses into one graph: profile target.step=eager, and "
+                         "time the others with experiments.step_limit (operators=N: their "
+                         "operators, as torch.profiler or the OpenVINO plugin counts them)")
     verifier = TreeVerifier(step)
     model = verifier.model
     vocab = model.config.vocab_size

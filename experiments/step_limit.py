@@ -101,8 +101,10 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
     cost = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats)
-    operators = (operator_times(target.step, cfg.context_len, cfg.repeats, cfg.operators)
-                 if cfg.operators and step in TORCH_STEPS else None)
+    operators = None
+    if cfg.operators:
+        timer = operator_times if step in TORCH_STEPS else openvino_operator_times
+        operators = timer(target.step, cfg.context_len, cfg.repeats, cfg.operators)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
     compiled = target.step if isinstance(target.step, CompiledStep) else None
@@ -135,6 +137,26 @@ def operator_times(step: TargetStep, context_len: int, steps: int, top: int
     return kept
 
 
+@torch.no_grad()
+def openvino_operator_times(step: TargetStep, context_len: int, steps: int, top: int
+                            ) -> dict[str, float]:
+    """`operator_times` for target.step=openvino: the plugin's own count of each operator
+    type's time in a one-token step (medians over `steps`), on a profiling copy of the step."""
+    from verify.openvino_step import OpenVINOStep
+
+    profiled = TreeVerifier(OpenVINOStep(step.model, step.threads, profiling=True))
+    profiled.prefill(torch.randint(step.model.config.vocab_size, (context_len,)))
+    root = TokenTree(torch.tensor([0]), torch.tensor([-1]))
+    time_step(profiled, root)
+    runs = []
+    for _ in range(steps):
+        time_step(profiled, root)
+        runs.append(profiled.state.operator_ms())
+    medians = {kind: statistics.median(run.get(kind, 0.0) for run in runs) for kind in runs[0]}
+    ranked = sorted(medians.items(), key=lambda item: -item[1])
+    return {**dict(ranked[:top]), "other": sum(ms for _, ms in ranked[top:])}
+
+
 def format_table(rows: list[dict]) -> str:
     """Markdown: one line per dtype and step option, t(n) beside the limit."""
     sizes = sorted({n for r in rows for n in _t_ms(r)})
@@ -163,7 +185,8 @@ def format_operators(rows: list[dict]) -> str:
     lines = []
     for r in profiled:
         table = [[name, f"{ms:.2f}"] for name, ms in r["operators_ms"].items()]
-        lines += [f"{r['dtype']}, {r['step']} step, n = 1 (torch.profiler, self time):", "",
+        counter = "torch.profiler, self time" if r["step"] in TORCH_STEPS else "the plugin's count"
+        lines += [f"{r['dtype']}, {r['step']} step, n = 1 ({counter}):", "",
                   markdown_table(["operator", "ms per step"], table), ""]
     return "\n".join(lines).rstrip()
 

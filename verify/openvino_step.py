@@ -42,7 +42,8 @@ class OpenVINOStep:
 
     extends_prompts = True  # a paged cache takes a prompt after cached tokens
 
-    def __init__(self, model: PreTrainedModel, threads: int | None = None):
+    def __init__(self, model: PreTrainedModel, threads: int | None = None,
+                 profiling: bool = False):
         check_supported(model)
         if model.dtype not in PRECISIONS or model.device.type != "cpu":
             raise ValueError(f"target.step=openvino runs float32 or bfloat16 on the CPU, not "
@@ -51,6 +52,7 @@ class OpenVINOStep:
         self.model = model
         self.precision = PRECISIONS[model.dtype]
         self.threads = threads  # None: torch's thread count, as the other steps use
+        self.profiling = profiling  # the plugin counts each operator's time (operator_times)
         self._compiled: dict[tuple[int, ...], ov.CompiledModel] = {}
 
     def width_for(self, rows: int, width: int) -> int:
@@ -74,6 +76,7 @@ class OpenVINOStep:
                     "PERFORMANCE_HINT": "LATENCY",
                     "INFERENCE_NUM_THREADS": threads,
                     "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # no int8 activations: exact f32
+                    "PERF_COUNT": self.profiling,
                 })
         return self._compiled[feature_layers]
 
@@ -99,6 +102,15 @@ class PagedState:
 
     def size(self) -> int:
         return max(self.used, default=0)
+
+    def operator_ms(self) -> dict[str, float]:
+        """{operator type (its kernel): ms} in the last forward, as the plugin counted them
+        (a step made with profiling=True)."""
+        totals: dict[str, float] = {}
+        for entry in self.request.profiling_info:
+            kind = f"{entry.node_type} ({entry.exec_type})"
+            totals[kind] = totals.get(kind, 0.0) + entry.real_time.total_seconds() * 1000
+        return totals
 
     # -- forwards -------------------------------------------------------------------------------
 

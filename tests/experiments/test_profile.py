@@ -17,6 +17,7 @@ from experiments.profile import (
     product_kernels,
     product_times,
     profile,
+    profile_sizes,
 )
 from verify.target import load_target
 
@@ -88,3 +89,10 @@ def test_bfloat16_products_are_timed_with_onednn_packing_too():
     expected = _products("linear", weights, 4)()
     for ours, theirs in zip(_products("onednn_packed", weights, 4)(), expected, strict=True):
         torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("step", ["compiled", "openvino"])
+def test_a_fused_step_is_refused_and_pointed_to_step_limit(step):
+    target = load_target(tiny="llama", step=step)
+    with pytest.raises(ValueError, match="experiments.step_limit"):
+        profile_sizes(target.step, [1], context_len=4, repeats=1, seed=0)

@@ -65,6 +65,12 @@ def test_a_row_puts_t_n_beside_the_limit(tmp_path):
     assert all(ms >= 0 for ms in operators.values())
     table = format_table(json.loads(json.dumps([row, compiled])))
     assert "| float32 | compiled |" in table and "float32, compiled step, n = 1" in table
+    paged = limit_row(cfg, "float32", "openvino", bandwidth=1e10)
+    assert set(paged["t_ms"]) == {1, 2, 8} and paged["compile_s"] is None
+    # the plugin's own operator count: its products and its paged attention are named
+    assert len(paged["operators_ms"]) == 4 and "other" in paged["operators_ms"]
+    assert any(kind.startswith("FullyConnected") for kind in paged["operators_ms"])
+    assert "float32, openvino step, n = 1 (the plugin's count)" in format_table([paged])
     with pytest.raises(ValueError, match="unknown step option 'fused'"):
         limit_row(cfg, "float32", "fused", bandwidth=1e10)
     with pytest.raises(ValueError, match="no packed step for float16"):
