@@ -226,8 +226,8 @@ def compare(cfg: DictConfig) -> list[dict]:
     eos = set(target.eos_token_ids)
     first = treedraft_rows(cfg, target, prompts, list(cfg.treedraft), "treedraft")
     reference = [r["tokens"] for r in first["treedraft/plain_loop"]]
-    rows = [{"method": name, "engine": "treedraft", **figures(records, reference, eos)}
-            for name, records in first.items()]
+    rows = [{"method": name, "engine": "treedraft", "step": cfg.target.step,
+             **figures(records, reference, eos)} for name, records in first.items()]
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         model = model_folder(target, scratch)
@@ -242,6 +242,7 @@ def compare(cfg: DictConfig) -> list[dict]:
                 rows.append(engine_row(engine, method, result, reference, eos))
     again = treedraft_rows(cfg, target, prompts, [], "treedraft again")
     rows.append({"method": "treedraft/plain_loop (again)", "engine": "treedraft",
+                 "step": cfg.target.step,
                  **figures(again["treedraft/plain_loop"], reference, eos)})
     # the machine may drift over the minutes the engines take: the plain loop before and after
     plain = (rows[0]["tokens_per_s"] + rows[-1]["tokens_per_s"]) / 2
@@ -288,7 +289,8 @@ def format_table(rows: list[dict]) -> str:
         if "status" in r:
             table.append([r["method"], r["status"], "", "", "", "", "", "", ""])
             continue
-        table.append([r["method"], r["dtype"], cell(r["tokens_per_s"], ".1f"),
+        dtype = r["dtype"] + (f", {r['step']} step" if r.get("step") else "")
+        table.append([r["method"], dtype, cell(r["tokens_per_s"], ".1f"),
                       cell(r.get("speedup_over_engine_plain"), ".2f") + "x",
                       cell(r["speedup_over_treedraft_plain"], ".2f") + "x",
                       cell(r.get("tokens_per_step")), cell(r.get("identical"), ".0%"),

@@ -77,6 +77,9 @@ def test_each_engine_method_gets_a_row_and_failures_are_rows_too(tmp_path, fake_
     assert rows["absent/plain"]["status"].startswith("not run: absent not installed")
     table = peers.format_table(list(rows.values()))
     assert "| fake/broken | not run: ValueError" in table
+    # treedraft's rows name the step they ran on (target.step), the engines' rows do not
+    assert "| treedraft/plain_loop | float32, eager step |" in table
+    assert "| fake/plain | float32 |" in table
 
 
 def test_an_entry_can_run_another_engines_runner_with_its_own_environment(tmp_path,
