@@ -95,7 +95,8 @@ class PagedState:
         self.block_shape = [dim.get_length() for dim in list(port.get_partial_shape())[1:]]
         self.block_size = self.block_shape[1]  # (kv heads, block size, head dim)
         self.cache_type = port.get_element_type()
-        self.blocks: dict[str, ov.Tensor] = {}
+        self.blocks: dict[str, ov.Tensor] = {}  # cache input name -> its block pool
+        self.capacity, self.free = 0, []  # blocks in each pool; those no row holds
         self._grow(MIN_BLOCKS)
         self.tables: list[list[int]] = []  # row -> its blocks, in slot order
         self.used: list[int] = []  # row -> slots written (committed + last trees)
@@ -225,14 +226,14 @@ class PagedState:
 
     def _grow(self, capacity: int) -> None:
         """A pool of `capacity` blocks per layer holding the blocks in use (one copy)."""
-        old = getattr(self, "capacity", 0)
+        old = self.capacity
         for name in self.cache_names:
             tensor = ov.Tensor(self.cache_type, [capacity, *self.block_shape])
             if old:
                 _raw(tensor)[:old] = _raw(self.blocks[name])
             self.blocks[name] = tensor
             self.request.set_tensor(name, tensor)
-        self.free = [*range(capacity - 1, old - 1, -1), *getattr(self, "free", [])]
+        self.free = [*range(capacity - 1, old - 1, -1), *self.free]  # pop() takes old ones first
         self.capacity = capacity
 
 
