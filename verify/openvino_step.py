@@ -245,8 +245,12 @@ def _raw(tensor: ov.Tensor) -> np.ndarray:
 
 
 def _padded(values: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
-    """(sum sizes, X) rows of B groups -> (B, width, X), zeros past each group's size."""
-    out = values.new_zeros((len(sizes), width, values.shape[-1]))
+    """(sum sizes, X) rows of B groups -> (B, width, X), zeros past each group's size. A batch
+    of full groups (one row's tree, always) is a view: no copy of its (N, V) logits."""
+    if all(size == width for size in sizes):
+        return values.view(len(sizes), width, values.shape[-1])
+    out = values.new_empty((len(sizes), width, values.shape[-1]))
     for row, chunk in enumerate(values.split(sizes)):
         out[row, :len(chunk)] = chunk
+        out[row, len(chunk):] = 0
     return out
