@@ -7,7 +7,8 @@ model's own weights (shared with torch, not copied), so it is the target by cons
 file can belong to another model, and a fingerprint change is a new graph.
 
 Inputs (T tokens of B subsequences laid end to end; the caller owns the cache blocks):
-  input_ids (T,) i64, position_ids (T,) i64, logit_rows (R,) i64: the rows whose logits return;
+  input_ids (T,) i64, logit_rows (R,) i64: the rows whose logits return;
+  rope_cos, rope_sin (T, D) f32: each token's rotary table at its position (`rotary_tables`);
   past_lens (B,), subsequence_begins (B + 1,), block_indices (blocks,),
   block_indices_begins (B + 1,), max_context_len () i32: PagedAttention's block tables;
   qq_bias (sum N_b^2,) u8, qq_bias_begins (B + 1,) i32: each subsequence's new tokens' ancestor
@@ -65,7 +66,7 @@ def build_graph(model: PreTrainedModel, hidden_layers: Sequence[int] = ()) -> ov
     params = _parameters(model)
     x = ops.gather(_constant(model.get_input_embeddings().weight), params["input_ids"], 0)
     hidden = {0: x}
-    cos, sin = _rotary(model, params["position_ids"])
+    cos, sin = (ops.unsqueeze(params[name], np.array([1])) for name in ("rope_cos", "rope_sin"))
     layers = model.model.layers
     for index, layer in enumerate(layers):
         x = _decoder_layer(layer, x, cos, sin, params, index)
@@ -80,7 +81,8 @@ def build_graph(model: PreTrainedModel, hidden_layers: Sequence[int] = ()) -> ov
 
 
 def _parameters(model: PreTrainedModel) -> dict[str, ov.Node]:
-    shapes = {"input_ids": (I64, [-1]), "position_ids": (I64, [-1]), "logit_rows": (I64, [-1]),
+    shapes = {"input_ids": (I64, [-1]), "logit_rows": (I64, [-1]),
+              "rope_cos": (F32, [-1, -1]), "rope_sin": (F32, [-1, -1]),
               **{name: (I32, [-1]) for name in PA_TABLE_INPUTS + ROW_INPUTS},
               "max_context_len": (I32, []), "qq_bias": (ov.Type.u8, [-1]),
               "qq_bias_begins": (I32, [-1])}
@@ -120,16 +122,16 @@ def _rms_norm(x: ov.Node, norm: torch.nn.Module) -> ov.Node:
     return ops.multiply(ops.divide(x, scale), _constant(norm.weight))
 
 
-def _rotary(model: PreTrainedModel, positions: ov.Node) -> tuple[ov.Node, ov.Node]:
-    """cos and sin (T, 1, D) of each token's position, from the model's own inverse
-    frequencies and scaling (so RoPE variants the model computes at init carry over)."""
+def rotary_tables(model: PreTrainedModel, positions: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """cos and sin (T, D) float32 of each position, from the model's own inverse frequencies
+    and scaling (so RoPE variants the model computes at init carry over). Computed here, not
+    in the graph: a bfloat16 step would compute the angles in bfloat16 too, and position 660
+    times a frequency of 1 is 2.6 radians off there (Hugging Face keeps them in float32)."""
     rotary = model.model.rotary_emb
-    inv_freq = rotary.inv_freq.detach().to(torch.float32).numpy()  # (D / 2,)
-    angles = ops.multiply(ops.unsqueeze(ops.convert(positions, F32), np.array([1])),
-                          ops.constant(inv_freq[None, :]))  # (T, D / 2)
-    angles = ops.unsqueeze(ops.concat([angles, angles], -1), np.array([1]))  # (T, 1, D)
-    scale = np.float32(getattr(rotary, "attention_scaling", 1.0))
-    return ops.multiply(ops.cos(angles), scale), ops.multiply(ops.sin(angles), scale)
+    angles = positions.to(torch.float32)[:, None] * rotary.inv_freq.to(torch.float32)[None]
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    return (angles.cos() * scale).numpy(), (angles.sin() * scale).numpy()
 
 
 def _rotate(x: ov.Node, cos: ov.Node, sin: ov.Node, heads: int, dim: int) -> ov.Node:

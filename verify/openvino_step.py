@@ -28,7 +28,7 @@ import openvino as ov
 import torch
 from transformers import PreTrainedModel
 
-from verify.openvino_graph import build_graph, check_supported
+from verify.openvino_graph import build_graph, check_supported, rotary_tables
 from verify.tree import TreeBatch
 
 PRECISIONS = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -86,7 +86,7 @@ class PagedState:
 
     def __init__(self, model: PreTrainedModel, compiled: ov.CompiledModel,
                  feature_layers: tuple[int, ...]):
-        self.dtype = model.dtype
+        self.model, self.dtype = model, model.dtype
         self.feature_layers = feature_layers
         self.request = compiled.create_infer_request()
         self.cache_names = [port.get_any_name() for port in compiled.inputs
@@ -168,9 +168,10 @@ class PagedState:
         tables = [self.tables[row][:-(-(length + n) // self.block_size)]
                   for row, (length, n) in enumerate(zip(past, sizes))]
         positions = torch.cat([length + d for length, d in zip(past, depths)])
+        cos, sin = rotary_tables(self.model, positions)
         return {
             "input_ids": tokens.numpy().astype(np.int64),
-            "position_ids": positions.numpy().astype(np.int64),
+            "rope_cos": cos, "rope_sin": sin,
             "logit_rows": np.asarray(rows, dtype=np.int64),
             "past_lens": np.asarray(past, dtype=np.int32),
             "score_aggregation_window": np.zeros(len(past), dtype=np.int32),

@@ -115,3 +115,26 @@ def test_bfloat16_moves_the_accepted_rows_bit_for_bit():
 def _rows(tensor, slots) -> torch.Tensor:
     blocks, offsets = zip(*slots)
     return torch.from_numpy(openvino_step._raw(tensor)[list(blocks), :, list(offsets)].copy())
+
+
+def test_bfloat16_keeps_far_positions_as_close_as_eager_bfloat16_does(targets, monkeypatch):
+    # The rotary angles stay float32 on a bfloat16 step (verify/openvino_graph.py
+    # `rotary_tables`); the control computes them from bfloat16 positions, as a graph running
+    # the angle products in bfloat16 would: far positions then turn by radians.
+    prompt = torch.arange(440) % 200
+    reference = prefilled_far(targets["llama"][0], prompt)
+    eager_bf16 = (prefilled_far(load_target(tiny="llama", dtype="bfloat16"), prompt)
+                  - reference).abs().max()
+    paged = load_target(tiny="llama", step="openvino", dtype="bfloat16")
+    error = (prefilled_far(paged, prompt) - reference).abs().max()
+    assert error < 2 * eager_bf16
+    tables = openvino_step.rotary_tables
+    monkeypatch.setattr(openvino_step, "rotary_tables", lambda model, positions: tables(
+        model, positions.to(torch.bfloat16).float()))
+    assert (prefilled_far(paged, prompt) - reference).abs().max() > 5 * eager_bf16
+
+
+def prefilled_far(target, prompt) -> torch.Tensor:
+    verifier = TreeVerifier(target.step)
+    verifier.prefill(prompt)
+    return verifier.verify(TREE)[0]
