@@ -144,7 +144,7 @@ def test_rule_choice_and_bad_parameters():
 
 def test_draft_with_zero_recorded_probability_is_refused():
     tree = TokenTree(torch.tensor([0, 1]), torch.tensor([-1, 0]),
-                     draft_probs=torch.tensor([[0.5, 0.6, 0.5, 0, 0], [0] * 5]))
+                     draft_probs=torch.tensor([[0.3, 0.4, 0.3, 0, 0], [0] * 5]))
     tree.draft_probs[0, 1] = 0.0  # changed after the tree checked it: the rule refuses too
     with pytest.raises(ValueError, match="probability 0"):
         SpeculativeSamplingRule()(tree, torch.zeros(2, V), SamplingParams(1.0))
