@@ -7,6 +7,7 @@ from verify.accept import (
     GreedyRule,
     SpeculativeSamplingRule,
     TypicalRule,
+    check_rule,
     make_rule,
     rule_from_config,
 )
@@ -121,6 +122,18 @@ def test_unknown_rule_settings_are_refused_naming_the_known_ones():
         rule_from_config({"name": "sampling", "epsilon": 0.1}, params)
     with pytest.raises(ValueError, match="need the rule's name"):
         rule_from_config({"epsilon": 0.1}, params)
+
+
+@pytest.mark.parametrize("settings, key", [({"epsilon": -0.01}, "epsilon"),
+                                           ({"epsilon": float("nan")}, "epsilon"),
+                                           ({"epsilon": 0.1, "alpha": -1.0}, "alpha"),
+                                           ({"epsilon": "0.1"}, "epsilon")])
+def test_typical_settings_out_of_range_are_refused_when_the_rule_is_made(settings, key):
+    # a negative epsilon's default alpha (its square root) was complex, failing mid-run
+    with pytest.raises(ValueError, match=f"rule.{key} must be a number >= 0"):
+        make_rule("typical", SamplingParams(1.0), **settings)
+    with pytest.raises(ValueError, match=f"rule.{key} must be a number >= 0"):
+        check_rule("typical", settings)
 
 
 def test_warp_top_k_and_top_p():
