@@ -309,9 +309,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
                                                     cfg.reference not in cfg.peers):
         raise ValueError(f"reference must be null (the baseline) or plain_loop with plain_loop "
                          f"in peers, got reference={cfg.reference!r}, peers={list(cfg.peers)}")
+    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories, cfg.warmup)
     target = load_target_from_config(cfg.target)
     methods = build_methods(cfg, target, drafters)
-    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
     prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
                for q in questions]
     records = time_methods(methods, prompts, cfg, device=target.model.device)
