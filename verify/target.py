@@ -150,7 +150,8 @@ def load_target(
 
     Args:
         path: None or "smollm2-135m-instruct" for the embedded default; otherwise a local folder
-            or hub id for `from_pretrained` (a hub id only works where it is already cached).
+            or hub id (verify.loading: a path that looks local and is missing is refused, a hub
+            id looked up as the environment allows, HF_HUB_OFFLINE=1 its cache only).
         gguf_file: GGUF file inside `path`, for models shipped as GGUF.
         trust_remote_code: run the code a model folder ships (its config's auto_map); off,
             such a folder is refused. Turn it on only for a folder you trust.
