@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from drafters import draft_model, eagle, hybrid, medusa, prompt_lookup, recycling, suffix
 from drafters.adaptive import measured_cost
 from drafters.dynamic_tree import DynamicTree
+from verify.accept import RULES, RuleConfig, rule_parts
 from verify.protocol import Drafter
 from verify.target import Target
 from verify.tree import TreeError, TreeTopology
@@ -68,3 +69,24 @@ def tree_policy(tree_cfg: Mapping) -> TreePolicy:
         return DynamicTree.from_config(tree_cfg)
     raise TreeError(f"tree config {dict(tree_cfg)} has neither `choices` (a static tree) nor "
                     "`depth`, `top_k` and `total_tokens` (a dynamic tree)")
+
+
+def proposes_chains(drafter_cfg: Mapping, tree_cfg: Mapping) -> bool:
+    """Whether the drafter proposes chains only: one drafter filling a static topology that
+    is a chain (a combinator's merged trees may branch, dynamic trees do)."""
+    if drafter_cfg["name"] in COMBINATORS or "choices" not in tree_cfg:
+        return False
+    topology = TreeTopology.from_choices(tree_cfg["choices"])
+    return all(len(topology.children(node)) <= 1 for node in range(topology.size))
+
+
+def check_rule_fits(rule: RuleConfig, drafter_cfg: Mapping, tree_cfg: Mapping) -> None:
+    """Refuse, before anything loads, an acceptance rule that verifies chains only (block)
+    for a drafter whose trees may branch: it would stop the run at the first tree that does
+    (and pass unnoticed while the drafts happen to be chains)."""
+    name, _ = rule_parts(rule)
+    if name in RULES and RULES[name].chains_only and not proposes_chains(drafter_cfg, tree_cfg):
+        raise ValueError(f"the {name!r} rule verifies chains only, but drafter "
+                         f"{drafter_cfg['name']!r} on tree {tree_cfg.get('name')!r} may propose "
+                         "trees that branch: give it a chain tree (chain1..chain8) or use the "
+                         "'sampling' rule")

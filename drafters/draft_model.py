@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from drafters.checkpoint import check_target, read_config, target_record
 from drafters.config import shallow_config, typed_config
@@ -31,6 +31,7 @@ from drafters.vocab import check_vocab_ids, copy_linear
 from verify.accept import Acceptance
 from verify.files import load_tensors, read_json, write_atomically
 from verify.hf_state import batched_forward
+from verify.loading import load_causal_lm, load_tokenizer, pretrained_source
 from verify.protocol import DraftContext
 from verify.target import Target
 from verify.tree import TokenTree, TreeTopology
@@ -268,19 +269,17 @@ def load_draft_model(path: str | Path, target: Target, allow_other_target: bool 
     for a draft distilled here, unless it was distilled from this target (check_target); and
     its draft vocabulary (V',) when the folder has one (its LM head is then cut to those rows).
     """
-    path = str(path)
+    path = pretrained_source(path, "draft model")  # a missing local path: refused here
     distilled_here = (Path(path) / INFO_FILE).is_file()
     if distilled_here:
         saved = read_config(path, INFO_FILE)["target"]
         check_target(saved, target, path, "draft model", allow_other_target)
-    model, loading = AutoModelForCausalLM.from_pretrained(
-        path, dtype=target.model.dtype, output_loading_info=True,
-        attn_implementation=target.model.config._attn_implementation)
-    if distilled_here:  # ours are whole; Hugging Face would fill a gap with random weights
-        _check_loaded_whole(loading, path)
+    # whole and causal, no folder code run
+    model = load_causal_lm(path, "draft model", dtype=target.model.dtype,
+                           attn_implementation=target.model.config._attn_implementation)
     # A folder saved for a tokenizer-less (tiny) target has none; a hub id always has one.
     has_tokenizer = not Path(path).is_dir() or (Path(path) / "tokenizer_config.json").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    tokenizer = load_tokenizer(path, "draft model") if has_tokenizer else None
     check_compatible(target.model, target.tokenizer, model, tokenizer)
     vocab_ids = read_vocab(path)
     if vocab_ids is not None:
@@ -288,19 +287,6 @@ def load_draft_model(path: str | Path, target: Target, allow_other_target: bool 
     model = model.to(target.model.device).eval()
     share_token_table(model, target.model)
     return model, vocab_ids
-
-
-def _check_loaded_whole(loading: dict, path: str) -> None:
-    """Refuse a folder whose weights left parts of the model unloaded or did not fit it,
-    naming the tensors (Hugging Face's loading info)."""
-    problems = {"missing": loading.get("missing_keys", []),
-                "unexpected": loading.get("unexpected_keys", []),
-                "wrong shape": [str(key[0]) if isinstance(key, tuple) else str(key)
-                                for key in loading.get("mismatched_keys", [])]}
-    named = "; ".join(f"{what}: {', '.join(sorted(map(str, keys)))}"
-                      for what, keys in problems.items() if keys)
-    if named:
-        raise ValueError(f"the draft model in {path} does not hold its weights whole ({named})")
 
 
 def share_token_table(draft: PreTrainedModel, target: PreTrainedModel) -> bool:

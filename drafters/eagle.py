@@ -171,6 +171,12 @@ class EagleDraft(nn.Module):
         return self.lm_head(self.body.norm(hidden) if self.layout == "eagle3" else hidden)
 
     @property
+    def variant(self) -> str:
+        """Which EAGLE this draft is, from what it is built of: EAGLE-3 fuses several target
+        layers or drafts with EAGLE-3's layer; EAGLE-1 reads one layer through its own."""
+        return "eagle3" if len(self.feature_layers) > 1 or self.layout == "eagle3" else "eagle1"
+
+    @property
     def hyperparameters(self) -> dict:
         """What rebuilds this draft on a target, as saved in a checkpoint's config. `inputs`
         only for an ablation: checkpoints from before the setting read as "both" and resume."""
@@ -335,6 +341,11 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) 
     config = eagle_config(cfg)
     if config.checkpoint:
         draft = load_draft(config.checkpoint, target, config.allow_other_target)
+        if draft.variant != config.variant:  # it would run, and report, under the wrong name
+            raise ValueError(f"{config.checkpoint} holds an {draft.variant} draft (feature "
+                             f"layers {list(draft.feature_layers)}, layout {draft.layout}), "
+                             f"not an {config.variant} one: load it with "
+                             f"drafter={'eagle3' if draft.variant == 'eagle3' else 'eagle'}")
     else:
         layers = config.feature_layers or default_layers(config.variant,
                                                          num_layers(target.model.config))

@@ -21,6 +21,7 @@ handed over, in order, the next time it proposes (EAGLE catches up on all of the
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -87,6 +88,9 @@ class HybridDrafter(Resettable, ProposalCounts):
             raise ValueError(f"a hybrid drafter needs at least two members, got {len(members)}")
         if config.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {config.policy!r}")
+        if math.isnan(config.threshold):  # every comparison false: only the last would draft
+            raise ValueError("drafter.threshold must be a number of expected accepted tokens, "
+                             "got nan")
         self.name, self.config, self.tree = config.name, config, tree
         self.feature_layers = _union(drafter.feature_layers for _, drafter in members)
         # the verified tree's predictions, as many as the member asking most needs
@@ -251,6 +255,9 @@ def member_configs(cfg: HybridConfig) -> list[tuple[dict, dict]]:
     resolved = []
     for member in cfg.members:
         member = {"name": member} if isinstance(member, str) else dict(member)
+        if not isinstance(member.get("name"), str):
+            raise ValueError(f"hybrid member {member} has no name: give each member the "
+                             "conf/drafter name it builds ({name: suffix, ...})")
         path = DRAFTER_CONF / f"{member['name']}.yaml"
         if not path.is_file() or member["name"] == "hybrid":
             known = sorted(p.stem for p in DRAFTER_CONF.glob("*.yaml") if p.stem != "hybrid")

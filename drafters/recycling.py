@@ -46,7 +46,7 @@ from drafters.adaptive import cut_to_cost
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
-from drafters.suffix import warm_texts
+from drafters.suffix import warm_token_ids
 from verify.accept import Acceptance
 from verify.files import read_json, write_json
 from verify.predictions import TargetPredictions
@@ -96,8 +96,9 @@ class RecyclingTable:
                                 "logprobs": [list(self.rows[t][1]) for t in tokens]})
 
     def load(self, path: str | Path, vocab_size: int) -> None:
-        """Add the rows of a `save`d file; refuse one made for another vocabulary or holding
-        ids outside this one (they would be drafted and crash the target's embedding)."""
+        """Add the rows of a `save`d file; refuse one made for another vocabulary or holding a
+        row that is not one (_checked_row: ids outside this vocabulary would be drafted and
+        crash the target's embedding), naming the file."""
         data = read_json(path, "recycling table")
         if data.get("vocab_size") != vocab_size:
             raise ValueError(f"{path} indexes a vocabulary of {data.get('vocab_size')} tokens, "
@@ -108,14 +109,30 @@ class RecyclingTable:
             raise ValueError(f'{path}: "tokens", "ids" and "logprobs" must be lists of one '
                              "length")
         for token, successors, values in zip(tokens, ids, logprobs):
-            bad = [t for t in [token, *successors] if type(t) is not int
-                   or not 0 <= t < vocab_size]
-            if bad or len(successors) != len(values):
-                raise ValueError(f"{path}: the row of {token!r} holds {bad[:1] or values!r:.40}, "
-                                 f"not token ids of [0, {vocab_size}) with one log-probability "
-                                 "each")
-            self.rows[token] = (tuple(successors[: self.top_k]),
-                                tuple(float(v) for v in values[: self.top_k]))
+            self.rows[token] = _checked_row(path, token, successors, values, vocab_size,
+                                            self.top_k)
+
+
+def _checked_row(path: str | Path, token, successors, values, vocab_size: int,
+                 top_k: int) -> Row:
+    """A saved table's row of `token`, its first `top_k` entries, refused (naming the file and
+    the token) unless the successors are distinct ids of [0, vocab_size) with one
+    log-probability each, every one a number <= 0: a repeated id drafts a tree with twin
+    siblings, a log-probability above 0 or NaN ranks the tree's nodes wrongly."""
+    where = f"{path}: the row of {token!r}"
+    if not (isinstance(successors, list) and isinstance(values, list)):
+        raise ValueError(f"{where} is not a list of successor ids with a list of "
+                         "log-probabilities")
+    bad = [t for t in [token, *successors] if type(t) is not int or not 0 <= t < vocab_size]
+    if bad or len(successors) != len(values):
+        raise ValueError(f"{where} holds {bad[:1] or values!r:.40}, not token ids of "
+                         f"[0, {vocab_size}) with one log-probability each")
+    if len(set(successors)) != len(successors):
+        raise ValueError(f"{where} repeats a successor id: {successors!r:.60}")
+    if not all(type(v) in (int, float) and v <= 0 for v in values):  # NaN <= 0 is False
+        raise ValueError(f"{where} holds log-probabilities {values!r:.60}: each must be a "
+                         "number <= 0")
+    return tuple(successors[:top_k]), tuple(float(v) for v in values[:top_k])
 
 
 class _Request:
@@ -274,15 +291,15 @@ def _check_tree(tree: TreeTopology | DynamicTree, config: RecyclingConfig) -> No
 
 
 @torch.no_grad()
-def warm_table(table: RecyclingTable, target: Target, texts: Sequence[str],
+def warm_table(table: RecyclingTable, target: Target, texts: Sequence[Sequence[int]],
                max_tokens: int) -> None:
-    """Fill the table from the target reading `texts` once each (at most `max_tokens`
-    tokens, the context window's worth at most): every position's top-K successors."""
+    """Fill the table from the target reading `texts` (token ids) once each (at most
+    `max_tokens` tokens, the context window's worth at most): every position's top-K
+    successors."""
     window = target.max_context or max_tokens
     model = target.model
-    for text in tqdm(texts, desc="warming the recycling table", unit="text"):
-        ids = target.tokenizer(text, add_special_tokens=False)["input_ids"][: min(max_tokens,
-                                                                                 window)]
+    for ids in tqdm(texts, desc="warming the recycling table", unit="text"):
+        ids = list(ids)[: min(max_tokens, window)]
         if len(ids) < 2:
             continue
         logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
@@ -300,6 +317,7 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target
     if config.memory_file:
         drafter.table.load(config.memory_file, vocab_size)
     if config.warm_from:
-        warm_table(drafter.table, target, warm_texts(config.warm_from), config.warm_max_tokens)
+        warm_table(drafter.table, target, warm_token_ids(config.warm_from, target),
+                   config.warm_max_tokens)
     drafter.table.mark_warm()
     return drafter

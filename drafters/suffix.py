@@ -268,6 +268,16 @@ def warm_texts(path: str | Path) -> list[str]:
     return texts
 
 
+def warm_token_ids(path: str | Path, target: Target) -> list[list[int]]:
+    """The token ids of each warm-up text of `path` (warm_texts), by the target's tokenizer;
+    a target without one (a tiny random model) is refused, naming the setting."""
+    if target.tokenizer is None:
+        raise ValueError(f"warm_from={path}: target {target.name} has no tokenizer to read "
+                         "text with; warm it from a saved memory_file= instead")
+    return [target.tokenizer(text, add_special_tokens=False)["input_ids"]
+            for text in warm_texts(path)]
+
+
 def from_config(cfg: Mapping, tree: DynamicTree, target: Target) -> SuffixDrafter:
     """conf/drafter/suffix.yaml; the target's tokenizer warms the shared trie from text."""
     config: SuffixConfig = typed_config(SuffixConfig, cfg, "suffix")
@@ -276,7 +286,7 @@ def from_config(cfg: Mapping, tree: DynamicTree, target: Target) -> SuffixDrafte
     if config.memory_file:
         drafter.memory.load(config.memory_file, vocab_size)
     if config.warm_from:
-        for text in warm_texts(config.warm_from):
-            drafter.memory.add(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+        for ids in warm_token_ids(config.warm_from, target):
+            drafter.memory.add(ids)
     drafter.memory.mark_warm()
     return drafter

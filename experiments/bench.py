@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from drafters import build_drafter
+from drafters import build_drafter, check_rule_fits
 from drafters.draft_model import load_draft_model, truncated_copy
 from experiments.bench_report import (
     TABLE_COLUMNS,
@@ -168,20 +168,23 @@ def parse_compare(entry: str) -> Contender:
     overrides = _overrides(parts[2] if len(parts) == 3 else "", entry)
     label = overrides.pop("label", None)
     rule = overrides.pop("rule", None)
-    _check_rule(entry, rule)
     tree_overrides = overrides.pop("tree", OmegaConf.create({}))
     _check_keys(entry, parts[0], overrides, set(drafter_cfg) - {"name"}, "")
     _check_keys(entry, parts[1], tree_overrides, set(tree_cfg) - {"name", "choices"}, "tree.")
     name = f"{drafter_cfg.name}/{tree_cfg.name}" + (f" ({label})" if label else "")
-    return Contender(name, _merged(drafter_cfg, overrides),
-                     _merged(tree_cfg, tree_overrides), rule)
+    drafter_cfg, tree_cfg = _merged(drafter_cfg, overrides), _merged(tree_cfg, tree_overrides)
+    _check_rule(entry, rule, drafter_cfg, tree_cfg)
+    return Contender(name, drafter_cfg, tree_cfg, rule)
 
 
-def _check_rule(entry: str, rule: RuleConfig) -> None:
+def _check_rule(entry: str, rule: RuleConfig, drafter_cfg: DictConfig,
+                tree_cfg: DictConfig) -> None:
     """`rule=<name>`, or `rule.name=<name>,rule.<setting>=<value>` (verify.accept.RuleConfig):
-    refused here, before anything loads, when the rule or a setting is unknown."""
+    refused here, before anything loads, when the rule, a setting or its value is unknown or
+    wrong, or when the rule verifies chains only and the drafter's trees may branch."""
     try:
         check_rule(*rule_parts(rule))
+        check_rule_fits(rule, drafter_cfg, tree_cfg)
     except ValueError as error:
         raise ValueError(f"compare entry {entry!r}: {error}") from None
 
@@ -306,9 +309,9 @@ def run_benchmark(cfg: DictConfig) -> dict:
                                                     cfg.reference not in cfg.peers):
         raise ValueError(f"reference must be null (the baseline) or plain_loop with plain_loop "
                          f"in peers, got reference={cfg.reference!r}, peers={list(cfg.peers)}")
+    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories, cfg.warmup)
     target = load_target_from_config(cfg.target)
     methods = build_methods(cfg, target, drafters)
-    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
     prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
                for q in questions]
     records = time_methods(methods, prompts, cfg, device=target.model.device)

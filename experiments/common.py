@@ -21,9 +21,14 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # Hydra's config r
 
 
 def pick_questions(data_root: str | None, num_prompts: int,
-                   categories: list[str] | None = None) -> list[Question]:
+                   categories: list[str] | None = None, warmup: int = 0) -> list[Question]:
     """`num_prompts` Spec-Bench questions spread round-robin over the categories, so a small
-    run still covers every kind of task. Deterministic (file order within a category)."""
+    run still covers every kind of task. Deterministic (file order within a category).
+    `warmup`: how many of them the command runs untimed first. ValueError for num_prompts
+    below 1 or a negative warmup (a slice would take them from the end, silently)."""
+    if num_prompts < 1 or warmup < 0:
+        raise ValueError(f"num_prompts must be >= 1 and warmup >= 0, got num_prompts="
+                         f"{num_prompts}, warmup={warmup}")
     questions = load_spec_bench(data_root, categories=categories)
     by_category: dict[str, list[Question]] = {}
     for q in questions:

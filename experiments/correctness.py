@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from drafters import COMBINATORS, build_drafter
+from drafters import build_drafter, proposes_chains
 from experiments.chain import chain_rows
 from experiments.common import pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
@@ -40,7 +40,6 @@ from verify.loop import generate, generate_batch
 from verify.metrics import TokensPerForward
 from verify.sampling import SamplingParams
 from verify.target import Target, build_tiny_model, hf_generate, load_target_from_config
-from verify.tree import TreeTopology
 
 
 class WrongResidualRule(SpeculativeSamplingRule):
@@ -155,21 +154,12 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     expected = sequence_distribution(model, prompt, dist.length, params)
     # every registered rule that samples (greedy has its own row; chain rules on chains
     # only), then the negative control
-    chains = proposes_chains(cfg)
+    chains = proposes_chains(cfg.drafter, cfg.tree)
     rules = [make_rule(name, params) for name, rule in RULES.items()
              if name != "greedy" and (chains or not rule.chains_only)]
     rules.append(WrongResidualRule())
     return [distribution_row(model, drafter, rule, prompt, expected, params, dist)
             for rule in rules]
-
-
-def proposes_chains(cfg: DictConfig) -> bool:
-    """Whether the configured drafter proposes chains only: one drafter filling a static
-    topology that is a chain (a combinator's merged trees may branch, dynamic trees do)."""
-    if cfg.drafter.name in COMBINATORS or "choices" not in cfg.tree:
-        return False
-    topology = TreeTopology.from_choices(cfg.tree.choices)
-    return all(len(topology.children(node)) <= 1 for node in range(topology.size))
 
 
 def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> dict:

@@ -64,13 +64,26 @@ def load_spec_bench(
     if not rows:
         raise ValueError(f"{path} holds no questions: point the data root at a Spec-Bench "
                          "copy with its question.jsonl")
-    for row in rows:
+    for number, row in enumerate(rows, start=1):
         category = row["category"]
         if category not in wanted or taken.get(category, 0) == n_per_category:
             continue
         taken[category] = taken.get(category, 0) + 1
-        questions.append(Question(int(row["question_id"]), category, row["turns"][0]))
+        questions.append(Question(int(row["question_id"]), category,
+                                  _first_turn(row, path, number)))
     return questions
+
+
+def _first_turn(row: dict, path: Path, number: int) -> str:
+    """The question a row asks: its first turn, a non-empty string; ValueError naming the file
+    and the row otherwise (a row without turns would be asked nothing, or crash mid-run)."""
+    turns = row.get("turns")
+    if not (isinstance(turns, list) and turns and isinstance(turns[0], str)
+            and turns[0].strip()):
+        raise ValueError(f"{path}, row {number} (question {row.get('question_id')!r}): "
+                         f"\"turns\" must be a list whose first entry is the question's text, "
+                         f"got {turns!r:.60}")
+    return turns[0]
 
 
 def _check_categories(categories: list[str] | None) -> None:

@@ -220,7 +220,8 @@ def compare(cfg: DictConfig) -> list[dict]:
     """Every row: treedraft's, then each engine method's, then treedraft's plain loop again."""
     engines = typed_engines(cfg.engines)  # a bad engine setting fails before the target loads
     target = load_target_from_config(cfg.target)
-    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
+    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories,
+                               cfg.warmup)
     prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
                for q in questions]
     eos = set(target.eos_token_ids)

@@ -155,7 +155,8 @@ def compare(cfg: DictConfig) -> list[dict]:
                          "drafts.draft_model=...")
     k = cfg.speculative_tokens
     target = load_target_from_config(cfg.target)
-    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
+    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories,
+                               cfg.warmup)
     prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
                for q in questions]
     eos = set(target.eos_token_ids)

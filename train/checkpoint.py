@@ -31,7 +31,7 @@ RUN_FILE = "run_config.json"  # the resolved config of the run that made the che
 # fsdp train the same draft). Every other key must match to resume.
 NOT_TRAINING_KEYS = ("out_dir", "resume", "save_every", "device", "logger", "eval", "dist",
                      "data.cache_dir", "target.device", "target.cache_dir", "target.packed_rows",
-                     "target.step",
+                     "target.step", "target.trust_remote_code",
                      "drafter.allow_other_target", "optim.max_nonfinite_skips")
 WAYS_OUT = "use another out_dir, or resume=false to start over"
 

@@ -23,6 +23,7 @@ class TargetConfig:
     name: str = MISSING
     path: str | None = None
     gguf_file: str | None = None
+    trust_remote_code: bool = False  # run a model folder's own code (only a folder you trust)
     cache_dir: str | None = None
     tiny: str | None = None
     dtype: str = "float32"

@@ -18,6 +18,7 @@ the rules read it, never the draft rows themselves.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -270,6 +271,12 @@ class TypicalRule(AcceptanceRule):
     exact = False
 
     def __init__(self, epsilon: float = 0.09, alpha: float | None = None):
+        # a negative epsilon's square root (the default alpha) is complex: refused here, not
+        # mid-run
+        for key, value in (("epsilon", epsilon), ("alpha", 0 if alpha is None else alpha)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"typical acceptance: rule.{key} must be a number >= 0, "
+                                 f"got {value!r}")
         self.epsilon = epsilon
         self.alpha = epsilon ** 0.5 if alpha is None else alpha
 
@@ -310,8 +317,9 @@ def make_rule(name: str | None, params: SamplingParams, **settings) -> Acceptanc
 
 
 def check_rule(name: str | None, settings: Mapping) -> None:
-    """Refuse an unknown rule name or a setting the rule does not take (its constructor's
-    keyword arguments), naming what it knows; settings need a name (None: the default rule for
+    """Refuse an unknown rule name, a setting the rule does not take (its constructor's
+    keyword arguments), naming what it knows, or a value its constructor refuses; settings
+    need a name (None: the default rule for
     the temperature, which is chosen later)."""
     if name is None:
         if settings:
@@ -326,6 +334,7 @@ def check_rule(name: str | None, settings: Mapping) -> None:
     if unknown:
         raise ValueError(f"acceptance rule {name!r} has no setting(s) {unknown}; its settings: "
                          f"{settable or 'none'}")
+    RULES[name](**settings)  # its constructor refuses a value out of range
 
 
 # A rule as configs give it: None (the default for the temperature), a name ("typical"), or,

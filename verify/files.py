@@ -43,7 +43,10 @@ def default_data_root() -> Path:
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a JSON-lines file (blank lines skipped); UnreadableFileError naming the
     file and the line (counted from 1, blank lines included) of a row that is not JSON, or
-    not UTF-8 text."""
+    not UTF-8 text, or a path that is no file."""
+    if not path.is_file():
+        raise UnreadableFileError(f"JSON-lines file {path} "
+                                  + ("is a folder" if path.is_dir() else "does not exist"))
     rows = []
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):

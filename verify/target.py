@@ -7,7 +7,8 @@ reproduce, its tokenizer, and a name for result tables. Three sources:
   the first load de-quantizes it to float32 (~15 s) and caches safetensors, later loads take ~1 s;
 - tiny random-init models (`tiny="llama" | "qwen2" | "gpt2"`) for fast tests on several
   architectures;
-- any other local folder or hub id, handed to `from_pretrained` as is (no network code here).
+- any other local folder or hub id, loaded by verify.loading (whole, causal, no folder code
+  unless `trust_remote_code`, a missing local path never sent to the hub).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import verify.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa"
 import verify.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
 from verify.files import remove_orphans, write_atomically
 from verify.fingerprint import model_fingerprint, weights_digest
+from verify.loading import load_causal_lm, load_tokenizer
 from verify.step import EagerStep, TargetStep, target_step
 from verify.verifier import context_window
 
@@ -133,6 +135,7 @@ def load_target(
     path: str | None = None,
     *,
     gguf_file: str | None = None,
+    trust_remote_code: bool = False,
     cache_dir: str | None = None,
     tiny: str | None = None,
     dtype: str = "float32",
@@ -147,8 +150,11 @@ def load_target(
 
     Args:
         path: None or "smollm2-135m-instruct" for the embedded default; otherwise a local folder
-            or hub id for `from_pretrained` (a hub id only works where it is already cached).
+            or hub id (verify.loading: a path that looks local and is missing is refused, a hub
+            id looked up as the environment allows, HF_HUB_OFFLINE=1 its cache only).
         gguf_file: GGUF file inside `path`, for models shipped as GGUF.
+        trust_remote_code: run the code a model folder ships (its config's auto_map); off,
+            such a folder is refused. Turn it on only for a folder you trust.
         cache_dir: root of the converted-model cache; else $TREEDRAFT_CACHE, else
             ~/.cache/treedraft. Used by the embedded default only.
         tiny: "llama", "qwen2" or "gpt2" for a tiny random model (path is then ignored).
@@ -180,10 +186,8 @@ def load_target(
             gguf_file = None
         else:
             name = path
-        model = AutoModelForCausalLM.from_pretrained(
-            path, gguf_file=gguf_file, dtype=torch_dtype, attn_implementation=attn_implementation
-        )
-        target = Target(model, AutoTokenizer.from_pretrained(path, gguf_file=gguf_file), name)
+        target = _load_pretrained(path, name, gguf_file, trust_remote_code,
+                                  dtype=torch_dtype, attn_implementation=attn_implementation)
     if adapter is not None:
         target = merge_adapter(target, adapter)
     if device is not None:
@@ -192,6 +196,18 @@ def load_target(
     target.fingerprint()
     target.step = target_step(target.model, step, packed_rows)
     return target
+
+
+def _load_pretrained(path: str, name: str, gguf_file: str | None, trust_remote_code: bool,
+                     **kwargs) -> Target:
+    """The target in folder or hub id `path` with its tokenizer, checked by verify.loading:
+    a missing local path, missing or unexpected weights, a non-causal model and a folder's
+    own code (unless `trust_remote_code`) are refused, naming them."""
+    model = load_causal_lm(path, "target", trust_remote_code=trust_remote_code,
+                           gguf_file=gguf_file, **kwargs)
+    tokenizer = load_tokenizer(path, "target", trust_remote_code=trust_remote_code,
+                               gguf_file=gguf_file)
+    return Target(model, tokenizer, name)
 
 
 def merge_adapter(target: Target, adapter: str | Path) -> Target:
@@ -263,6 +279,9 @@ def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as 'float32'")
+    if not dtype.is_floating_point:  # weights cast to int8 are not a quantised model
+        raise ValueError(f"target.dtype={name} is not a floating-point dtype: use float32, "
+                         "bfloat16 or float16")
     return dtype
 
 
@@ -299,8 +318,9 @@ def _embedded_default(root: Path) -> Path:
 
 
 def _convert_gguf(source: Path, gguf_file: str, out: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32,
+                                                 trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=False)
     generation = model.generation_config
     if generation.eos_token_id is None:
         generation.eos_token_id = tokenizer.eos_token_id

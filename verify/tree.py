@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# How far a sampled node's draft row may sum from 1: float32 softmax and top-p renormalisation
+# over a 49k vocabulary land within ~1e-6; a wrong row (scaled, unnormalised) is off by far more.
+DISTRIBUTION_TOLERANCE = 1e-3
+
 
 class TreeError(ValueError):
     """A malformed tree, or one a drafter cannot fill."""
@@ -80,7 +84,8 @@ class TokenTree:
                  or merge): exact sampling then treats each as a one-hot proposal, whatever
                  draft_probs[u] holds. Not given: True exactly where draft_probs has a
                  non-zero row (the convention drafters used before the flag). A sampled node
-                 needs a non-zero row that gives each of its children's tokens mass.
+                 needs a row that is a distribution (entries >= 0 summing to 1 within
+                 DISTRIBUTION_TOLERANCE) and gives each of its children's tokens mass.
 
     Sibling order is draw order. Recursive rejection sampling tries a sampled node's
     children in node order, the first against q, the next against q without the first, and so
@@ -133,10 +138,11 @@ class TokenTree:
     def _sampled_flags(self) -> torch.Tensor:
         """The (N,) sampled flags, given or derived from draft_probs, checked against it."""
         n, q = len(self.tokens), self.draft_probs
+        mass = None if q is None else q.sum(-1).cpu()
         if self.sampled is None:
             if q is None:
                 return torch.zeros(n, dtype=torch.bool)
-            sampled = (q.sum(-1) > 0).cpu()
+            sampled = (q != 0).any(-1).cpu()
         else:
             sampled = torch.as_tensor(self.sampled, dtype=torch.bool).flatten().cpu()
         if sampled.shape != (n,):
@@ -146,11 +152,12 @@ class TokenTree:
         if q is None:
             raise TreeError(f"nodes {sampled.nonzero().flatten().tolist()} are marked sampled "
                             "but the tree has no draft_probs to have drawn their children from")
-        empty = sampled & ~(q.sum(-1) > 0).cpu()
-        if bool(empty.any()):
-            raise TreeError(f"nodes {empty.nonzero().flatten().tolist()} are marked sampled "
-                            "but their draft_probs rows are all zero")
-        # every child of a sampled node is a draw from its q: its token must have mass there
+        _check_distributions(q, mass, sampled)
+        self._check_draws(q, sampled)
+        return sampled
+
+    def _check_draws(self, q: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Every child of a sampled node is a draw from its q: its token must have mass there."""
         kids = (sampled[self.parents.clamp_min(0)] & (self.parents >= 0)).nonzero().flatten()
         if len(kids):
             tokens, vocab = self.tokens[kids], q.shape[-1]
@@ -163,7 +170,6 @@ class TokenTree:
                 raise TreeError(f"node {node} drafts token {int(self.tokens[node])}, which its "
                                 f"sampled parent {int(self.parents[node])}'s draft distribution "
                                 "gives probability 0: a sampled child must be a draw from it")
-        return sampled
 
     # -- construction -------------------------------------------------------------------------
 
@@ -258,6 +264,27 @@ class TokenTree:
                 if not has_child[leaf]]
 
 
+def _check_distributions(q: torch.Tensor, mass: torch.Tensor, sampled: torch.Tensor) -> None:
+    """Refuse a sampled node whose draft row (q (N, V), its row sums `mass` (N,)) is not a
+    distribution: exact sampling divides by q, so a row scaled up or holding negative entries
+    biases the output without any error (a x10 row made a token the target gives 10% win 91%)."""
+    nodes = sampled.nonzero().flatten()
+    negative = nodes[(q[nodes.to(q.device)].amin(-1) < 0).cpu()]
+    if len(negative):
+        raise TreeError(f"node {int(negative[0])} is sampled but its draft_probs row has "
+                        "negative entries: a sampled node's q must be a distribution")
+    empty = nodes[mass[nodes] <= 0]
+    if len(empty):
+        raise TreeError(f"nodes {empty.tolist()} are marked sampled but their draft_probs rows "
+                        "are all zero")
+    off = nodes[~((mass[nodes] - 1).abs() <= DISTRIBUTION_TOLERANCE)]  # NaN is off too
+    if len(off):
+        node = int(off[0])
+        raise TreeError(f"node {node} is sampled but its draft_probs row sums to "
+                        f"{float(mass[node]):.6g}: a sampled node's q must be a distribution "
+                        f"(entries >= 0 summing to 1 within {DISTRIBUTION_TOLERANCE})")
+
+
 def check_draw_order(tree: TokenTree, order: Sequence[int]) -> None:
     """Refuse a renumbering (new node i is old node `order[i]`) that puts a sampled node's
     children out of their order: node order is their draw order, the order exact sampling
@@ -332,6 +359,14 @@ class TreeBuilder:
         makes `node` sampled in the built tree. `draws`: the tokens in the order they were
         drawn (without replacement), given before any child is added; `add` then refuses a
         child of `node` that is not the next draw, so sibling order is draw order."""
+        if not 0 <= node < len(self.tokens):
+            raise TreeError(f"set_draft_probs: node {node} does not exist (tree has "
+                            f"{len(self.tokens)} nodes)")
+        known = next((p for p in self.probs if p is not None), None)
+        size = known.shape[-1] if known is not None else probs.shape[-1]
+        if probs.dim() != 1 or probs.shape[-1] != size:
+            raise TreeError(f"set_draft_probs: node {node}'s row has shape {tuple(probs.shape)}; "
+                            f"the tree's draft rows are ({size},), one per vocabulary entry")
         if draws is not None:
             if self._child_count[node]:
                 raise TreeError(f"node {node} has children already: record its draws before "

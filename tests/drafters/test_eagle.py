@@ -209,6 +209,22 @@ def test_a_trained_checkpoint_decodes_through_build_drafter(tiny, tmp_path, conf
     assert torch.equal(generate(target.model, PROMPT, 20, drafter=drafter).tokens, plain)
 
 
+@pytest.mark.parametrize("saved, asked, hint", [("eagle1", "eagle3", "drafter=eagle"),
+                                                ("eagle3", "eagle", "drafter=eagle3")])
+def test_a_checkpoint_of_the_other_eagle_is_refused_by_name(tiny, tmp_path, conf, saved, asked,
+                                                           hint):
+    target = tiny("llama")
+    layers, layout = ((-1,), "fused_input") if saved == "eagle1" else (eagle3_layers(2), "eagle3")
+    draft = EagleDraft(target.model, layers, layout=layout)
+    assert draft.variant == saved
+    save_draft(draft, tmp_path / "draft", target)
+    cfg = OmegaConf.merge(conf("drafter", asked), {"checkpoint": str(tmp_path / "draft")})
+    with pytest.raises(ValueError, match=f"holds an {saved} draft .* load it with {hint}$"):
+        build_drafter(cfg, conf("tree", "chain4"), target)
+    # an EAGLE-3 ablation on the last layer alone keeps EAGLE-3's layer: still EAGLE-3
+    assert EagleDraft(target.model, (-1,), layout="eagle3").variant == "eagle3"
+
+
 @pytest.mark.parametrize("inputs", ["tokens", "features"])
 def test_an_input_ablation_ignores_the_dropped_input_and_round_trips(inputs, tiny, tmp_path):
     target = tiny("llama")

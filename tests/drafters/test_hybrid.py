@@ -149,6 +149,18 @@ def test_policies_and_members_are_checked():
         HybridDrafter([("a", member), ("b", member)], None, HybridConfig(policy="vote"))
 
 
+def test_a_nan_threshold_and_a_member_without_a_name_are_refused(tiny):
+    member = Fixed(scored([1], [-1]))
+    with pytest.raises(ValueError, match="drafter.threshold must be a number .*got nan"):
+        HybridDrafter([("a", member), ("b", member)], None,
+                      HybridConfig(threshold=float("nan")))
+    tree = {"depth": 2, "top_k": 2, "total_tokens": 4}
+    for nameless in ({"min_token_prob": 0.1}, {"name": None}):
+        with pytest.raises(ValueError, match="hybrid member .* has no name"):
+            build_drafter({"name": "hybrid", "members": ["suffix", nameless]}, tree,
+                          tiny("llama"))
+
+
 @pytest.mark.parametrize("policy", ["pick", "merge"])
 def test_a_hybrid_decodes_like_plain_decoding_and_counts_its_proposers(policy, tiny, conf):
     target = tiny("llama")

@@ -11,6 +11,7 @@ import torch
 
 from drafters.dynamic_tree import DynamicTree
 from drafters.recycling import RecyclingConfig, RecyclingDrafter, RecyclingTable, from_config
+from drafters.suffix import from_config as suffix_from_config
 from verify.accept import Acceptance
 from verify.loop import generate
 from verify.predictions import TargetPredictions
@@ -146,6 +147,42 @@ def test_the_table_saves_loads_and_refuses_another_vocabulary_or_foreign_ids(tmp
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"table\.json: the row of 3 holds \[500\]"):
         RecyclingTable(2).load(path, vocab_size=100)
+
+
+@pytest.mark.parametrize("ids, logprobs, refused", [
+    ([4, 4], [-0.1, -0.2], r"repeats a successor id: \[4, 4\]"),
+    ([4, 5], [0.5, -0.2], r"log-probabilities \[0.5, -0.2\]: each must be a number <= 0"),
+    ([4, 5], [float("nan"), -0.2], "log-probabilities .*each must be a number <= 0"),
+    ([4, 5], [None, -0.2], "log-probabilities .*each must be a number <= 0"),
+    ([4, 5], ["-1", -0.2], "log-probabilities .*each must be a number <= 0"),
+    ([4, None], [-0.1, -0.2], "holds \\[None\\], not token ids"),
+    (4, [-0.1], "is not a list of successor ids"),
+    ([4], -0.1, "is not a list of successor ids"),
+])
+def test_a_table_row_that_is_not_one_is_refused_naming_the_file(tmp_path, ids, logprobs,
+                                                                  refused):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"vocab_size": 100, "top_k": 2, "tokens": [3], "ids": [ids],
+                                "logprobs": [logprobs]}))
+    with pytest.raises(ValueError, match=rf"table\.json: the row of 3 .*{refused}"):
+        RecyclingTable(2).load(path, vocab_size=100)
+
+
+@pytest.mark.parametrize("name, build", [("recycling", from_config),
+                                         ("suffix", suffix_from_config)])
+def test_a_warm_file_that_is_missing_or_a_folder_or_a_target_without_tokenizer_is_refused(
+        tmp_path, tiny, name, build):
+    tree, target = DynamicTree(3, 2, 8), tiny("llama")
+    words = dataclasses.replace(target, tokenizer=lambda text, add_special_tokens: {
+        "input_ids": [int(word) for word in text.split()]})
+    for path, refused in [(tmp_path / "missing.jsonl", "missing.jsonl does not exist"),
+                          (tmp_path, f"{tmp_path} is a folder")]:
+        with pytest.raises(ValueError, match=refused):
+            build({"name": name, "warm_from": str(path)}, tree, words)
+    path = tmp_path / "warm.jsonl"
+    path.write_text(json.dumps({"text": "40 41 42"}) + "\n")
+    with pytest.raises(ValueError, match=rf"warm_from={path}: target tiny-llama has no tokenizer"):
+        build({"name": name, "warm_from": str(path)}, tree, target)
 
 
 def test_forget_goes_back_to_the_warm_start_read_by_the_target(tmp_path, tiny):

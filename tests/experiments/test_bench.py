@@ -150,10 +150,23 @@ def test_a_compare_entry_sets_the_acceptance_rules_settings():
     ("eagle:eagle2:tree.total_token=8", "eagle2 cannot set ['tree.total_token']"),
     ("medusa:tree8:rule=typcal", "rule must be one of ['block', 'greedy', 'sampling', 'typical']"),
     ("eagle:chain4:tree.choices=[]", "chain4 cannot set ['tree.choices']"),
+    ("medusa:tree8:rule.name=typical,rule.epsilon=-0.1", "rule.epsilon must be a number >= 0"),
 ])
 def test_a_bad_compare_entry_is_refused_clearly(entry, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_compare(entry)
+
+
+@pytest.mark.parametrize("entry", ["recycling:recycling:rule=block",
+                                   "prompt_lookup:tree8:rule=block",
+                                   "eagle:eagle2:rule=block",
+                                   "hybrid:suffix:rule=block"])
+def test_the_block_rule_is_refused_before_decoding_for_a_drafter_whose_trees_branch(entry):
+    with pytest.raises(ValueError, match=re.escape(f"compare entry {entry!r}: the 'block' rule "
+                                                   "verifies chains only")):
+        parse_compare(entry)
+    # on a chain it stays: what correctness's block row runs on as well
+    assert parse_compare("prompt_lookup:chain4:rule=block").rule == "block"
 
 
 def test_method_names_stay_distinct_and_the_main_drafter_comes_first():

@@ -10,7 +10,7 @@ import matplotlib
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.common import save_figure, write_report
+from experiments.common import pick_questions, save_figure, write_report
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the headless backend is chosen)
@@ -47,3 +47,12 @@ def test_a_report_records_the_command_that_wrote_it(tmp_path, monkeypatch):
     main.__spec__ = None  # a script run by its path
     assert json.loads(write_report(tmp_path, "run", [], {"a": 1}).read_text())["command"] == {
         "module": "/repo/experiments/bench.py", "argv": ["drafter=eagle", "a=1"]}
+
+
+@pytest.mark.parametrize("num_prompts, warmup", [(0, 1), (-2, 1), (4, -1)])
+def test_prompt_counts_below_their_range_are_refused(num_prompts, warmup):
+    # 0 prompts divided by zero at the end; a negative count sliced from the end, silently
+    with pytest.raises(ValueError, match=f"num_prompts must be >= 1 and warmup >= 0, got "
+                                         f"num_prompts={num_prompts}, warmup={warmup}"):
+        pick_questions(None, num_prompts, warmup=warmup)
+    assert len(pick_questions(None, 3, warmup=0)) == 3

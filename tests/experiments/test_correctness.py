@@ -5,6 +5,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from drafters import proposes_chains
 from experiments.chain import chain_rows
 from experiments.common import CONF_DIR
 from experiments.correctness import (
@@ -15,7 +16,6 @@ from experiments.correctness import (
     float32_parameters,
     format_table,
     greedy_row,
-    proposes_chains,
 )
 from experiments.stats import (
     chi_square_test,
@@ -125,10 +125,14 @@ def test_new_drafters_sample_exactly_and_the_wrong_rule_is_caught(case):
 
 
 def test_block_verification_has_a_row_where_the_drafter_proposes_chains():
-    assert proposes_chains(correctness_cfg("tree=chain4"))
-    assert not proposes_chains(correctness_cfg("tree=tree8"))
-    assert not proposes_chains(correctness_cfg("tree=eagle2", drafter="eagle"))
-    assert not proposes_chains(correctness_cfg("tree=suffix", drafter="hybrid"))
+    def chains(*overrides, drafter="draft_model"):
+        cfg = correctness_cfg(*overrides, drafter=drafter)
+        return proposes_chains(cfg.drafter, cfg.tree)
+
+    assert chains("tree=chain4")
+    assert not chains("tree=tree8")
+    assert not chains("tree=eagle2", drafter="eagle")
+    assert not chains("tree=suffix", drafter="hybrid")
     # on the sampled chain of a self-draft, through the loop: exact as well
     cfg = correctness_cfg("tree=chain4", "distribution.samples=1000")
     rows = {row["rule"]: row for row in distribution_rows(cfg)}

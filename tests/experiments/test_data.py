@@ -1,5 +1,6 @@
 """Spec-Bench loading from the data folder the repository ships."""
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -72,4 +73,16 @@ def test_an_empty_question_file_is_named(tmp_path):
     (tmp_path / "spec_bench").mkdir()
     (tmp_path / "spec_bench" / "question.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="question.jsonl holds no questions"):
+        load_spec_bench(tmp_path)
+
+
+@pytest.mark.parametrize("turns", [None, [], [""], ["   "], [7], "a question"])
+def test_a_question_without_a_usable_first_turn_is_named(tmp_path, turns):
+    (tmp_path / "spec_bench").mkdir()
+    rows = [{"question_id": 1, "category": "qa", "turns": ["fine"]},
+            {"question_id": 2, "category": "qa", **({} if turns is None else {"turns": turns})}]
+    (tmp_path / "spec_bench" / "question.jsonl").write_text(
+        "\n".join(json.dumps(row) for row in rows) + "\n")
+    with pytest.raises(ValueError, match=r"question\.jsonl, row 2 \(question 2\): \"turns\" "
+                                         "must be a list whose first entry"):
         load_spec_bench(tmp_path)

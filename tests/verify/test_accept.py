@@ -7,6 +7,7 @@ from verify.accept import (
     GreedyRule,
     SpeculativeSamplingRule,
     TypicalRule,
+    check_rule,
     make_rule,
     rule_from_config,
 )
@@ -123,6 +124,18 @@ def test_unknown_rule_settings_are_refused_naming_the_known_ones():
         rule_from_config({"epsilon": 0.1}, params)
 
 
+@pytest.mark.parametrize("settings, key", [({"epsilon": -0.01}, "epsilon"),
+                                           ({"epsilon": float("nan")}, "epsilon"),
+                                           ({"epsilon": 0.1, "alpha": -1.0}, "alpha"),
+                                           ({"epsilon": "0.1"}, "epsilon")])
+def test_typical_settings_out_of_range_are_refused_when_the_rule_is_made(settings, key):
+    # a negative epsilon's default alpha (its square root) was complex, failing mid-run
+    with pytest.raises(ValueError, match=f"rule.{key} must be a number >= 0"):
+        make_rule("typical", SamplingParams(1.0), **settings)
+    with pytest.raises(ValueError, match=f"rule.{key} must be a number >= 0"):
+        check_rule("typical", settings)
+
+
 def test_warp_top_k_and_top_p():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     assert (warp(logits, SamplingParams(1.0, top_k=2))[2:] == 0).all()
@@ -144,7 +157,7 @@ def test_rule_choice_and_bad_parameters():
 
 def test_draft_with_zero_recorded_probability_is_refused():
     tree = TokenTree(torch.tensor([0, 1]), torch.tensor([-1, 0]),
-                     draft_probs=torch.tensor([[0.5, 0.6, 0.5, 0, 0], [0] * 5]))
+                     draft_probs=torch.tensor([[0.3, 0.4, 0.3, 0, 0], [0] * 5]))
     tree.draft_probs[0, 1] = 0.0  # changed after the tree checked it: the rule refuses too
     with pytest.raises(ValueError, match="probability 0"):
         SpeculativeSamplingRule()(tree, torch.zeros(2, V), SamplingParams(1.0))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
+from verify.tree import DISTRIBUTION_TOLERANCE, TokenTree, TreeBuilder, TreeError, TreeTopology
 
 # root r=9; children a=5 (node 1), b=7 (node 2); a's child c=3 (node 3); c's child d=4 (node 4)
 HAND = TokenTree(torch.tensor([9, 5, 7, 3, 4]), torch.tensor([-1, 0, 0, 1, 3]))
@@ -181,3 +181,43 @@ def test_a_builder_holds_sampled_children_to_their_draw_order():
     assert tree.sampled.tolist() == [True, False, False, False]
     assert tree.tokens.tolist() == [9, 2, 1, 3]
     assert b.build([0, 1]).sampled.tolist() == [False, False]
+
+
+@pytest.mark.parametrize("row, message", [
+    ([0.0, 5.0, 3.0, 2.0, 0.0], "sums to 10"),  # q scaled x10: the ratio test would favour it
+    ([0.0, 0.9, 0.3, -0.2, 0.0], "negative entries"),
+    ([0.0, 0.5, 0.3, 0.1, 0.0], "sums to 0.9"),
+    ([0.0, float("nan"), 0.3, 0.2, 0.0], "sums to nan"),
+])
+def test_a_sampled_node_whose_draft_row_is_not_a_distribution_is_refused(row, message):
+    zeros = torch.zeros(5)
+    tokens, parents = torch.tensor([9, 1, 2]), torch.tensor([-1, 0, 0])
+    with pytest.raises(TreeError, match=f"node 0 is sampled .*{message}"):
+        TokenTree(tokens, parents, torch.stack([torch.tensor(row), zeros, zeros]))
+    builder = TreeBuilder(9)
+    builder.set_draft_probs(0, torch.tensor(row))
+    builder.add(0, 1)
+    with pytest.raises(TreeError, match=message):
+        builder.build()
+    # a deterministic node's row is not read: it may hold anything
+    TokenTree(tokens, parents, torch.stack([torch.tensor(row), zeros, zeros]),
+              sampled=[False, False, False])
+
+
+def test_a_row_off_by_less_than_the_tolerance_is_a_distribution():
+    q = torch.tensor([0.0, 0.5, 0.3, 0.2 + 0.5 * DISTRIBUTION_TOLERANCE, 0.0])
+    tree = TokenTree(torch.tensor([9, 1]), torch.tensor([-1, 0]), torch.stack([q, torch.zeros(5)]))
+    assert tree.sampled.tolist() == [True, False]
+
+
+def test_set_draft_probs_refuses_a_missing_node_or_another_vocabulary():
+    builder = TreeBuilder(9)
+    builder.add(0, 1)
+    for node in (-1, 2):
+        with pytest.raises(TreeError, match=f"node {node} does not exist"):
+            builder.set_draft_probs(node, torch.tensor([0.5, 0.5]))
+    builder.set_draft_probs(0, torch.tensor([0.5, 0.5, 0.0]))
+    with pytest.raises(TreeError, match=r"node 1's row has shape \(4,\).*\(3,\)"):
+        builder.set_draft_probs(1, torch.tensor([0.25] * 4))
+    with pytest.raises(TreeError, match=r"shape \(1, 3\)"):
+        builder.set_draft_probs(1, torch.tensor([[0.5, 0.5, 0.0]]))
