@@ -41,7 +41,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafters import build_drafter
 from experiments.bench import Prompt, parse_compare, time_methods, treedraft_method
-from experiments.common import CONF_DIR, pick_questions, publish, save_figure
+from experiments.common import (
+    CONF_DIR,
+    check_report,
+    pick_questions,
+    publish,
+    report_name,
+    save_figure,
+)
 from experiments.processes import run_group
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
@@ -352,9 +359,10 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="peers", version_base=None)
 def main(cfg: DictConfig) -> None:
+    stem = report_name(cfg.target, cfg.target.dtype, "peers")
+    check_report(cfg.out_dir, stem)
     torch.manual_seed(0)
     rows = compare(cfg)
-    stem = f"{cfg.target.name}-{cfg.target.dtype}-peers"
     publish(cfg, stem, rows, format_table, plot)
 
 

@@ -34,7 +34,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.common import CONF_DIR, write_report
+from experiments.common import CONF_DIR, check_report, write_report
 from experiments.peers import failure_reason, model_folder
 from experiments.processes import start_group, stop_group
 from experiments.table import cell, markdown_table
@@ -74,6 +74,7 @@ def run(cfg: DictConfig) -> dict:
         target = load_target_from_config(cfg.target, packed_rows=None)
         target.model.to(env.device)
         folder = regeneration_folder(regen, target, input_key(regen.input))
+        check_report(folder, REPORT_STEM)  # a folder it cannot write in, before any answer
         records = first_records(regen.input, regen.conversations)
         if env.is_main:
             print(f"regenerating {len(records)} conversations with {target.name} "

@@ -38,7 +38,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters.draft_model import LEGACY_VOCAB_FILE, VOCAB_FILE
 from experiments.bench import Prompt, parse_compare
-from experiments.common import CONF_DIR, pick_questions, publish, save_figure
+from experiments.common import (
+    CONF_DIR,
+    check_report,
+    pick_questions,
+    publish,
+    report_name,
+    save_figure,
+)
 from experiments.export import export
 from experiments.peers import (
     REPO,
@@ -254,10 +261,11 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="served", version_base=None)
 def main(cfg: DictConfig) -> None:
+    kinds = "+".join(kind for kind, path in cfg.drafts.items() if path)
+    stem = report_name(cfg.target, cfg.target.dtype, "served", kinds)
+    check_report(cfg.out_dir, stem)
     torch.manual_seed(0)
     rows = compare(cfg)
-    kinds = "+".join(kind for kind, path in cfg.drafts.items() if path)
-    stem = f"{cfg.target.name}-{cfg.target.dtype}-served-{kinds}"
     publish(cfg, stem, rows, format_table, plot)
 
 
