@@ -74,21 +74,26 @@ def check_report(out_dir: str | Path, stem: str) -> Path:
         raise ValueError(f"out_dir={out_dir} is not a folder this command can write its "
                          f"report in ({error.strerror or error}): choose another") from None
     path = folder / f"{stem}.json"
-    if path.is_file():
-        written_by = _writer(path)
-        if written_by not in (None, invocation()["module"]):
-            raise ValueError(f"{path} is {written_by}'s report; {invocation()['module']} "
-                             "would overwrite it: use another out_dir")
+    written_by, running = _writer(path), invocation()["module"]
+    if written_by is not None and _command(written_by) != _command(running):
+        raise ValueError(f"{path} is {written_by}'s report; {running} would overwrite it: use "
+                         "another out_dir")
     return path
 
 
 def _writer(path: Path) -> str | None:
-    """The module that wrote report `path` (None: a report from before they said, or not one)."""
+    """The module that wrote report `path` (None: no report there, one from before reports
+    said, or not a report)."""
     try:
         command = read_json(path, "report").get("command")
     except UnreadableFileError:
         return None
     return command.get("module") if isinstance(command, dict) else None
+
+
+def _command(module: str) -> str:
+    """"bench" for experiments.bench and for the script experiments/bench.py alike."""
+    return Path(module).stem if module.endswith(".py") else module.rsplit(".", 1)[-1]
 
 
 def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig | dict) -> Path:

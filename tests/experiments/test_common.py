@@ -109,6 +109,9 @@ def test_another_commands_report_is_not_overwritten(tmp_path, monkeypatch):
     running(monkeypatch, "experiments.bench")
     write_report(tmp_path, "tiny-llama-prompt_lookup-tree8", [], {})
     assert check_report(tmp_path, "tiny-llama-prompt_lookup-tree8")  # a rerun overwrites
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a script
+    monkeypatch.setattr(sys, "argv", ["/repo/experiments/bench.py"])
+    assert check_report(tmp_path, "tiny-llama-prompt_lookup-tree8")  # the same command
     running(monkeypatch, "experiments.batch_bench")
     with pytest.raises(ValueError, match=r"tiny-llama-prompt_lookup-tree8.json is "
                                          r"experiments.bench's report; experiments.batch_bench "
