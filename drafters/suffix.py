@@ -13,10 +13,10 @@ predict better. The trie whose tree expects more accepted tokens proposes.
 No model and no weights; children are chosen deterministically (draft_probs None: one-hot
 proposals), so greedy and sampled decoding stay exact.
 
-Memory and fairness: a request's output joins the shared trie only when the next request
-begins, so no request ever drafts from its own answer; `forget()` takes the shared trie back
-to what it was warmed with (a benchmark calls it between repeats); `warm_from` and
-`memory_file` warm it from other text.
+Memory and fairness: a request's output (its last step included: `update`) joins the
+shared trie only when the next request begins, so no request ever drafts from its own answer;
+`forget()` takes the shared trie back to what it was warmed with (a benchmark calls it
+between repeats); `warm_from` and `memory_file` warm it from other text.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from drafters.base import StatelessDrafter
 from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix_trie import SuffixTrie
+from verify.accept import Acceptance
 from verify.files import read_json, read_jsonl, write_json
 from verify.protocol import DraftContext, Resettable
 from verify.target import Target
@@ -136,10 +137,12 @@ class _Request:
         self.trie.extend(self.tokens)
 
     def sync(self, context: torch.Tensor) -> None:
-        """Index the context's tokens not seen yet (the drafter is told nothing else)."""
-        new = context[len(self.tokens):].tolist()
-        self.tokens.extend(new)
-        self.trie.extend(new)
+        """Index the context's tokens not seen yet (those no `update` told of)."""
+        self.extend(context[len(self.tokens):].tolist())
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        self.trie.extend(tokens)
 
     @property
     def output(self) -> list[int]:
@@ -148,8 +151,9 @@ class _Request:
 
 class SuffixDrafter(StatelessDrafter, Resettable):
     """Proposes the better of the request's and the shared trie's speculations. Its state is
-    the open requests and the shared trie (`begin`, `fork`); `update` has nothing to learn: the
-    next proposal indexes the decided tokens itself."""
+    the open requests and the shared trie (`begin`, `fork`); `update` indexes each step's
+    decided tokens into the request, so its output is whole when it joins the shared trie
+    (a request's last step is followed by no proposal)."""
 
     def __init__(self, tree: DynamicTree, config: SuffixConfig = SuffixConfig(),
                  memory: SuffixMemory | None = None):
@@ -186,6 +190,14 @@ class SuffixDrafter(StatelessDrafter, Resettable):
             if other.expected > best.expected:
                 best = other
         return best.tree
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """The step's decided tokens (the accepted path, then the bonus token) join the
+        request. A hybrid hands over the part on this drafter's own tree, a prefix of them:
+        the next proposal's context adds the rest (`sync`)."""
+        if self.request is not None:
+            self.request.extend([int(tree.tokens[node]) for node in acceptance.path[1:]]
+                                + [int(acceptance.bonus)])
 
     def fork(self) -> SuffixDrafter:
         """Another sequence's drafter: its own request, the same shared trie."""

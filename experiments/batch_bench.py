@@ -29,9 +29,15 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from drafters import build_drafter
-from experiments.bench import contenders, forget_memories
+from experiments.bench import contenders, forget_memories, report_stem
 from experiments.bench_report import format_batch_table, write_tables
-from experiments.common import pick_questions, save_figure, single_thread, write_report
+from experiments.common import (
+    check_report,
+    pick_questions,
+    save_figure,
+    single_thread,
+    write_report,
+)
 from experiments.report_schema import BatchFigures, BatchSummary
 from verify.accept import Acceptance, rule_parts
 from verify.loop import generate_batch, until_eos
@@ -238,11 +244,12 @@ def plot(summary: dict, path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="batch_bench", version_base=None)
 def main(cfg: DictConfig) -> None:
+    stem = report_stem(cfg, "batch")
+    check_report(cfg.out_dir, stem)
     torch.manual_seed(cfg.seed)
     with single_thread() if cfg.target.tiny else nullcontext():
         summary = run_batches(cfg)
     print(format_batch_table(summary))  # before any file: a failed write loses no measurement
-    stem = f"{cfg.target.name}-" + "+".join(c.name.replace("/", "-") for c in contenders(cfg))
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)
     print(f"\nJSON: {path}\ntables: {write_tables(path)}")
     if cfg.plot:

@@ -20,7 +20,6 @@ Prints markdown, writes JSON and a bar chart.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ from experiments.bench_report import (
     summarise,
     write_tables,
 )
-from experiments.common import CONF_DIR, pick_questions, write_report
+from experiments.common import CONF_DIR, check_report, pick_questions, report_name, write_report
 from train.logger import build_logger
 from verify.accept import RuleConfig, check_rule, rule_parts
 from verify.loop import generate
@@ -390,24 +389,17 @@ def _warm_files(drafter_cfg: DictConfig) -> list:
             if cfg.get(key)]
 
 
-MAX_STEM = 120  # file systems refuse names over 255 bytes; the JSON and PNG add suffixes
-
-
-def report_stem(cfg: DictConfig) -> str:
-    """The result files' name: the target and every drafter's method name, file-safe; a long
-    one is cut and ends in a hash of the whole, so two comparisons never share a file."""
-    names = [re.sub(r"[^\w.+-]+", "-", c.name).strip("-") for c in contenders(cfg)]
-    stem = f"{cfg.target.name}-" + "+".join(names)
-    if len(stem) <= MAX_STEM:
-        return stem
-    digest = hashlib.sha256(stem.encode()).hexdigest()[:10]
-    return f"{stem[:MAX_STEM - len(digest) - 1]}-{digest}"
+def report_stem(cfg: DictConfig, *kind: str) -> str:
+    """The result files' name (common.report_name): the target and every drafter's method
+    name, then `kind` (batch_bench's "batch": its report is not the bench's)."""
+    return report_name(cfg.target, "+".join(c.name for c in contenders(cfg)), *kind)
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
-    torch.manual_seed(cfg.seed)
     stem = report_stem(cfg)
+    check_report(cfg.out_dir, stem)
+    torch.manual_seed(cfg.seed)
     summary = run_benchmark(cfg)
     print(format_tables(summary))  # before any file: a failed write loses no measurement
     path = write_report(Path(cfg.out_dir), stem, [summary], cfg)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import platform
+import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,7 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.data import Question, load_spec_bench
-from verify.files import write_bytes, write_json
+from verify.files import UnreadableFileError, read_json, write_bytes, write_json
+from verify.target import target_name
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # Hydra's config root
 
@@ -38,10 +42,73 @@ def pick_questions(data_root: str | None, num_prompts: int,
     return spread[:num_prompts]
 
 
+MAX_STEM = 120  # file systems refuse names over 255 bytes; the JSON and PNG add suffixes
+
+
+def report_name(target: Mapping, *parts: str) -> str:
+    """A report's file name, suffix aside: the name of the target that `target` (a conf
+    target: path, tiny) loads, its fingerprint's (verify.target.target_name: a folder or hub
+    id as given, never conf's `name`, which stays the default's whatever target.path says),
+    then `parts`, joined by "-" (`file_stem`)."""
+    return file_stem("-".join([target_name(target.get("path"), target.get("tiny")), *parts]))
+
+
+def file_stem(text: str) -> str:
+    """`text` as one file name in out_dir: every run of characters other than letters,
+    digits and `.+-_` (a path's "/" among them) becomes "-"; a name over MAX_STEM is cut and
+    ends in a hash of the whole, so two names never share a file."""
+    stem = re.sub(r"[^\w.+-]+", "-", text).strip("-.")
+    if len(stem) <= MAX_STEM:
+        return stem
+    digest = hashlib.sha256(stem.encode()).hexdigest()[:10]
+    return f"{stem[:MAX_STEM - len(digest) - 1]}-{digest}"
+
+
+def check_report(out_dir: str | Path, stem: str) -> Path:
+    """What every command that writes a report checks first, before any work: that `out_dir`
+    is (or can be made) a folder it can write in, and that `<stem>.json` there is not
+    another command's report (a second command would overwrite it: two benches given one
+    out_dir and the same methods). ValueError naming the folder or file; returns the
+    report's path."""
+    folder = Path(out_dir).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(f"out_dir={out_dir} is not a folder this command can write its "
+                         f"report in ({error.strerror or error}): choose another") from None
+    path = folder / f"{stem}.json"
+    written_by, running = _writer(path), invocation()["module"]
+    if written_by is not None and _command(written_by) != _command(running):
+        raise ValueError(f"{path} is {written_by}'s report; {running} would overwrite it: use "
+                         "another out_dir")
+    return path
+
+
+def _writer(path: Path) -> str | None:
+    """The module that wrote report `path` (None: no report there, one from before reports
+    said, or not a report)."""
+    try:
+        command = read_json(path, "report").get("command")
+    except UnreadableFileError:
+        return None
+    return command.get("module") if isinstance(command, dict) else None
+
+
+def _command(module: str) -> str:
+    """"bench" for experiments.bench and for the script experiments/bench.py alike."""
+    return Path(module).stem if module.endswith(".py") else module.rsplit(".", 1)[-1]
+
+
 def write_report(out_dir: Path, stem: str, rows: list[dict], cfg: DictConfig | dict) -> Path:
     """Write {"command": ..., "config": ..., "environment": ..., "rows": ...} as JSON
-    atomically (the config resolved); returns the path. "command" names the command that
-    wrote it (`invocation`): the results pages pick its formatter by that name."""
+    atomically (the config resolved) as <out_dir>/<stem>.json; returns the path. "command"
+    names the command that wrote it (`invocation`): the results pages pick its formatter by
+    that name. A `stem` that is not one file name (a path's "/") is refused: a report stays
+    inside out_dir."""
+    if stem != Path(stem).name or stem in ("", ".", ".."):
+        raise ValueError(f"report name {stem!r} is not a file name: name it with file_stem")
     path = out_dir / f"{stem}.json"
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     write_json(path, {"command": invocation(), "config": config,

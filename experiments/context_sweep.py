@@ -35,7 +35,7 @@ from experiments.bench import (
     time_methods,
 )
 from experiments.bench_report import summarise
-from experiments.common import save_figure, single_thread, write_report
+from experiments.common import check_report, report_name, save_figure, single_thread, write_report
 from experiments.report_schema import BenchSummary, MethodFigures
 from experiments.table import cell, markdown_table
 from train.conversations import read_conversations, tokenize_conversation
@@ -166,11 +166,12 @@ def plot(rows: list[dict], path: Path, baseline: str) -> Path:
 
 @hydra.main(config_path="../conf", config_name="context_sweep", version_base=None)
 def main(cfg: DictConfig) -> None:
+    stem = report_name(cfg.target, "context", cfg.drafter.name, cfg.tree.name)
+    check_report(cfg.out_dir, stem)
     torch.manual_seed(cfg.seed)
     rows, source = sweep(cfg)
     print(f"Prompts: {source}.\n")
     print(format_table(rows))
-    stem = f"{cfg.target.name}-context-{cfg.drafter.name}-{cfg.tree.name}"
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(f"\nJSON: {path}")
     if cfg.plot:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from drafters import build_drafter, proposes_chains
 from experiments.chain import chain_rows
-from experiments.common import pick_questions, single_thread, write_report
+from experiments.common import check_report, file_stem, pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
 from experiments.table import markdown_table
 from verify.accept import RULES, SpeculativeSamplingRule, make_rule
@@ -230,9 +230,11 @@ def format_table(rows: list[dict]) -> str:
 
 @hydra.main(config_path="../conf", config_name="correctness", version_base=None)
 def main(cfg: DictConfig) -> None:
+    stem = file_stem(f"{cfg.drafter.name}-{cfg.tree.name}")
+    check_report(cfg.out_dir, stem)
     rows = evaluate(cfg)
     table = format_table(rows)
-    path = write_report(Path(cfg.out_dir), f"{cfg.drafter.name}-{cfg.tree.name}", rows, cfg)
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(table)
     print(f"\nJSON: {path}")
     if any(row["passed"] is False for row in rows):

@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from experiments.common import CONF_DIR, write_report
+from experiments.common import CONF_DIR, check_report, report_name, write_report
 from experiments.table import cell, markdown_table
 from train.distill import answer_batch, encode_until
 from train.prompts import interleave, load_prompt_files
@@ -80,10 +80,11 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(config_path=CONF_DIR, config_name="distill_speed", version_base=None)
 def main(cfg: DictConfig) -> None:
+    stem = report_name(cfg.target, cfg.target.dtype, "distill-speed")
+    check_report(cfg.out_dir, stem)
     rows = evaluate(cfg)
     print(format_table(rows))
-    path = write_report(Path(cfg.out_dir), f"{cfg.target.name}-{cfg.target.dtype}-distill-speed",
-                        rows, cfg)
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(f"\nJSON: {path}")
 
 

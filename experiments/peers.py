@@ -29,7 +29,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafters import build_drafter
 from experiments.bench import Prompt, parse_compare, time_methods, treedraft_method
-from experiments.common import CONF_DIR, pick_questions, publish, save_figure
+from experiments.common import (
+    CONF_DIR,
+    check_report,
+    pick_questions,
+    publish,
+    report_name,
+    save_figure,
+)
+from experiments.processes import run_group
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
 from verify.sampling import SamplingParams
@@ -83,7 +90,17 @@ def typed_engines(engines: DictConfig) -> dict[str, DictConfig]:
             OmegaConf.to_container(typed[name], throw_on_missing=True)
         except OmegaConfBaseException as e:
             raise ValueError(f"engines.{name}: {e}") from e
+        check_runner_name(name, typed[name].runner or name)
     return typed
+
+
+def check_runner_name(engine: str, runner: str) -> None:
+    """Refuse an engine or runner that is not a plain name (a runner is a file in RUNNERS,
+    <runner>_runner.py; "../x" would run a script from anywhere), naming the ones there."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", engine) or not re.fullmatch(r"[A-Za-z0-9_-]+", runner):
+        known = sorted(p.name.removesuffix("_runner.py") for p in RUNNERS.glob("*_runner.py"))
+        raise ValueError(f"engines.{engine}: runner {runner!r} is not a runner's name: runners "
+                         f"are files in {RUNNERS} ({', '.join(known)})")
 
 
 def model_folder(target: Target, scratch: Path) -> str:
@@ -155,17 +172,30 @@ def run_engine_method(engine: str, python: Path, request: dict, timeout_s: float
     stem = f"{label or engine}-{request['method']['name']}"
     request_path, result_path = scratch / f"{stem}.json", scratch / f"{stem}.out"
     request_path.write_text(json.dumps(request))
-    try:
-        # one stream in time order: an engine's worker logs the root cause before the
-        # engine's own wrapper raises on another stream
-        done = subprocess.run([str(python), str(runner), str(request_path), str(result_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout_s, cwd=scratch, env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired:
+    # one stream in time order: an engine's worker logs the root cause before the engine's
+    # own wrapper raises on another stream; past the timeout its workers go with it
+    done = run_group([str(python), str(runner), str(request_path), str(result_path)],
+                     timeout_s, cwd=scratch, env={**os.environ, **(env or {})})
+    if done is None:
         return {"error": f"no result within timeout_s={timeout_s:.0f}"}
-    if done.returncode != 0 or not result_path.is_file():
-        return {"error": failure_reason(done.stdout, done.returncode)}
-    return json.loads(result_path.read_text())
+    if done[0] != 0 or not result_path.is_file():
+        return {"error": failure_reason(done[1], done[0])}
+    return read_result(result_path, len(request["prompts"]))
+
+
+def read_result(path: Path, prompts: int) -> dict:
+    """A runner's result file: {"rows": [one {"tokens", "seconds"} per prompt], ...}, or
+    {"error": <what is wrong with it>} (a runner can exit 0 and still write nonsense)."""
+    try:
+        result = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return {"error": f"its result is not JSON ({error})"}
+    rows = result.get("rows") if isinstance(result, dict) else None
+    if not isinstance(rows, list) or len(rows) != prompts or not all(
+            isinstance(r, dict) and isinstance(r.get("tokens"), list)
+            and isinstance(r.get("seconds"), (int, float)) for r in rows):
+        return {"error": f"its result holds no `rows` of {prompts} prompts' tokens and seconds"}
+    return result
 
 
 EXCEPTION = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
@@ -332,9 +362,10 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="peers", version_base=None)
 def main(cfg: DictConfig) -> None:
+    stem = report_name(cfg.target, cfg.target.dtype, "peers")
+    check_report(cfg.out_dir, stem)
     torch.manual_seed(0)
     rows = compare(cfg)
-    stem = f"{cfg.target.name}-{cfg.target.dtype}-peers"
     publish(cfg, stem, rows, format_table, plot)
 
 

@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import PreTrainedModel
 
-from experiments.common import save_figure, single_thread, write_report
+from experiments.common import check_report, report_name, save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from verify.accept import make_rule
 from verify.cache import keep_entries
@@ -360,9 +360,10 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="profile", version_base=None)
 def main(cfg: DictConfig) -> None:
+    stem = report_name(cfg.target, "profile", cfg.target.dtype)
+    check_report(cfg.out_dir, stem)
     rows = profile(cfg)
     print(format_table(rows))
-    stem = f"{cfg.target.name}-profile-{cfg.target.dtype}"
     if cfg.products:
         target = load_target_from_config(OmegaConf.merge(cfg.target, {"packed_rows": None}))
         products = product_bounds(product_times(target.model, sorted(set(cfg.sizes)),

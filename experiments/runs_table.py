@@ -24,7 +24,7 @@ import hydra
 import yaml
 from omegaconf import DictConfig
 
-from experiments.common import save_figure, write_report
+from experiments.common import check_report, file_stem, save_figure, write_report
 from experiments.table import markdown_table
 from verify.files import read_json
 
@@ -175,6 +175,7 @@ def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="runs_table", version_base=None)
 def main(cfg: DictConfig) -> None:
+    check_report(cfg.out_dir, file_stem(cfg.name))
     runs = [r for r in find_runs(list(cfg.runs))
             if matches(fill_absent(r, list(cfg.absent)), list(cfg.where))]
     if not runs:

@@ -22,7 +22,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.common import CONF_DIR, write_report
+from experiments.common import CONF_DIR, check_report, report_name, write_report
 from experiments.table import markdown_table
 from verify.files import read_json
 
@@ -151,10 +151,12 @@ def format_table(rows: list[dict]) -> str:
 def main(cfg: DictConfig) -> None:
     # the subprocesses get the target by its conf/target option, as this command got it
     cfg.target_option = HydraConfig.get().runtime.choices["target"]
+    stem = report_name(cfg.target, "scale-speed")
+    check_report(cfg.out_dir, stem)
     with tempfile.TemporaryDirectory(prefix="scale-speed-") as scratch:
         rows = evaluate(cfg, Path(scratch))
     print(format_table(rows))
-    path = write_report(Path(cfg.out_dir), f"{cfg.target.name}-scale-speed", rows, cfg)
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(f"\nJSON: {path}")
 
 

@@ -38,7 +38,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters.draft_model import LEGACY_VOCAB_FILE, VOCAB_FILE
 from experiments.bench import Prompt, parse_compare
-from experiments.common import CONF_DIR, pick_questions, publish, save_figure
+from experiments.common import (
+    CONF_DIR,
+    check_report,
+    pick_questions,
+    publish,
+    report_name,
+    save_figure,
+)
 from experiments.export import export
 from experiments.peers import (
     REPO,
@@ -144,8 +151,10 @@ def served_row(kind: str, ours: list[dict], theirs: dict, reference: list[list[i
     return row
 
 
-def compare(cfg: DictConfig) -> list[dict]:
-    """A row per draft given (cfg.drafts: kind -> checkpoint; null ones are skipped)."""
+def checked_drafts(cfg: DictConfig) -> dict[str, str]:
+    """The drafts given ({kind: checkpoint folder}), once every input is known good: ValueError
+    naming the first that is not (an unknown kind, a folder that is not there, a chain length
+    with no tree chain<k>), before the target loads and decodes."""
     unknown = set(cfg.drafts) - set(KINDS)
     if unknown:
         raise ValueError(f"drafts.{sorted(unknown)[0]}: choose from {sorted(KINDS)}")
@@ -153,6 +162,21 @@ def compare(cfg: DictConfig) -> list[dict]:
     if not drafts:
         raise ValueError("no draft given: drafts.eagle3=<run>/checkpoint, drafts.medusa=..., "
                          "drafts.draft_model=...")
+    for kind, path in drafts.items():
+        if not Path(path).expanduser().is_dir():
+            raise ValueError(f"drafts.{kind}={path}: no such folder (a training run's "
+                             "checkpoint/ folder)")
+    chains = sorted(int(p.stem.removeprefix("chain"))
+                    for p in (Path(CONF_DIR) / "tree").glob("chain*.yaml"))
+    if cfg.speculative_tokens not in chains:
+        raise ValueError(f"speculative_tokens={cfg.speculative_tokens}: choose from {chains} "
+                         "(treedraft's chain trees, conf/tree/chain<k>.yaml)")
+    return drafts
+
+
+def compare(cfg: DictConfig) -> list[dict]:
+    """A row per draft given (cfg.drafts: kind -> checkpoint; null ones are skipped)."""
+    drafts = checked_drafts(cfg)
     k = cfg.speculative_tokens
     target = load_target_from_config(cfg.target)
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories,
@@ -238,10 +262,11 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="served", version_base=None)
 def main(cfg: DictConfig) -> None:
+    kinds = "+".join(kind for kind, path in cfg.drafts.items() if path)
+    stem = report_name(cfg.target, cfg.target.dtype, "served", kinds)
+    check_report(cfg.out_dir, stem)
     torch.manual_seed(0)
     rows = compare(cfg)
-    kinds = "+".join(kind for kind, path in cfg.drafts.items() if path)
-    stem = f"{cfg.target.name}-{cfg.target.dtype}-served-{kinds}"
     publish(cfg, stem, rows, format_table, plot)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import save_figure, write_report
+from experiments.common import check_report, file_stem, save_figure, write_report
 from experiments.report_schema import BenchReport, BenchSummary, summary_type
 from experiments.stats import leviathan_expected_tokens
 from experiments.table import markdown_table
@@ -213,6 +213,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="simulate", version_base=None)
 def main(cfg: DictConfig) -> None:
+    check_report(cfg.out_dir, file_stem(cfg.name))
     rows = simulate(cfg)
     print(format_table(rows))
     out = Path(cfg.out_dir)

@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
-from experiments.common import CONF_DIR, save_figure, write_report
+from experiments.common import CONF_DIR, check_report, report_name, save_figure, write_report
 from experiments.table import cell, markdown_table
 from verify.compiled import CompiledStep
 from verify.costs import measure_verify_cost, time_step
@@ -221,11 +221,12 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     if 1 not in cfg.sizes:
         raise ValueError(f"sizes must include 1, the step the limit bounds; got {cfg.sizes}")
+    stem = report_name(cfg.target, "step-limit")
+    check_report(cfg.out_dir, stem)
     bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats,
                                cfg.target.get("device") or "cpu")
     rows = [limit_row(cfg, dtype, step, bandwidth) for dtype in cfg.dtypes for step in cfg.steps]
     print(format_table(rows))
-    stem = f"{cfg.target.name}-step-limit"
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(f"\nJSON: {path}")
     if cfg.plot:

@@ -65,7 +65,14 @@ from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import Speculation, SuffixConfig, SuffixDrafter, SuffixMemory
 from drafters.suffix_trie import SuffixTrie
-from experiments.common import CONF_DIR, pick_questions, publish, save_figure
+from experiments.common import (
+    CONF_DIR,
+    check_report,
+    pick_questions,
+    publish,
+    report_name,
+    save_figure,
+)
 from experiments.peers import REPO, run_engine_method
 from experiments.table import cell, markdown_table
 from verify.loop import generate
@@ -391,8 +398,8 @@ def _stdev(values: list[float]) -> float | None:
     return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
 
-def decode_outputs(cfg: DictConfig) -> tuple[list[Request], str]:
-    """Each prompt's greedy output from treedraft's plain loop, and the target's name."""
+def decode_outputs(cfg: DictConfig) -> list[Request]:
+    """Each prompt's greedy output from treedraft's plain loop."""
     target = load_target_from_config(cfg.target)
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
     requests = []
@@ -401,7 +408,7 @@ def decode_outputs(cfg: DictConfig) -> tuple[list[Request], str]:
         result = generate(target.step, prompt, cfg.max_new_tokens,
                           eos_token_id=target.eos_token_ids)
         requests.append(Request(prompt.tolist(), result.tokens.tolist(), question.category))
-    return requests, target.name
+    return requests
 
 
 def replay_rows(cfg: DictConfig, requests: Sequence[Request]) -> list[dict]:
@@ -546,9 +553,10 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="suffix_reference", version_base=None)
 def main(cfg: DictConfig) -> None:
-    requests, target_name = decode_outputs(cfg)
+    stem = report_name(cfg.target, "suffix-reference")
+    check_report(cfg.out_dir, stem)
+    requests = decode_outputs(cfg)
     rows = replay_rows(cfg, requests)
-    stem = f"{target_name}-suffix-reference"
     publish(cfg, stem, rows, format_table, plot)
 
 

@@ -40,6 +40,7 @@ Every mode prints (and writes as JSON) the table behind the choice.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -49,8 +50,14 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.dynamic_tree import DynamicTree
-from drafters.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
-from experiments.common import save_figure, single_thread, write_report
+from drafters.tree_builder import (
+    build_tree,
+    choose_budget,
+    expected_tokens,
+    rank_order_breaks,
+    write_tree_config,
+)
+from experiments.common import check_report, report_name, save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from experiments.tree_search_dynamic import (
     budget_rows,
@@ -77,6 +84,8 @@ from verify.files import read_json, write_json
 from verify.target import Target, load_target_from_config
 from verify.tree import TreeTopology
 
+log = logging.getLogger(__name__)
+
 
 def load_accuracies(path: str | Path | None) -> list[list[float]]:
     """The "rank_accuracy" table of a JSON file (top level, or under "accuracy" as in the
@@ -94,7 +103,23 @@ def load_accuracies(path: str | Path | None) -> list[list[float]]:
                          f"non-empty lists of per-rank accuracies, got {table!r}")
     table = [[float(a) for a in row] for row in table]
     build_tree(table, 0)  # checks the values now rather than after minutes of measuring
+    if isinstance(data.get("steps"), int):  # measured here (accuracies=decode)
+        warn_if_few_steps(data["steps"], path)
     return table
+
+
+# Below this many decoding steps a rank's measured rate has a standard error above 0.05
+# (sqrt(p(1 - p) / steps) <= 0.5 / sqrt(steps)): a tree fitted to it may fit the noise.
+MIN_STEPS = 100
+
+
+def warn_if_few_steps(steps: int, source: str | Path) -> None:
+    """Warn that a rank-accuracy table from `source` counted too few steps to fit a tree to."""
+    if steps < MIN_STEPS:
+        log.warning("the rank accuracy in %s was counted over %d decoding steps (< %d): each "
+                    "rate is uncertain by up to +-%.2f, and a tree fitted to it may fit the "
+                    "noise; measure more (num_prompts, max_new_tokens)", source, steps,
+                    MIN_STEPS, 0.5 / max(steps, 1) ** 0.5)
 
 
 def _is_table(table: object) -> bool:
@@ -132,8 +157,14 @@ def format_table(rows: list[dict]) -> str:
 
 
 def search(cfg: DictConfig) -> tuple[TreeTopology, list[dict]]:
-    """Measure t(n) on the configured target; returns the chosen tree and the size table."""
+    """Measure t(n) on the configured target; returns the chosen tree and the size table (a
+    warning where the table's ranks make the best-first trees less than the best)."""
     accuracies, cost = table_and_costs(cfg)
+    breaks = rank_order_breaks(accuracies)
+    if breaks:
+        log.warning("the accuracy table's rank r is right more often than rank r - 1 at "
+                    "(depth, rank) %s: the best-first tree of a size is then not the best; "
+                    "mode=sequoia builds the best by dynamic programming", breaks)
     budget = choose_budget(accuracies, cost)
     return build_tree(accuracies, budget), size_table(accuracies, cost, budget)
 
@@ -177,11 +208,12 @@ def _measured_table(cfg: DictConfig, target: Target) -> list[list[float]]:
     # Saved as a file accuracies= reads, so later searches (another size list, another draft
     # cost) need not decode again.
     table, steps = measure_rank_accuracy(cfg, target)
-    path = Path(cfg.out_dir) / f"{cfg.target.name}-{cfg.name}{RANK_ACCURACY}"
+    path = Path(cfg.out_dir) / f"{report_name(cfg.target, cfg.name)}{RANK_ACCURACY}"
     write_json(path, {"rank_accuracy": table, "steps": steps, "drafter": cfg.drafter.name,
                       "measure_depth": cfg.measure_depth, "measure_top_k": cfg.measure_top_k,
                       "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens})
     print(f"rank accuracy of drafter={cfg.drafter.name} over {steps} steps: {path}")
+    warn_if_few_steps(steps, path)
     return table
 
 
@@ -266,6 +298,8 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"mode must be static (a Medusa tree from an accuracy table), sequoia "
                          f"(Sequoia's tree from the same table) or dynamic (an EAGLE-2 budget "
                          f"from decoding), got {cfg.mode!r}")
+    stem = report_name(cfg.target, cfg.name)
+    check_report(cfg.out_dir, stem)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     if cfg.mode in TABLE_MODES:
@@ -279,7 +313,6 @@ def main(cfg: DictConfig) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_dynamic_tree_config(tree, out, cfg.name, note)
         table, about, plot = format_budget_table(rows), note, plot_budgets
-    stem = f"{cfg.target.name}-{cfg.name}"
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(table)
     print(f"\ntree: {out} ({about})\nJSON: {path}")

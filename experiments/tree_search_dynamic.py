@@ -31,7 +31,7 @@ from train.schema import DataConfig
 from verify.files import write_text
 from verify.loop import GenerationResult, generate
 from verify.protocol import Drafter
-from verify.target import Target
+from verify.target import Target, target_name
 from verify.tree import TreeError
 
 
@@ -253,7 +253,8 @@ def measurement_note(cfg: DictConfig, machine: str, rows: list[dict]) -> str:
     checkpoint = cfg.drafter.get("checkpoint") or cfg.drafter.get("path")
     weights = f"weights {checkpoint}" if checkpoint else "fresh, untrained weights"
     trees = sorted({(r["depth"], r["top_k"], r["total_tokens"]) for r in rows[1:]})
-    return (f"Measured by experiments.tree_search mode=dynamic on {cfg.target.name} ({machine}): "
+    name = target_name(cfg.target.path, cfg.target.tiny)  # what loaded, not conf's `name`
+    return (f"Measured by experiments.tree_search mode=dynamic on {name} ({machine}): "
             f"trees (depth, top_k, total_tokens) {trees} decoded greedily by drafter "
             f"{cfg.drafter.name} ({weights}) on "
             f"{cfg.num_prompts} held-out training prompts x {cfg.max_new_tokens} tokens. "

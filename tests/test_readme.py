@@ -43,3 +43,9 @@ def test_every_config_option_the_readme_names_exists():
     missing = [f"{g}={o}" for g, o in sorted(options)
                if not (ROOT / "conf" / g / f"{o}.yaml").is_file()]
     assert not missing
+
+
+def test_the_readme_stays_a_guide_of_at_most_450_lines():
+    """Detail goes to the pages it links (docs/*.md), not into the README itself."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 450, f"README.md has {lines} lines: move detail to docs/"

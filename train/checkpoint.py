@@ -20,7 +20,7 @@ from drafters.checkpoint import CONFIG_FILE, read_config
 from drafters.medusa import ADAPTER_DIR
 from train.sharding import load_full_optimizer_state, load_full_state_dict
 from verify.files import load_tensors, read_json, readable_folder
-from verify.fingerprint import describe_difference
+from verify.fingerprint import describe_difference, describe_settings
 from verify.target import Target
 
 STATE_FILE = "train_state.pt"
@@ -90,28 +90,10 @@ def _check_same_target(found: Path, saved: Mapping, target: Target) -> None:
 def check_same_run(found: Path, saved: dict, asked: dict) -> None:
     """Refuse to resume a run whose training settings differ (NOT_TRAINING_KEYS aside),
     naming each key with its saved and asked values."""
-    before, now = _training_keys(saved), _training_keys(asked)
-    differing = sorted(key for key in before.keys() | now.keys()
-                       if before.get(key) != now.get(key))
-    if differing:
-        described = "; ".join(f"{key}: saved {before.get(key)!r}, asked {now.get(key)!r}"
-                              for key in differing)
+    described = describe_settings(saved, asked, NOT_TRAINING_KEYS)
+    if described:
         raise ValueError(f"the checkpoint in {found} was trained with other settings "
                          f"({described}); resuming would mix two runs: {WAYS_OUT}")
-
-
-def _training_keys(config: dict, prefix: str = "") -> dict:
-    """A nested config flattened to dotted keys, NOT_TRAINING_KEYS left out."""
-    flat = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if dotted in NOT_TRAINING_KEYS:
-            continue
-        if isinstance(value, dict):
-            flat.update(_training_keys(value, f"{dotted}."))
-        else:
-            flat[dotted] = value
-    return flat
 
 
 def load_checkpoint(found: Path, module: torch.nn.Module, weights_file: str,

@@ -1,12 +1,15 @@
 """What a regeneration folder holds, and reading it back: the ranks' resume logs, the merged
 conversations, the account and the manifest (train.regenerate writes them).
 
+    <folder>/made_by.json           what makes its answers (target, input, settings); first
     <folder>/ranks/rank-<r>.jsonl   every outcome of rank r, one JSON line each, as it comes
     <folder>/conversations.jsonl    the done conversations, input order: {id, conversations}
     <folder>/account.json           input = done + skipped + failed, by reason
     <folder>/manifest.json          the target's fingerprint and the settings; written last
 
-A killed run leaves its rank logs: the next one skips what they hold. Training reads a folder
+A killed run leaves its rank logs: the next one skips what they hold, and only when it has
+what made them (`claim_folder`): a folder is never continued by another target or with other
+settings, so its manifest speaks for every answer in it. Training reads a folder
 only with the target that made it (`conversation_file`).
 """
 
@@ -19,13 +22,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from train.conversations import Record
-from verify.files import write_json, write_text
-from verify.fingerprint import describe_difference, identity
+from train.distributed import DistEnv
+from verify.files import read_json, write_json, write_text
+from verify.fingerprint import describe_difference, describe_settings, identity
 from verify.target import Target
 
 CONVERSATIONS_FILE = "conversations.jsonl"
 ACCOUNT_FILE = "account.json"
 MANIFEST_FILE = "manifest.json"
+MADE_BY_FILE = "made_by.json"
 
 Message = dict[str, str]  # a chat message: {"role", "content"}
 
@@ -58,6 +63,30 @@ class RankLog:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(outcome), ensure_ascii=False) + "\n")
             f.flush()
+
+
+def claim_folder(folder: Path, made: dict, env: DistEnv) -> None:
+    """Continue `folder` only with what started it: ValueError naming each difference when
+    `made` (train.regenerate.made_by) is not what its MADE_BY_FILE holds, or, in a folder
+    finished before that file existed, what its manifest records. Rank 0 records `made` in a
+    new folder."""
+    path = folder / MADE_BY_FILE
+    if path.is_file():
+        saved = read_json(path, "regeneration record")
+    elif (folder / MANIFEST_FILE).is_file():  # no input was recorded then
+        manifest = read_json(folder / MANIFEST_FILE, "regeneration manifest")
+        saved = {**made, "target": identity(manifest["target"]),
+                 "dtype": manifest["target"]["dtype"],
+                 "settings": {k: manifest["regen"].get(k) for k in made["settings"]}}
+    else:
+        if env.is_main:
+            write_json(path, made)
+        return
+    described = describe_settings(saved, made)
+    if described:
+        raise ValueError(f"{folder} holds a regeneration made by another target or with other "
+                         f"settings ({described}): use another regen.out_dir, or the same "
+                         "target and settings to continue it")
 
 
 def read_outcomes(path: Path, repair: bool = False) -> list[Outcome]:
@@ -104,7 +133,8 @@ def make_account(outcomes: Sequence[Outcome], this_run: dict) -> dict:
         "answers": sum(o.answers for o in done), "tokens": sum(o.tokens for o in done),
         "cut_answers": sum(o.cut_answers for o in done),
         "dropped_turns": sum(o.dropped_turns for o in done),
-        "this_run": {**this_run, "tokens_per_s": round(
+        # the rate from the seconds as measured: a run under 0.05 s would round to 0
+        "this_run": {**this_run, "seconds": round(this_run["seconds"], 1), "tokens_per_s": round(
             this_run["tokens"] / max(this_run["seconds"], 1e-9), 2)},
     }
     assert account["input"] == account["done"] + account["skipped"] + account["failed"]

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from train.conversations import Record, chat_messages, read_records
 from train.distributed import DistEnv, all_reduce_sum
 from train.lock import run_lock
-from train.regen_folder import Message, Outcome, RankLog, write_results
+from train.regen_folder import Message, Outcome, RankLog, claim_folder, write_results
 from verify.fingerprint import identity
 from verify.loop import generate_batch, until_eos
 from verify.target import Target, cache_root
@@ -102,6 +102,8 @@ def builtin_answer(target: Target, regen: RegenConfig) -> Answer:
 def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConfig,
                      folder: Path, env: DistEnv, answer: Answer) -> dict:
     """regenerate's work, once the run holds `folder`."""
+    claim_folder(folder, made_by(target.fingerprint(), asdict(regen), input_key(regen.input)),
+                 env)
     log = RankLog(folder, env.rank)
     mine = [record for i, record in enumerate(records)
             if i % env.world_size == env.rank and record[0] not in log.finished]
@@ -113,7 +115,7 @@ def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConf
     if not env.is_main:
         return {}
     this_run = {"conversations": done[0], "tokens": done[1],
-                "seconds": round(time.perf_counter() - started, 1), "ranks": env.world_size,
+                "seconds": time.perf_counter() - started, "ranks": env.world_size,
                 "engine": regen.engine}
     return write_results(folder, records, settings(target, regen), this_run)
 
@@ -239,18 +241,22 @@ class _Job:
 
 
 def regeneration_folder(regen: RegenConfig, target: Target, input_key: Any) -> Path:
-    """regen.out_dir, else a cache folder named by the target's identity and dtype, the input
-    and every setting that changes the answers."""
+    """regen.out_dir, else a cache folder named by what makes its answers (`made_by`)."""
     if regen.out_dir:
         return Path(regen.out_dir).expanduser()
-    fingerprint = target.fingerprint()
-    settings = {k: v for k, v in asdict(regen).items() if k not in NOT_IN_KEY}
-    if regen.engine == "builtin":
-        del settings["engine"]  # folders made before engines were a setting keep their key
-    key = hashlib.sha256(json.dumps({
-        "target": identity(fingerprint), "dtype": fingerprint["dtype"], "input": input_key,
-        "settings": settings}, sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps(made_by(target.fingerprint(), asdict(regen), input_key),
+                                    sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "regenerated" / target.name.replace("/", "--") / key
+
+
+def made_by(fingerprint: dict, regen: dict, input_key: Any) -> dict:
+    """What makes a folder's answers: the target's identity and dtype, the input and every
+    setting that changes the answers (a cache folder's key; what a folder is continued with)."""
+    settings = {k: v for k, v in regen.items() if k not in NOT_IN_KEY}
+    if settings.get("engine") == "builtin":
+        del settings["engine"]  # folders made before engines were a setting keep their key
+    return {"target": identity(fingerprint), "dtype": fingerprint["dtype"], "input": input_key,
+            "settings": settings}
 
 
 def input_key(path: str | None) -> dict:

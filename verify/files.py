@@ -188,8 +188,8 @@ def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest), dir=dest.parent))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())
         write(tmp)
+        _umask_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -204,6 +204,19 @@ def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool 
         if not dest.is_dir():
             raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask_modes(folder: Path) -> None:
+    """Give `folder`, and every file and folder in it, the modes the umask gives a plain
+    `open`/`mkdir`, whoever wrote them: safetensors' `save_file` (and so `save_pretrained`)
+    creates its files 0600, which left a checkpoint's weights private beside its 0644 JSON."""
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for root, folders, files in os.walk(folder):
+        for name in folders:
+            os.chmod(Path(root) / name, 0o777 & ~mask)
+        for name in files:
+            os.chmod(Path(root) / name, 0o666 & ~mask)
 
 
 def readable_folder(dest: Path) -> Path | None:

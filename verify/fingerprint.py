@@ -71,3 +71,27 @@ def describe_difference(saved: dict, have: dict) -> str:
     """"config abc.. != def.., base_weights ..." over the keys where two fingerprints differ."""
     return ", ".join(f"{key} {saved.get(key)} != {have.get(key)}"
                      for key in sorted(set(saved) | set(have)) if saved.get(key) != have.get(key))
+
+
+def describe_settings(saved: dict, asked: dict, skip: tuple[str, ...] = ()) -> str:
+    """"key: saved a, asked b; ..." over the dotted keys (`skip` aside) where two nested
+    records (run configs, what made a folder) differ; "" when they match."""
+    before, now = flat_keys(saved, skip), flat_keys(asked, skip)
+    return "; ".join(f"{key}: saved {before.get(key)!r}, asked {now.get(key)!r}"
+                     for key in sorted(before.keys() | now.keys())
+                     if before.get(key) != now.get(key))
+
+
+def flat_keys(config: dict, skip: tuple[str, ...] = (), prefix: str = "") -> dict:
+    """A nested record (a run config, what made a folder) flattened to dotted keys, the dotted
+    keys in `skip` left out: what two records are compared over, key by key."""
+    flat = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if dotted in skip:
+            continue
+        if isinstance(value, dict):
+            flat.update(flat_keys(value, skip, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat

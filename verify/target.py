@@ -177,15 +177,13 @@ def load_target(
             step it chose (`Target.step`, verify/step.py).
     """
     torch_dtype = _torch_dtype(dtype)
+    name = target_name(path, tiny)
     if tiny is not None:
         model = build_tiny_model(tiny, seed=seed, attn_implementation=attn_implementation)
-        target = Target(model.to(torch_dtype), None, f"tiny-{tiny}")
+        target = Target(model.to(torch_dtype), None, name)
     else:
-        if path is None or path == DEFAULT_NAME:
-            path, name = str(_embedded_default(cache_root(cache_dir))), DEFAULT_NAME
-            gguf_file = None
-        else:
-            name = path
+        if name == DEFAULT_NAME:
+            path, gguf_file = str(_embedded_default(cache_root(cache_dir))), None
         target = _load_pretrained(path, name, gguf_file, trust_remote_code,
                                   dtype=torch_dtype, attn_implementation=attn_implementation)
     if adapter is not None:
@@ -208,6 +206,15 @@ def _load_pretrained(path: str, name: str, gguf_file: str | None, trust_remote_c
     tokenizer = load_tokenizer(path, "target", trust_remote_code=trust_remote_code,
                                gguf_file=gguf_file)
     return Target(model, tokenizer, name)
+
+
+def target_name(path: str | None = None, tiny: str | None = None) -> str:
+    """The name `load_target(path, tiny=tiny)` gives its target (its fingerprint's name), known
+    before loading: "tiny-<arch>", the embedded default's, else the folder or hub id as given.
+    Reports are named by it (experiments.common.report_name), never by conf's `name`."""
+    if tiny is not None:
+        return f"tiny-{tiny}"
+    return DEFAULT_NAME if path is None or path == DEFAULT_NAME else path
 
 
 def merge_adapter(target: Target, adapter: str | Path) -> Target:

@@ -230,3 +230,17 @@ def test_a_match_shorter_than_min_match_drafts_nothing():
     assert len(suffix_drafter(min_match=3).propose(context(COUNTED))) == 1
     with pytest.raises(ValueError, match="1 <= min_match <= max_match"):
         suffix_drafter(min_match=13)
+
+
+def test_a_requests_last_step_reaches_the_shared_memory():
+    """The decoding loop's real order: propose, verify, update; after the last update no
+    proposal comes, so update must index the step (its accepted path and bonus token)."""
+    from verify.loop import generate
+    from verify.target import load_target
+
+    target = load_target(tiny="llama")
+    drafter = SuffixDrafter(DynamicTree(4, 2, 8), SuffixConfig())
+    prompt = torch.tensor([5, 6, 7])
+    output = generate(target.step, prompt, 12, drafter=drafter).tokens.tolist()
+    drafter.begin(torch.tensor([9]))
+    assert drafter.memory.documents == [output]

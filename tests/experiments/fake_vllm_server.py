@@ -3,11 +3,13 @@ test_regenerate.py: the same protocol (settings in argv, a ready line, one JSON 
 stdin line, one JSON answer line each), decoding with Hugging Face `generate` on the model
 folder, greedily, so its answers are an independent decoding of the same target. FAKE_VLLM
 in the environment: "die" fails at start-up as an engine refusing a model does; "shift"
-changes the second token of the first answer of each request (a divergence to find)."""
+changes the second token of the first answer of each request (a divergence to find); "mute"
+never answers, not even that it is ready; "chatty" writes a log line where an answer goes."""
 
 import json
 import os
 import sys
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,11 +20,15 @@ def main() -> None:
     print("INFO: loading", settings["model"], file=sys.stderr)
     if os.environ.get("FAKE_VLLM") == "die":
         raise ValueError("the model type llama is not supported on this device")
+    if os.environ.get("FAKE_VLLM") == "mute":
+        time.sleep(600)
     model = AutoModelForCausalLM.from_pretrained(settings["model"]).eval()
     print(json.dumps({"ready": True, "startup_s": 0.1, "version": "fake"}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             break
+        if os.environ.get("FAKE_VLLM") == "chatty":
+            print("INFO: a log line, not an answer", flush=True)
         request = json.loads(line)
         answers = []
         for ids in request["prompts"]:

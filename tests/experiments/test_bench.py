@@ -179,6 +179,15 @@ def test_method_names_stay_distinct_and_the_main_drafter_comes_first():
                                 "draft_model-chain4-2+draft_model-tree8-2+draft_model-chain4-b")
 
 
+def test_a_report_is_named_by_the_target_loaded_and_a_batch_bench_apart():
+    """target.path=B keeps conf's target name (here tiny-llama's): the report says B; a
+    batch_bench of the same methods does not share the bench's file."""
+    cfg = bench_config("target=smollm2", "target.path=/models/B", "compare=[]")
+    assert cfg.target.name == "smollm2-135m-instruct"
+    assert report_stem(cfg) == "models-B-draft_model-tree8"
+    assert report_stem(cfg, "batch") == "models-B-draft_model-tree8-batch"
+
+
 def test_a_long_comparison_gets_a_short_distinct_file_name(tmp_path):
     entries = [f"'draft_model:chain4:label=a rather long label number {i}'" for i in range(8)]
     stems = {report_stem(bench_config(f"compare=[{','.join(entries[:n])}]"))

@@ -1,6 +1,7 @@
 """Result files of the experiment commands: the plot is written whole or not at all; a report
 names the command that wrote it."""
 
+import importlib
 import importlib.machinery
 import json
 import sys
@@ -8,9 +9,20 @@ import types
 
 import matplotlib
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments.common import pick_questions, save_figure, write_report
+import verify.target
+from experiments.common import (
+    CONF_DIR,
+    check_report,
+    file_stem,
+    pick_questions,
+    report_name,
+    save_figure,
+    write_report,
+)
+from verify.target import load_target, target_name
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the headless backend is chosen)
@@ -56,3 +68,83 @@ def test_prompt_counts_below_their_range_are_refused(num_prompts, warmup):
                                          f"num_prompts={num_prompts}, warmup={warmup}"):
         pick_questions(None, num_prompts, warmup=warmup)
     assert len(pick_questions(None, 3, warmup=0)) == 3
+
+
+def running(monkeypatch, module: str) -> None:
+    """Make invocation() see `python -m <module>`."""
+    main = types.ModuleType("__main__")
+    main.__spec__ = importlib.machinery.ModuleSpec(module, None)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+
+def test_a_report_is_named_by_the_target_that_loads_not_confs_name(tmp_path, monkeypatch):
+    """target.path=B keeps conf's name (the default's): the report says B, as one file name
+    inside out_dir, and the name is the loaded target's fingerprint name."""
+    default = {"name": "smollm2-135m-instruct", "path": None, "tiny": None}
+    assert report_name(default, "float32", "peers") == "smollm2-135m-instruct-float32-peers"
+    other = {**default, "path": "/models/B"}
+    assert report_name(other, "float32", "peers") == "models-B-float32-peers"
+    assert report_name({**default, "path": "org/Model-7B"}, "suffix-reference") == (
+        "org-Model-7B-suffix-reference")
+    load_target(tiny="llama").model.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(verify.target.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    loaded = load_target(str(tmp_path / "model"))
+    assert target_name(str(tmp_path / "model")) == loaded.fingerprint()["name"]
+    assert report_name({"path": str(tmp_path / "model")}, "x") == file_stem(
+        f"{loaded.fingerprint()['name']}-x")
+    assert target_name(tiny="qwen2") == load_target(tiny="qwen2").fingerprint()["name"]
+    long = report_name({"path": "/m/" + "a" * 300}, "peers")
+    assert len(long) <= 120 and long != report_name({"path": "/m/" + "a" * 301}, "peers")
+
+
+def test_a_report_stays_inside_out_dir(tmp_path):
+    with pytest.raises(ValueError, match="not a file name"):
+        write_report(tmp_path / "out", f"{tmp_path}/model-suffix-reference", [], {})
+    assert not list(tmp_path.rglob("*.json"))
+
+
+def test_out_dir_is_checked_first_naming_it(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "below"):
+        with pytest.raises(ValueError, match=f"out_dir={bad} is not a folder this command can "
+                                             "write its report in"):
+            check_report(bad, "r")
+    assert check_report(tmp_path / "new", "r") == tmp_path / "new" / "r.json"
+    assert (tmp_path / "new").is_dir()
+
+
+def test_another_commands_report_is_not_overwritten(tmp_path, monkeypatch):
+    """bench and batch_bench given one out_dir and the same methods: the second is refused
+    before it runs (and batch_bench names its reports apart: bench.report_stem)."""
+    running(monkeypatch, "experiments.bench")
+    write_report(tmp_path, "tiny-llama-prompt_lookup-tree8", [], {})
+    assert check_report(tmp_path, "tiny-llama-prompt_lookup-tree8")  # a rerun overwrites
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a script
+    monkeypatch.setattr(sys, "argv", ["/repo/experiments/bench.py"])
+    assert check_report(tmp_path, "tiny-llama-prompt_lookup-tree8")  # the same command
+    running(monkeypatch, "experiments.batch_bench")
+    with pytest.raises(ValueError, match=r"tiny-llama-prompt_lookup-tree8.json is "
+                                         r"experiments.bench's report; experiments.batch_bench "
+                                         r"would overwrite it"):
+        check_report(tmp_path, "tiny-llama-prompt_lookup-tree8")
+
+
+COMMANDS = ["bench", "batch_bench", "context_sweep", "correctness", "distill_speed", "peers",
+            "profile", "runs_table", "served", "simulate", "step_limit", "suffix_reference",
+            "tree_search"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_checks_its_out_dir_before_any_work(tmp_path, monkeypatch, command):
+    """A file given as out_dir fails at once, naming it, not after the run."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before out_dir was checked")
+
+    module = importlib.import_module(f"experiments.{command}")
+    monkeypatch.setattr(module, "load_target_from_config", no_work, raising=False)
+    (tmp_path / "file").write_text("x")
+    tiny = [] if command in ("runs_table", "simulate") else ["target=tiny_llama"]
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose(command, [*tiny, f"out_dir={tmp_path / 'file'}"])
+    with pytest.raises(ValueError, match="is not a folder this command can write"):
+        module.main.__wrapped__(cfg)

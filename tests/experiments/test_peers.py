@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 import experiments.peers as peers
 from experiments.common import CONF_DIR
+from tests.experiments.test_processes import alive, worker_pid
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"
@@ -152,3 +153,47 @@ def test_a_row_on_other_weights_names_them_and_only_the_default_target_has_a_ggu
     assert row["tokens_per_s"] == 4.0 and row["tokens_per_step"] == 1.0 and row["convert_s"] == 2.0
     from verify.target import load_target
     assert peers.gguf_file(load_target(tiny="llama")) is None
+
+
+def test_a_runner_is_a_name_of_a_file_in_the_runners_folder(tmp_path):
+    """`runner: ../../evil` would run evil_runner.py from outside experiments/peer_runners/:
+    refused before the target loads, naming the runners there."""
+    evil = "+engines.evil={runner: '../../evil', timeout_s: 5, methods: {plain: {}}}"
+    with pytest.raises(ValueError, match=r"engines.evil: runner '\.\./\.\./evil' is not a "
+                                         r"runner's name.*vllm"):
+        peers.compare(compose_peers(tmp_path, evil))
+    with pytest.raises(ValueError, match="engines.a/b: runner 'a/b'"):
+        peers.compare(compose_peers(tmp_path, "+engines={a/b: {timeout_s: 5, methods: {}}}"))
+
+
+def run_fake(fake_engine, tmp_path, method: dict, timeout_s: float = 60) -> dict:
+    request = {"method": method, "prompts": [[1, 2]]}
+    return peers.run_engine_method("fake", tmp_path / "venvs" / "fake" / "bin" / "python",
+                                   request, timeout_s, tmp_path)
+
+
+@pytest.mark.parametrize("method, reason", [
+    ("garbled", "its result is not JSON"), ("no_rows", "its result holds no `rows`")])
+def test_a_runner_that_exits_0_with_a_bad_result_is_a_row_saying_so(tmp_path, fake_engine,
+                                                                     method, reason):
+    result = run_fake(fake_engine, tmp_path, {"name": method})
+    assert result["error"].startswith(reason)
+    row = peers.engine_row("fake", method, result, [[4]], set())
+    assert row["status"].startswith(f"not run: {reason}")
+
+
+
+def test_a_runner_past_its_timeout_is_killed_with_the_workers_it_started(tmp_path,
+                                                                         fake_engine):
+    """An engine's workers (vLLM spawns them) go with its runner, not only the runner."""
+    pid_file = tmp_path / "worker.pid"
+    (tmp_path / "runners" / "spawning_runner.py").write_text(
+        "import subprocess, sys, time\n"
+        "worker = subprocess.Popen(['sleep', '600'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+        "time.sleep(600)\n")
+    python = tmp_path / "venvs" / "fake" / "bin" / "python"
+    result = peers.run_engine_method("spawning", python, {"method": {"name": "plain"}}, 3,
+                                     tmp_path)
+    assert result == {"error": "no result within timeout_s=3"}
+    assert not alive(worker_pid(pid_file))

@@ -136,3 +136,19 @@ def test_vllm_regenerates_the_default_targets_answers_as_the_builtin_loop(tmp_pa
     assert account["this_run"]["engine"] == "vllm"
     compared = account["compared_to"]
     assert compared["identical"] == compared["conversations"] == account["done"] > 0, compared
+
+
+@pytest.mark.parametrize("behaviour, timeout_s, error", [
+    ("mute", 2, r"vLLM gave no answer within 2 s \(timeout_s\): stopped"),
+    ("chatty", 120, r"vLLM wrote a line that is not a JSON answer: 'INFO: a log line.*stopped")])
+def test_a_server_that_never_answers_or_writes_no_json_is_stopped_with_a_clear_error(
+        tmp_path, fake_vllm, monkeypatch, behaviour, timeout_s, error):
+    monkeypatch.setenv("FAKE_VLLM", behaviour)
+    target = chat_target()
+    regen = RegenConfig(**{**REGEN, **fake_vllm})
+    engine = regenerate_command.VllmAnswers(target, "float32", regen, timeout_s=timeout_s)
+    with pytest.raises(RuntimeError, match=error):
+        with engine as answer:
+            regenerate(target, [conversation(0)], regen, tmp_path,
+                       FakeRanks(0, 1, torch.device("cpu")), answer)
+    assert engine.server.poll() is not None  # not left running

@@ -135,3 +135,16 @@ def test_vllm_serves_a_draft_model_as_treedraft_drafts_it(tmp_path):
     assert row["vllm_identical"] == 1.0 and row["treedraft_identical"] == 1.0
     assert min(row["treedraft_acceptance"]) > 0.9 and min(row["vllm_acceptance"]) > 0.9
     assert abs(row["depth1_gap"]) <= 0.03
+
+
+def test_a_missing_draft_folder_or_a_chain_without_a_tree_is_refused_before_the_target_loads(
+        tmp_path, monkeypatch):
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target loaded before the inputs were checked")
+
+    monkeypatch.setattr(served, "load_target_from_config", no_target)
+    with pytest.raises(ValueError, match=rf"drafts.draft_model={tmp_path}/gone: no such folder"):
+        served.compare(compose_served(*BASE, f"drafts.draft_model={tmp_path}/gone"))
+    with pytest.raises(ValueError, match=r"speculative_tokens=5: choose from \[1, 2, 3, 4, 6, 8\]"):
+        served.compare(compose_served(*BASE, f"drafts.draft_model={tmp_path}",
+                                      "speculative_tokens=5"))

@@ -329,3 +329,34 @@ def test_a_drafter_without_training_data_decodes_self_distillations_held_out_pro
 def test_an_unknown_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mode must be static .* or dynamic"):
         tree_search.main(compose_dynamic(tmp_path, "mode=beam"))
+
+
+UNORDERED = [[0.3, 0.05, 0.6], [0.9]]  # rank 2 right more often than rank 1 at depth 0
+
+
+def test_static_mode_says_when_its_best_first_tree_is_not_the_best(monkeypatch, caplog):
+    """Best first builds 1.62 expected tokens with 3 nodes where Sequoia's DP builds 1.95:
+    the static search warns and names mode=sequoia; an ordered table gives no warning."""
+    from drafters.sequoia import sequoia_tree
+    from drafters.tree_builder import expected_tokens
+
+    assert expected_tokens(build_tree(UNORDERED, 3), UNORDERED) == pytest.approx(1.62)
+    assert expected_tokens(sequoia_tree(UNORDERED, 3), UNORDERED) == pytest.approx(1.95)
+    cost = {1: 1.0, 4: 1.0}
+    for table, warned in ((UNORDERED, True), (TABLE, False)):
+        caplog.clear()
+        monkeypatch.setattr(tree_search, "table_and_costs", lambda cfg, t=table: (t, cost))
+        tree_search.search(OmegaConf.create({}))
+        assert ("(depth, rank) [(0, 2)]: the best-first tree of a size is then not the best; "
+                "mode=sequoia" in caplog.text) is warned
+
+
+def test_a_rank_accuracy_counted_over_few_steps_gets_a_warning(tmp_path, caplog):
+    path = tmp_path / "measured-rank_accuracy.json"
+    path.write_text(json.dumps({"rank_accuracy": TABLE, "steps": 12}))
+    load_accuracies(path)
+    assert f"rank accuracy in {path} was counted over 12 decoding steps (< 100)" in caplog.text
+    caplog.clear()
+    path.write_text(json.dumps({"rank_accuracy": TABLE, "steps": 500}))
+    load_accuracies(path)
+    assert caplog.text == ""

@@ -194,3 +194,39 @@ def test_the_ranks_of_one_run_share_rank_0s_lock(tmp_path, monkeypatch):
     assert run(chat_target(), [conversation(0), conversation(1)], tmp_path, rank=1,
                world_size=2) == {}
     assert [o.id for o in read_outcomes(tmp_path / "ranks" / "rank-001.jsonl")] == ["c1"]
+
+
+def test_a_folder_is_continued_only_by_the_target_and_settings_that_made_it(tmp_path):
+    """Another target, or another max_new_tokens, into the same folder is refused by name
+    before any answer, so the manifest speaks for every conversation in it; the same
+    target and settings continue it."""
+    first = [conversation(0), conversation(1)]
+    run(chat_target(seed=0), first, tmp_path)
+    more = first + [conversation(2), conversation(3)]
+    with pytest.raises(ValueError, match=r"another target .*target\.base_weights"):
+        run(chat_target(seed=1), more, tmp_path)
+    with pytest.raises(ValueError, match=r"settings\.max_new_tokens: saved 6, asked 5"):
+        run(chat_target(seed=0), more, tmp_path, max_new_tokens=5)
+    assert len(written(tmp_path)) == 2 and len(read_outcomes(
+        tmp_path / "ranks" / "rank-000.jsonl")) == 2  # nothing of theirs went in
+    assert run(chat_target(seed=0), more, tmp_path)["this_run"]["conversations"] == 2
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["target"] == chat_target(seed=0).fingerprint()
+
+
+def test_a_folder_finished_before_it_recorded_its_maker_is_checked_by_its_manifest(tmp_path):
+    run(chat_target(seed=0), [conversation(0)], tmp_path)
+    (tmp_path / "made_by.json").unlink()
+    with pytest.raises(ValueError, match="another target"):
+        run(chat_target(seed=1), [conversation(0)], tmp_path)
+    assert run(chat_target(seed=0), [conversation(0)], tmp_path)["done"] == 1
+
+
+def test_a_fast_run_reports_its_rate_from_unrounded_seconds(tmp_path, monkeypatch):
+    """16 tokens in 0.02 s is 800 tokens/s, not 16 / 1e-9 (the seconds rounded to 0.0 first)."""
+    clock = iter([100.0, 100.02])
+    monkeypatch.setattr(train.regenerate.time, "perf_counter", lambda: next(clock, 100.02))
+    monkeypatch.setattr(train.regenerate, "_answer_all", lambda *args: 16)
+    account = run(chat_target(), [], tmp_path)
+    assert account["this_run"]["tokens_per_s"] == pytest.approx(800, rel=1e-6)
+    assert account["this_run"]["seconds"] == 0.0

@@ -77,6 +77,16 @@ def test_files_and_folders_get_the_process_umask(tmp_path, umask_027):
     assert stat.S_IMODE((tmp_path / "checkpoint").stat().st_mode) == 0o750
 
 
+def test_a_checkpoints_weights_get_the_umask_as_its_other_files(tmp_path, umask_027):
+    """safetensors' save_file creates its file 0600: a checkpoint folder's weights came out
+    private while its JSON beside them followed the umask."""
+    from drafters.checkpoint import save_module
+
+    save_module(torch.nn.Linear(2, 2), tmp_path / "ckpt", "weights.safetensors", {"a": 1})
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "ckpt").iterdir()}
+    assert modes == {"weights.safetensors": 0o640, "config.json": 0o640}
+
+
 def test_a_malformed_json_line_names_the_file_and_its_line(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": \n')
