@@ -33,10 +33,11 @@ from experiments.bench import contenders, forget_memories
 from experiments.bench_report import format_batch_table, write_tables
 from experiments.common import pick_questions, save_figure, single_thread, write_report
 from experiments.report_schema import BatchFigures, BatchSummary
-from verify.accept import Acceptance, rule_parts
+from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
 from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter, Resettable
+from verify.rules import rule_parts
 from verify.target import Target, load_target_from_config
 from verify.timing import device_clock
 from verify.tree import TokenTree

@@ -7,9 +7,8 @@ from verify.accept import (
     GreedyRule,
     SpeculativeSamplingRule,
     TypicalRule,
-    make_rule,
-    rule_from_config,
 )
+from verify.rules import make_rule, rule_from_config
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree, TreeBatch
 
