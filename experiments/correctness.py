@@ -186,10 +186,11 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     # every registered rule that samples (greedy has its own row; chain rules on chains
     # only), each followed by its negative control; a rule refusing the drafter's trees gets
     # a row saying why
-    chains = proposes_chains(cfg)
+    chains, chosen = proposes_chains(cfg), dist.get("rules")
     rows = []
     for name, rule in RULES.items():
-        if name == "greedy" or (rule.chains_only and not chains):
+        if name == "greedy" or (rule.chains_only and not chains) or (
+                chosen is not None and name not in chosen):
             continue
         for variant in (make_rule(name, params), *(
                 [CONTROLS[name]()] if name in CONTROLS else [])):

@@ -11,6 +11,10 @@ after the path's last node, so each target forward yields at least one token.
 - block: block verification (Sun et al. 2024) for chains: the whole chain judged jointly,
   exact in distribution and never fewer tokens accepted in expectation than `sampling`.
 
+Sequence-level rules for trees live beside it (verify.traversal, verify.multidraft), and the
+registry of rules by name in verify.rules. A rule that does not apply to a tree raises
+RuleRefusal, naming itself and the reason.
+
 Which proposals are draws from q and which are one-hot is each node's `TokenTree.sampled` flag:
 the rules read it, never the draft rows themselves.
 """
