@@ -37,7 +37,7 @@ CORRECTNESS = "sequence-rules-correctness"
 CORRECTNESS_COMMAND = """\
 python -m experiments.correctness drafter=<draft_model|medusa|eagle|recycling> tree=<tree> \\
     greedy.num_prompts=1 greedy.max_new_tokens=16 chain.enabled=false \\
-    'distribution.rules=[sampling,traversal,spectr]' \\
+    'distribution.rules=[traversal,spectr]' distribution.samples=2000 \\
     out_dir=experiments/reports/sequence-rules-correctness
 # draft_model on tree8, on tree16 with drafter.iid_siblings=true and on eagle2 (dynamic);
 # medusa (drafter.num_heads=5) on tree16; eagle on tree8; recycling on recycling80"""
