@@ -208,3 +208,16 @@ def test_iid_draws_must_be_the_children_in_first_draw_order():
     with pytest.raises(ValueError, match="not its distinct i.i.d. draws"):
         TokenTree(torch.tensor([2, 0, 1]), torch.tensor([-1, 0, 0]), q,
                   sampled=torch.tensor([True, False, False]), iid_draws=[[1, 0, 1], None, None])
+
+
+def test_iid_draws_move_with_their_nodes_and_a_cut_drops_them():
+    # root: i.i.d. draws 0, 0, 1 (children: nodes 1, 2); node 2 drew 2 (node 3); node 1
+    # chose token 1 (node 4)
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.0] * 3, [0.2, 0.2, 0.6], [0.0] * 3, [0.0] * 3])
+    tree = TokenTree(torch.tensor([2, 0, 1, 2, 1]), torch.tensor([-1, 0, 0, 2, 1]), q,
+                     sampled=torch.tensor([True, False, True, False, False]),
+                     iid_draws=[[0, 0, 1], None, [2], None, None])
+    moved = tree.reorder([0, 1, 2, 4, 3])
+    assert moved.iid_draws == [[0, 0, 1], None, [2], None, None]
+    assert moved.tokens.tolist() == [2, 0, 1, 1, 2] and moved.parents.tolist() == [-1, 0, 0, 1, 2]
+    assert tree.keep([0, 1, 2]).iid_draws is None
