@@ -81,7 +81,8 @@ def test_the_traversal_verdict_follows_the_gain_on_8_and_16_node_trees(tmp_path,
     def drafted(tau):
         return {"tau": tau, "acceptance_per_depth": [0.3], "draft_ms_per_step": 2.0,
                 "verify_ms_per_step": 40.0, "speedup": {"overall": 0.9},
-                "tokens_per_s": {"overall": 9.0}, "new_tokens": 10, "seconds": 1.0}
+                "tokens_per_s": {"overall": 9.0}, "new_tokens": 10, "seconds": 1.0,
+                "accepted_histogram": [0.5, 0.5], "target_forwards": 100}
     methods = {"hf_sample": {"speedup": {"overall": 1.0}, "tokens_per_s": {"overall": 10.0},
                              "new_tokens": 10, "seconds": 1.0}}
     for shape in ("chain4", "tree4", "tree8", "tree16"):
@@ -94,4 +95,6 @@ def test_the_traversal_verdict_follows_the_gain_on_8_and_16_node_trees(tmp_path,
     text = render(PAPERS["traversal"], tmp_path)
     section = text.split("## More tokens accepted than token-level verification")[1]
     assert f"**Verdict: {verdict}.**" in section.split("## ")[0]
-    assert f"{100 * (gain - 1):+.1f}%" in section
+    # tau 1.5 from steps accepting 0 or 1 (sd 0.5) over 100 forwards: a s.e. of 0.05 each
+    error = gain * 2 ** 0.5 * 0.05 / 1.5
+    assert f"{100 * (gain - 1):+.1f}% (± {100 * error:.1f}%)" in section
