@@ -96,5 +96,5 @@ def test_the_traversal_verdict_follows_the_gain_on_8_and_16_node_trees(tmp_path,
     section = text.split("## More tokens accepted than token-level verification")[1]
     assert f"**Verdict: {verdict}.**" in section.split("## ")[0]
     # tau 1.5 from steps accepting 0 or 1 (sd 0.5) over 100 forwards: a s.e. of 0.05 each
-    error = gain * 2 ** 0.5 * 0.05 / 1.5
+    error = gain * ((0.05 / 1.5) ** 2 + (0.05 / (1.5 * gain)) ** 2) ** 0.5
     assert f"{100 * (gain - 1):+.1f}% (± {100 * error:.1f}%)" in section
