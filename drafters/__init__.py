@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from drafters import draft_model, eagle, hybrid, medusa, prompt_lookup, recycling, suffix
 from drafters.adaptive import measured_cost
 from drafters.dynamic_tree import DynamicTree
-from verify.accept import RULES, RuleConfig, rule_parts
 from verify.protocol import Drafter
+from verify.rules import RULES, RuleConfig, rule_parts
 from verify.target import Target
 from verify.tree import TreeError, TreeTopology
 

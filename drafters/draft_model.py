@@ -34,7 +34,7 @@ from verify.hf_state import batched_forward
 from verify.loading import load_causal_lm, load_tokenizer, pretrained_source
 from verify.protocol import DraftContext
 from verify.target import Target
-from verify.tree import TokenTree, TreeTopology
+from verify.tree import TokenTree, TreeError, TreeTopology
 from verify.verifier import context_window
 
 # A distilled draft's vocab_ids (V',). JSON, not safetensors: engines (vLLM) load every
@@ -60,8 +60,13 @@ class DraftModelDrafter(EngineDrafter):
     commits_accepted_path = True  # the fed entries are what re-running the tokens computes
 
     def __init__(self, model: PreTrainedModel, tree: TreeTopology | DynamicTree,
-                 name: str = "draft_model", vocab_ids: torch.Tensor | None = None):
+                 name: str = "draft_model", vocab_ids: torch.Tensor | None = None,
+                 iid_siblings: bool = False):
+        if iid_siblings and isinstance(tree, DynamicTree):
+            raise TreeError("iid_siblings draws a static tree's sampled children i.i.d.; a "
+                            "dynamic tree chooses its children (top-k), it draws none")
         super().__init__(model.config, tree, name)
+        self.iid_siblings = iid_siblings
         self.model = model.eval()
         self.target_vocab_size = model.config.vocab_size
         self.vocab_ids = (None if vocab_ids is None
@@ -242,6 +247,7 @@ class DraftModelConfig:
     draft_vocab_size: int | None = 8192  # the head's rows; null: the whole vocabulary
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | tv
     allow_other_target: bool = False  # load a distilled draft whose target's fingerprint differs
+    iid_siblings: bool = False  # sampling: a static tree's siblings drawn i.i.d. (rule=spectr)
 
 
 def draft_model_config(cfg: Mapping) -> DraftModelConfig:
@@ -257,9 +263,10 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree,
     config = draft_model_config(cfg)
     if config.path is None:
         return DraftModelDrafter(truncated_copy(target.model, config.num_layers), tree,
-                                 name=config.name)
+                                 name=config.name, iid_siblings=config.iid_siblings)
     model, vocab_ids = load_draft_model(config.path, target, config.allow_other_target)
-    return DraftModelDrafter(model, tree, name=config.name, vocab_ids=vocab_ids)
+    return DraftModelDrafter(model, tree, name=config.name, vocab_ids=vocab_ids,
+                             iid_siblings=config.iid_siblings)
 
 
 def load_draft_model(path: str | Path, target: Target, allow_other_target: bool = False

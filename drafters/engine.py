@@ -242,6 +242,9 @@ class EngineDrafter(DraftStats, ABC):
     """
 
     feature_layers: tuple[int, ...] = ()  # target hidden states read (EAGLE's features)
+    # sampled siblings of a static tree drawn i.i.d. (with replacement) rather than without:
+    # what multi-draft rules (rule=spectr) select among
+    iid_siblings: bool = False
     target_top_k: int = 0  # asks for none of the target's predictions
     max_depth = None  # a model can continue any path
     commits_accepted_path: bool
@@ -355,7 +358,7 @@ class EngineDrafter(DraftStats, ABC):
             return self._full_logits(logits)
 
         fill = fill_steps(self.tree, int(ctx.tokens[-1]), self._full_logits(root_logits), depth,
-                          ctx.params, ctx.generator)
+                          ctx.params, ctx.generator, self.iid_siblings)
         return (yield from relay(fill, ask))
 
     def _dynamic_steps(self, row: int, ctx: DraftContext, root_state: torch.Tensor | None,

@@ -36,13 +36,15 @@ Steps = Generator[Any, Any, Any]
 
 
 def fill_steps(topology: TreeTopology, root: int, root_logits: torch.Tensor, depth_limit: int,
-               params: SamplingParams, generator: torch.Generator | None) -> Steps:
+               params: SamplingParams, generator: torch.Generator | None,
+               iid: bool = False) -> Steps:
     """Steps filling a static topology level by level, for drafters that run a model per level.
 
     root_logits (V,): the draft's prediction after the root. Each level yields (builder,
     nodes): the tree so far and its newest level's nodes that have children in the topology;
     the answer is their draft logits (len(nodes), V). Returns the TokenTree. Levels past
-    `depth_limit` are left out (a draft model near the end of its position range).
+    `depth_limit` are left out (a draft model near the end of its position range). `iid`:
+    sampled children are drawn i.i.d. (add_children).
     """
     builder = TreeBuilder(root)
     placed = {0: 0}  # topology node -> tree node
@@ -52,7 +54,7 @@ def fill_steps(topology: TreeTopology, root: int, root_logits: torch.Tensor, dep
         first = len(builder)
         for node in frontier:
             add_children(builder, topology, placed, node, logits[placed[node]], params,
-                         generator)
+                         generator, iid)
         frontier = [t for t, i in placed.items() if i >= first and topology.children(t)]
         if not frontier or depth == depth_limit:
             break
@@ -106,33 +108,37 @@ def relay(steps: Steps, ask: Callable[[Any], Steps]) -> Steps:
 
 def add_children(builder: TreeBuilder, topology: TreeTopology, placed: dict[int, int], node: int,
                  logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, iid: bool = False) -> None:
     """Draft the children of topology node `node` (placed at tree node placed[node]) from (V,)
-    draft logits, recording where each child lands in `placed`."""
+    draft logits, recording where each child lands in `placed`. `iid`: sampled children are
+    one i.i.d. draw per child slot, repeats merged (the multi-draft rules read the draws)."""
     kids = topology.children(node)
-    tokens, q = propose_children(logits, len(kids), params, generator)
+    tokens, q = propose_children(logits, len(kids), params, generator, iid)
     if q is not None:  # the builder holds the children to the draw order (TokenTree's notes)
-        builder.set_draft_probs(placed[node], q, draws=tokens)
+        builder.set_draft_probs(placed[node], q, draws=tokens, iid=iid)
     # Children in rank order take the proposals best first; a sampled child must be the next
-    # draw without replacement, so a gap in the ranks is closed up, never skipped.
-    for kid, token in zip(kids, tokens):
+    # (distinct) draw, so a gap in the ranks is closed up, never skipped.
+    for kid, token in zip(kids, dict.fromkeys(tokens)):
         placed[kid] = builder.add(placed[node], token)
 
 
 def propose_children(logits: torch.Tensor, count: int, params: SamplingParams,
-                     generator: torch.Generator | None = None
+                     generator: torch.Generator | None = None, iid: bool = False
                      ) -> tuple[list[int], torch.Tensor | None]:
     """Up to `count` distinct child tokens from (V,) draft logits, best first.
 
     Greedy: the top-`count` tokens by logit, and None (deterministic children). Sampling: draws
     in order without replacement from q = warp(logits) (Gumbel-top-k), and q (V,) itself.
-    Tokens with q = 0 are never proposed, so fewer than `count` may come back.
+    Tokens with q = 0 are never proposed, so fewer than `count` may come back. `iid`
+    (sampling): `count` draws with replacement instead, repeats included.
     """
     count = min(count, logits.shape[-1])
     if params.greedy:
         values, tokens = logits.float().topk(count)
         return tokens[values > float("-inf")].tolist(), None
     q = warp(logits, params)
+    if iid:
+        return torch.multinomial(q, count, replacement=True, generator=generator).tolist(), q
     # Sorting log q + Gumbel noise is sequential sampling without replacement; log 0 = -inf
     # keeps tokens without mass out whatever the noise.
     # drawn where q is (a GPU draft's logits stay on it), by a generator on that device

@@ -39,10 +39,11 @@ from experiments.common import (
     write_report,
 )
 from experiments.report_schema import BatchFigures, BatchSummary
-from verify.accept import Acceptance, rule_parts
+from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
 from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter, Resettable
+from verify.rules import rule_parts
 from verify.target import Target, load_target_from_config
 from verify.timing import device_clock
 from verify.tree import TokenTree

@@ -44,9 +44,9 @@ from experiments.bench_report import (
 )
 from experiments.common import CONF_DIR, check_report, pick_questions, report_name, write_report
 from train.logger import build_logger
-from verify.accept import RuleConfig, check_rule, rule_parts
 from verify.loop import generate
 from verify.protocol import Drafter, DraftStats, ProposalCounts, Resettable
+from verify.rules import RuleConfig, check_rule, rule_parts
 from verify.sampling import SamplingParams
 from verify.target import Target, hf_generate, load_target_from_config
 from verify.timing import device_clock
@@ -59,7 +59,7 @@ Method = Callable[[torch.Tensor, int, int], dict]  # (prompt (T,), max_new_token
 class Contender(NamedTuple):
     """A drafter to time through the tree verifier, under its method name; `rule` names the
     acceptance rule (None: greedy at temperature 0, exact sampling above), with its settings
-    when it is a mapping (verify.accept.RuleConfig)."""
+    when it is a mapping (verify.rules.RuleConfig)."""
 
     name: str
     drafter: DictConfig
@@ -178,7 +178,7 @@ def parse_compare(entry: str) -> Contender:
 
 def _check_rule(entry: str, rule: RuleConfig, drafter_cfg: DictConfig,
                 tree_cfg: DictConfig) -> None:
-    """`rule=<name>`, or `rule.name=<name>,rule.<setting>=<value>` (verify.accept.RuleConfig):
+    """`rule=<name>`, or `rule.name=<name>,rule.<setting>=<value>` (verify.rules.RuleConfig):
     refused here, before anything loads, when the rule, a setting or its value is unknown or
     wrong, or when the rule verifies chains only and the drafter's trees may branch."""
     try:

@@ -35,11 +35,14 @@ from experiments.chain import chain_rows
 from experiments.common import check_report, file_stem, pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
 from experiments.table import markdown_table
-from verify.accept import RULES, SpeculativeSamplingRule, make_rule
+from verify.accept import RuleRefusal, SpeculativeSamplingRule
 from verify.loop import generate, generate_batch
 from verify.metrics import TokensPerForward
+from verify.multidraft import KSequentialRule
+from verify.rules import RULES, make_rule
 from verify.sampling import SamplingParams
 from verify.target import Target, build_tiny_model, hf_generate, load_target_from_config
+from verify.traversal import TraversalVerificationRule
 
 
 class WrongResidualRule(SpeculativeSamplingRule):
@@ -51,6 +54,33 @@ class WrongResidualRule(SpeculativeSamplingRule):
 
     def residual(self, p, q):
         return p
+
+
+class WrongTraversalRule(TraversalVerificationRule):
+    """Traversal Verification's negative control: a deleted child leaves its parent's weight
+    and target distribution as they were (no residual), so drafts are over-produced."""
+
+    name = "traversal-no-residual (control)"
+    exact = False
+
+    def absorb(self, weight, target, proposal):
+        return weight, target
+
+
+class WrongKSequentialRule(KSequentialRule):
+    """SpecTr's negative control: every i.i.d. draft tried at its token-level ratio (rho = 1),
+    which over-produces drafted tokens once there are two drafts or more."""
+
+    name = "spectr-rho1 (control)"
+    exact = False
+
+    def rho(self, p, q, draws):
+        return 1.0
+
+
+# each rule's deliberately wrong variant, run after it where the rule applies
+CONTROLS = {"sampling": WrongResidualRule, "traversal": WrongTraversalRule,
+            "spectr": WrongKSequentialRule}
 
 
 REFERENCES = ("hf", "plain")
@@ -153,13 +183,30 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     prompt = torch.arange(dist.prompt_length) % dist.prompt_period
     expected = sequence_distribution(model, prompt, dist.length, params)
     # every registered rule that samples (greedy has its own row; chain rules on chains
-    # only), then the negative control
-    chains = proposes_chains(cfg.drafter, cfg.tree)
-    rules = [make_rule(name, params) for name, rule in RULES.items()
-             if name != "greedy" and (chains or not rule.chains_only)]
-    rules.append(WrongResidualRule())
-    return [distribution_row(model, drafter, rule, prompt, expected, params, dist)
-            for rule in rules]
+    # only), each followed by its negative control; a rule refusing the drafter's trees gets
+    # a row saying why
+    chains, chosen = proposes_chains(cfg.drafter, cfg.tree), dist.get("rules")
+    rows = []
+    for name, rule in RULES.items():
+        if name == "greedy" or (rule.chains_only and not chains) or (
+                chosen is not None and name not in chosen):
+            continue
+        for variant in (make_rule(name, params), *(
+                [CONTROLS[name]()] if name in CONTROLS else [])):
+            try:
+                rows.append(distribution_row(model, drafter, variant, prompt, expected, params,
+                                             dist))
+            except RuleRefusal as refusal:
+                rows.append(refused_row(variant, refusal))
+                break
+    return rows
+
+
+def refused_row(rule, refusal: RuleRefusal) -> dict:
+    """A rule that does not apply to the drafter's trees: nothing measured, nothing failed."""
+    return {"rule": rule.name, "check": f"refused: {refusal}", "value": float("nan"),
+            "exact_claimed": rule.exact, "passed": None,
+            "detail": {"refused": str(refusal)}}
 
 
 def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> dict:
@@ -212,7 +259,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     cells = []
     for r in rows:
-        verdict = {True: "pass", False: "FAIL", None: "measured: not exact"
+        verdict = {True: "pass", False: "FAIL", None: "refused" if "refused" in r["detail"]
+                   else "measured: not exact"
                    if not r["detail"].get("consistent_with_target", True) else "measured"}
         cells.append([r["drafter"], r["tree"], r["rule"], r["check"], f"{r['value']:.4g}",
                       "yes" if r["exact_claimed"] else "no", verdict[r["passed"]]])

@@ -46,11 +46,11 @@ from transformers import PreTrainedModel
 
 from experiments.common import check_report, report_name, save_figure, single_thread, write_report
 from experiments.table import markdown_table
-from verify.accept import make_rule
 from verify.cache import keep_entries
 from verify.costs import measure_verify_cost
 from verify.loop import generate
 from verify.packed import bfloat16_packing_unavailable, packing_unavailable
+from verify.rules import make_rule
 from verify.sampling import SamplingParams
 from verify.step import EagerStep, PackedStep, TargetStep, as_step
 from verify.target import load_target_from_config

@@ -97,6 +97,7 @@ class DistributionCheckConfig:
     top_k: int = MISSING
     top_p: float = MISSING
     alpha: float = MISSING
+    rules: list[str] | None = None  # the rules checked (each with its control); None: all
     drafter_overrides: dict[str, Any] = MISSING  # keys of whichever drafter is checked
 
 

@@ -11,15 +11,18 @@ after the path's last node, so each target forward yields at least one token.
 - block: block verification (Sun et al. 2024) for chains: the whole chain judged jointly,
   exact in distribution and never fewer tokens accepted in expectation than `sampling`.
 
+Sequence-level rules for trees live beside it (verify.traversal, verify.multidraft), and the
+registry of rules by name in verify.rules. A rule that does not apply to a tree raises
+RuleRefusal, naming itself and the reason.
+
 Which proposals are draws from q and which are one-hot is each node's `TokenTree.sampled` flag:
 the rules read it, never the draft rows themselves.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,12 +48,19 @@ class Acceptance:
         return len(self.path) - 1
 
 
+class RuleRefusal(ValueError):
+    """A rule asked to verify a tree it does not apply to; the message names the rule and why
+    (a tree that branches for a chain rule, one without draft probabilities for a rule of
+    sampled trees, siblings that are not the draws a rule needs)."""
+
+
 class AcceptanceRule:
     """Base class. `logits` is (N, V): row i is the target's prediction after tree node i."""
 
     name = "base"
     exact = False
     chains_only = False  # True: the rule verifies chains (every node <= 1 child) only
+    sampling_only = False  # True: refused for greedy decoding (its gain needs sampled drafts)
 
     def __call__(self, tree: TokenTree, logits: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Acceptance:
@@ -298,67 +308,6 @@ class TypicalRule(AcceptanceRule):
         return Acceptance(path, sample(probs[best], generator))
 
 
-RULES: dict[str, type[AcceptanceRule]] = {
-    rule.name: rule for rule in (GreedyRule, SpeculativeSamplingRule, TypicalRule,
-                                 BlockVerificationRule)
-}
-
-
-def make_rule(name: str | None, params: SamplingParams, **settings) -> AcceptanceRule:
-    """The named rule built with `settings` (typical: epsilon, alpha), or by default greedy at
-    temperature 0 and exact sampling otherwise. ValueError for an unknown rule or setting, or
-    the greedy rule at a temperature above 0."""
-    check_rule(name, settings)
-    if name is None:
-        name = "greedy" if params.greedy else "sampling"
-    if name == "greedy" and not params.greedy:
-        raise ValueError("the greedy rule needs temperature 0; use 'sampling' or 'typical'")
-    return RULES[name](**settings)
-
-
-def check_rule(name: str | None, settings: Mapping) -> None:
-    """Refuse an unknown rule name, a setting the rule does not take (its constructor's
-    keyword arguments), naming what it knows, or a value its constructor refuses; settings
-    need a name (None: the default rule for
-    the temperature, which is chosen later)."""
-    if name is None:
-        if settings:
-            raise ValueError(f"acceptance rule settings {sorted(settings)} need the rule's name "
-                             "as well ({name: typical, ...})")
-        return
-    if name not in RULES:
-        raise ValueError(f"unknown acceptance rule {name!r}; the rule must be one of "
-                         f"{sorted(RULES)}")
-    settable = sorted(inspect.signature(RULES[name]).parameters)
-    unknown = sorted(set(settings) - set(settable))
-    if unknown:
-        raise ValueError(f"acceptance rule {name!r} has no setting(s) {unknown}; its settings: "
-                         f"{settable or 'none'}")
-    RULES[name](**settings)  # its constructor refuses a value out of range
-
-
-# A rule as configs give it: None (the default for the temperature), a name ("typical"), or,
-# like a hybrid drafter's member, a mapping of the name and the rule's settings
-# ({name: typical, epsilon: 0.05, alpha: 0.2}); code may pass a rule already built.
-RuleConfig = str | Mapping | AcceptanceRule | None
-
-
-def rule_parts(rule: RuleConfig) -> tuple[str | None, dict]:
-    """(name, settings) of a rule config that is not a built rule."""
-    if rule is None or isinstance(rule, str):
-        return rule, {}
-    settings = dict(rule)
-    return settings.pop("name", None), settings
-
-
-def rule_from_config(rule: RuleConfig, params: SamplingParams) -> AcceptanceRule:
-    """The rule a config names, for sampling with `params` (see RuleConfig)."""
-    if isinstance(rule, AcceptanceRule):
-        return rule
-    name, settings = rule_parts(rule)
-    return make_rule(name, params, **settings)
-
-
 def _draft_row(tree: TokenTree, node: int) -> torch.Tensor | None:
     """q for `node`'s children if they were sampled; None: deterministic, one-hot proposals
     (whatever draft_probs holds: the flag decides)."""
@@ -372,7 +321,7 @@ def _check_chain(tree: TokenTree, rule: str) -> None:
     counts = torch.bincount(tree.parents[1:], minlength=len(tree))
     if bool((counts > 1).any()):
         node = int((counts > 1).nonzero()[0])
-        raise ValueError(f"the {rule!r} rule verifies chains only, but node {node} has "
+        raise RuleRefusal(f"the {rule!r} rule verifies chains only, but node {node} has "
                          f"{int(counts[node])} children: use the 'sampling' rule (recursive "
                          "rejection sampling) for trees")
 

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
-from verify.accept import AcceptanceRule, RuleConfig, rule_from_config
+from verify.accept import AcceptanceRule
 from verify.features import LAST
 from verify.metrics import TokensPerForward
 from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
+from verify.rules import RuleConfig, rule_from_config
 from verify.sampling import SamplingParams, sample, warp
 from verify.step import TargetStep, as_step
 from verify.timing import Clock, device_clock

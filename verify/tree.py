@@ -86,6 +86,12 @@ class TokenTree:
                  non-zero row (the convention drafters used before the flag). A sampled node
                  needs a row that is a distribution (entries >= 0 summing to 1 within
                  DISTRIBUTION_TOLERANCE) and gives each of its children's tokens mass.
+    iid_draws:   optional, per node None or the tokens drawn for its children i.i.d. (with
+                 replacement) from draft_probs[u], in draw order, repeats included: its
+                 children are the distinct draws in the order they first came. Only sampled
+                 nodes have them; a node without them drew its children without replacement
+                 (or chose them). Multi-draft rules (verify.multidraft) read the draws; the
+                 others see the distinct children, which are draws without replacement.
 
     Sibling order is draw order. Recursive rejection sampling tries a sampled node's
     children in node order, the first against q, the next against q without the first, and so
@@ -101,6 +107,7 @@ class TokenTree:
     draft_probs: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
+    iid_draws: Sequence[Sequence[int] | None] | None = None
     depths: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +115,7 @@ class TokenTree:
         self.parents = torch.as_tensor(self.parents, dtype=torch.long).flatten()
         self._validate()
         self.sampled = self._sampled_flags()
+        self._check_iid_draws()
         depths = [0] * len(self.parents)
         for i in range(1, len(depths)):
             depths[i] = depths[int(self.parents[i])] + 1
@@ -171,6 +179,25 @@ class TokenTree:
                                 f"sampled parent {int(self.parents[node])}'s draft distribution "
                                 "gives probability 0: a sampled child must be a draw from it")
 
+    def _check_iid_draws(self) -> None:
+        """Refuse i.i.d. draws on a node that is not sampled, or whose distinct draws, in the
+        order they first came, are not its children in node order."""
+        if self.iid_draws is None:
+            return
+        if len(self.iid_draws) != len(self.tokens):
+            raise TreeError(f"iid_draws has {len(self.iid_draws)} entries for "
+                            f"{len(self.tokens)} nodes")
+        self.iid_draws = [None if d is None else [int(t) for t in d] for d in self.iid_draws]
+        for node, draws in enumerate(self.iid_draws):
+            if draws is None:
+                continue
+            if not bool(self.sampled[node]):
+                raise TreeError(f"node {node} has i.i.d. draws but is not sampled")
+            kids = self.tokens[self.children(node)].tolist()
+            if list(dict.fromkeys(draws)) != kids:
+                raise TreeError(f"node {node}'s children {kids} are not its distinct i.i.d. "
+                                f"draws {draws} in the order they first came")
+
     # -- construction -------------------------------------------------------------------------
 
     @staticmethod
@@ -212,8 +239,8 @@ class TokenTree:
 
     def reorder(self, order: Sequence[int]) -> TokenTree:
         """The same tree with its nodes renumbered: new node i is old node `order[i]` (every
-        node once, the root first, parents before children). Draft rows, sampled flags and
-        scores move with their nodes. Deterministic siblings may change places; a sampled
+        node once, the root first, parents before children). Draft rows, sampled flags, i.i.d.
+        draws and scores move with their nodes. Deterministic siblings may change places; a sampled
         node's children must keep their order (draw order, see the class notes): TreeError
         otherwise."""
         order = [int(node) for node in order]
@@ -228,7 +255,8 @@ class TokenTree:
                          None if self.draft_probs is None else self.draft_probs[pick.to(
                              self.draft_probs.device)],
                          None if self.scores is None else self.scores[pick],
-                         self.sampled[pick])
+                         self.sampled[pick],
+                         None if self.iid_draws is None else [self.iid_draws[n] for n in order])
 
     # -- derived views --------------------------------------------------------------------------
 
@@ -318,6 +346,7 @@ class TreeBuilder:
         self.log_scores: list[float] | None = [0.0] if scored else None
         self.probs: list[torch.Tensor | None] = [None]
         self.draws: list[list[int] | None] = [None]  # per node: its children's draw order
+        self.iid_draws: list[list[int] | None] = [None]  # per node: draws with replacement
         self._child_count = [0]
         self._depths = [0]
 
@@ -342,6 +371,7 @@ class TreeBuilder:
             self.log_scores.append(log_score)
         self.probs.append(None)
         self.draws.append(None)
+        self.iid_draws.append(None)
         self._child_count.append(0)
         self._depths.append(self._depths[parent] + 1)
         return len(self.tokens) - 1
@@ -354,11 +384,12 @@ class TreeBuilder:
         return self.add(parent, token)
 
     def set_draft_probs(self, node: int, probs: torch.Tensor,
-                        draws: Sequence[int] | None = None) -> None:
+                        draws: Sequence[int] | None = None, iid: bool = False) -> None:
         """Record the draft distribution (V,) that `node`'s children are drawn from, which
         makes `node` sampled in the built tree. `draws`: the tokens in the order they were
-        drawn (without replacement), given before any child is added; `add` then refuses a
-        child of `node` that is not the next draw, so sibling order is draw order."""
+        drawn (without replacement; `iid`: with replacement, repeats included), given before
+        any child is added; `add` then refuses a child of `node` that is not the next
+        (distinct) draw, so sibling order is draw order."""
         if not 0 <= node < len(self.tokens):
             raise TreeError(f"set_draft_probs: node {node} does not exist (tree has "
                             f"{len(self.tokens)} nodes)")
@@ -371,7 +402,11 @@ class TreeBuilder:
             if self._child_count[node]:
                 raise TreeError(f"node {node} has children already: record its draws before "
                                 "adding them")
-            self.draws[node] = [int(token) for token in draws]
+            draws = [int(token) for token in draws]
+            self.draws[node] = list(dict.fromkeys(draws))
+            self.iid_draws[node] = draws if iid else None
+        elif iid:
+            raise TreeError("i.i.d. draws are recorded with the tokens drawn (draws=)")
         self.probs[node] = probs
 
     def __len__(self) -> int:
@@ -396,9 +431,10 @@ class TreeBuilder:
         if kept is None:
             sampled = torch.tensor([p is not None for p in self.probs])
             draft_probs = self._draft_probs()
+            iid = self.iid_draws if any(d is not None for d in self.iid_draws) else None
             return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents),
                              draft_probs, self._scores(range(len(self))),
-                             sampled if draft_probs is not None else None)
+                             sampled if draft_probs is not None else None, iid)
         # Built directly rather than through TokenTree.keep: a dynamic tree keeps a few
         # nodes of hundreds of candidates every step, and validating them all costs time.
         index = {node: i for i, node in enumerate(kept)}

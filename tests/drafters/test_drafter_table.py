@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
+from verify.accept import RuleRefusal
 from verify.loop import generate, generate_batch
 
 STATIC_TREES = ["chain4", "tree16"]
@@ -26,6 +27,7 @@ class Row:
     dynamic: bool = False  # grows EAGLE-2 dynamic trees too
     own_trees: tuple[str, ...] = ()  # a drafter that grows only its own kind of tree
     label: str = ""  # the test id, where one config appears in several rows
+    samples: bool = False  # sampling draws its static trees' children (draft_probs recorded)
 
     @property
     def trees(self) -> list[str]:
@@ -35,10 +37,11 @@ class Row:
 
 
 DRAFTERS = [
-    Row("draft_model", {"num_layers": 1}, dynamic=True),
-    Row("eagle", accepts=False, dynamic=True),  # fresh weights: tests/train covers acceptance
-    Row("eagle3", accepts=False, dynamic=True),
-    Row("medusa", {"num_heads": 5}),  # fresh heads; tree16 is 5 deep
+    Row("draft_model", {"num_layers": 1}, dynamic=True, samples=True),
+    # fresh weights: tests/train covers acceptance
+    Row("eagle", accepts=False, dynamic=True, samples=True),
+    Row("eagle3", accepts=False, dynamic=True, samples=True),
+    Row("medusa", {"num_heads": 5}, samples=True),  # fresh heads; tree16 is 5 deep
     Row("prompt_lookup", accepts=False),
     # model-free, from counted continuations; adaptive: sized per step by measured t(n)
     Row("suffix", accepts=False, own_trees=("suffix", "adaptive")),
@@ -101,6 +104,52 @@ def test_a_batch_of_four_decodes_each_row_as_alone(row, tree, tiny, conf, plain_
     for result, expected in zip(results, plain_batch):
         assert torch.equal(result.tokens, expected)
     assert max(step.tree_size for r in results for step in r.steps) > 1, "the drafter never drafted"
+
+
+SAMPLED_TOKENS = 24
+
+
+@pytest.mark.parametrize("row, tree", CASES, ids=CASE_IDS)
+def test_traversal_samples_the_drawn_trees_and_refuses_chosen_ones(row, tree, tiny, conf):
+    # Traversal Verification (its exactness: tests/verify/test_tree_rules.py and the
+    # correctness rows) decodes every drafter whose trees are drawn, and names itself and the
+    # reason for the others (children chosen by top-k, n-gram matches, tables or merges)
+    target = tiny("llama")
+    drafter = build_drafter(OmegaConf.merge(conf("drafter", row.config), row.overrides),
+                            tree_config(conf, tree), target)
+    decode = dict(drafter=drafter, temperature=1.0, rule="traversal",
+                  generator=torch.Generator().manual_seed(0))
+    if not (row.samples and tree in STATIC_TREES):
+        try:
+            result = generate(target.model, PROMPT, SAMPLED_TOKENS, **decode)
+        except RuleRefusal as refusal:
+            assert "'traversal' rule verifies sampled trees" in str(refusal)
+        else:  # a drafter that found nothing to draft (prompt lookup) had nothing verified
+            assert max(step.tree_size for step in result.steps) == 1
+        return
+    result = generate(target.model, PROMPT, SAMPLED_TOKENS, **decode)
+    assert len(result.tokens) == SAMPLED_TOKENS and result.tau >= 1
+    if row.config == "draft_model":  # the self-draft agrees with the target often enough
+        assert result.tau > 1
+
+
+@pytest.mark.parametrize("tree", STATIC_TREES)
+def test_spectr_samples_the_self_drafts_iid_siblings_and_refuses_others(tree, tiny, conf):
+    target = tiny("llama")
+    cfg = OmegaConf.merge(conf("drafter", "draft_model"), {"num_layers": 1})
+    results = {}
+    for iid in (True, False):
+        drafter = build_drafter(OmegaConf.merge(cfg, {"iid_siblings": iid}),
+                                tree_config(conf, tree), target)
+        decode = dict(drafter=drafter, temperature=1.0, rule="spectr",
+                      generator=torch.Generator().manual_seed(0))
+        if not iid:
+            with pytest.raises(RuleRefusal, match="'spectr' rule .* without replacement"):
+                generate(target.model, PROMPT, SAMPLED_TOKENS, **decode)
+            continue
+        results = generate_batch(target.model, BATCH, SAMPLED_TOKENS, **decode)
+    assert all(len(r.tokens) == SAMPLED_TOKENS for r in results)
+    assert sum(r.tally.tau for r in results) / len(results) > 1
 
 
 @pytest.fixture(scope="module")

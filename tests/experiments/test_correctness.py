@@ -29,11 +29,14 @@ from verify.target import build_tiny_model
 
 
 def correctness_cfg(*overrides, drafter="draft_model"):
-    # the tiny targets have 2 layers: the self-draft keeps 1
+    # the tiny targets have 2 layers: the self-draft keeps 1; the token-level rules only,
+    # unless a test names others (each rule's row costs a full distribution test)
     layers = ["drafter.num_layers=1"] if drafter == "draft_model" else []
+    rules = [] if any(o.startswith("distribution.rules=") for o in overrides) else [
+        "distribution.rules=[sampling,typical,block]"]
     with initialize_config_dir(CONF_DIR, version_base=None):
         return compose("correctness", ["target=tiny_llama", f"drafter={drafter}", *layers,
-                                       *overrides])
+                                       *rules, *overrides])
 
 
 def test_exact_distribution_sums_to_one():
@@ -139,6 +142,36 @@ def test_block_verification_has_a_row_where_the_drafter_proposes_chains():
     assert rows["block"]["passed"] and rows["block"]["exact_claimed"], rows["block"]
     assert rows["block"]["detail"]["draft_tokens_per_sample"] > 0.5
     assert rows["wrong-residual (control)"]["passed"]
+
+
+# ~40 s each on a quiet machine: CI runs traversal on the self-draft's tree, the rest are slow
+@pytest.mark.parametrize("drafter, overrides, rule", [
+    ("draft_model", ["tree=tree8"], "traversal"),
+    pytest.param("medusa", ["tree=chain4", "drafter.num_heads=4"], "traversal",
+                 marks=pytest.mark.slow),
+    pytest.param("draft_model", ["tree=tree8", "drafter.iid_siblings=true"], "spectr",
+                 marks=pytest.mark.slow)])
+def test_sequence_rules_are_exact_and_their_wrong_variants_caught(drafter, overrides, rule):
+    cfg = correctness_cfg(*overrides, f"distribution.rules=[{rule}]",
+                          "distribution.samples=1500", drafter=drafter)
+    rows = distribution_rows(cfg)
+    exact, control = rows
+    assert exact["rule"] == rule and exact["passed"] and exact["exact_claimed"], exact
+    assert exact["detail"]["draft_tokens_per_sample"] > 0.5
+    assert "control" in control["rule"] and control["passed"], control
+    assert control["value"] < 0.001 and not control["exact_claimed"]
+
+
+def test_a_rule_refusing_the_drafters_trees_gets_a_row_saying_why():
+    # EAGLE-2's dynamic tree chooses its children (top-k): nothing for a sampled-tree rule;
+    # siblings drawn without replacement: nothing for SpecTr's i.i.d. selection
+    dynamic = distribution_rows(correctness_cfg("tree=eagle2", "distribution.rules=[traversal]",
+                                                "distribution.samples=8"))
+    static = distribution_rows(correctness_cfg("tree=tree8", "distribution.rules=[spectr]",
+                                               "distribution.samples=8"))
+    for (row,), why in [(dynamic, "no draft probabilities"), (static, "without replacement")]:
+        assert row["passed"] is None and why in row["check"] and "refused" in row["detail"]
+    assert "refused" in format_table([{**dynamic[0], "drafter": "d", "tree": "t"}])
 
 
 @pytest.mark.parametrize("drafter, tree", [("draft_model", "tree8"), ("eagle3", "eagle2")])

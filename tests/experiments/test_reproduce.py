@@ -9,7 +9,7 @@ import pytest
 from experiments.reproduce.__main__ import write_ups
 from experiments.reproduce.papers import PAPERS
 from experiments.reproduce.papers._common import REPRODUCE_BENCH
-from experiments.reproduce.report import HELD, NOT_HELD, NOT_RUN, render
+from experiments.reproduce.report import HELD, NOT_HELD, NOT_RUN, PARTLY, render
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORTS = ROOT / "experiments" / "reports"
@@ -74,3 +74,27 @@ def test_the_command_line_writes_the_write_up(tmp_path):
                           f"hydra.run.dir={tmp_path / 'hydra'}"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "training-time test" in out.lower() and (tmp_path / "out" / "eagle3.md").is_file()
+
+
+@pytest.mark.parametrize("gain, verdict", [(1.04, HELD), (1.01, PARTLY), (0.98, NOT_HELD)])
+def test_the_traversal_verdict_follows_the_gain_on_8_and_16_node_trees(tmp_path, gain, verdict):
+    def drafted(tau):
+        return {"tau": tau, "acceptance_per_depth": [0.3], "draft_ms_per_step": 2.0,
+                "verify_ms_per_step": 40.0, "speedup": {"overall": 0.9},
+                "tokens_per_s": {"overall": 9.0}, "new_tokens": 10, "seconds": 1.0,
+                "accepted_histogram": [0.5, 0.5], "target_forwards": 100}
+    methods = {"hf_sample": {"speedup": {"overall": 1.0}, "tokens_per_s": {"overall": 10.0},
+                             "new_tokens": 10, "seconds": 1.0}}
+    for shape in ("chain4", "tree4", "tree8", "tree16"):
+        methods[f"draft_model/{shape}"] = drafted(1.5)
+        methods[f"draft_model/{shape} (traversal)"] = drafted(1.5 * gain)
+    path = tmp_path / "sequence-rules" / "x.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"rows": [{"baseline": "hf_sample", "prompts": 1,
+                                          "methods": methods}]}))
+    text = render(PAPERS["traversal"], tmp_path)
+    section = text.split("## More tokens accepted than token-level verification")[1]
+    assert f"**Verdict: {verdict}.**" in section.split("## ")[0]
+    # tau 1.5 from steps accepting 0 or 1 (sd 0.5) over 100 forwards: a s.e. of 0.05 each
+    error = gain * ((0.05 / 1.5) ** 2 + (0.05 / (1.5 * gain)) ** 2) ** 0.5
+    assert f"{100 * (gain - 1):+.1f}% (± {100 * error:.1f}%)" in section

@@ -30,8 +30,8 @@ from experiments.correctness import WrongResidualRule, distribution_row
 from experiments.stats import sequence_distribution
 from train import run_training
 from train.draft_model import DistillLoss, divergence, initial_draft
-from verify.accept import make_rule
 from verify.loop import generate
+from verify.rules import make_rule
 from verify.sampling import SamplingParams
 from verify.target import Target, build_tiny_model, hf_generate, load_target
 

@@ -7,10 +7,8 @@ from verify.accept import (
     GreedyRule,
     SpeculativeSamplingRule,
     TypicalRule,
-    check_rule,
-    make_rule,
-    rule_from_config,
 )
+from verify.rules import check_rule, make_rule, rule_from_config
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree, TreeBatch
 

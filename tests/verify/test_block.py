@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from experiments.stats import chi_square_test
-from verify.accept import (
-    BlockVerificationRule,
-    SpeculativeSamplingRule,
-    make_rule,
-    rule_from_config,
-)
+from verify.accept import BlockVerificationRule, SpeculativeSamplingRule
+from verify.rules import make_rule, rule_from_config
 from verify.sampling import SamplingParams
 from verify.tree import TokenTree, TreeBatch
 
