@@ -10,11 +10,12 @@
   the steps, making room in it, and the columns every step's mask spans;
 - compiling: whether the graphs a decode runs exist yet (TreeVerifier.compile_graphs
   compiles the missing ones before the clock starts);
-- calling: the forward, with the model's keyword arguments.
+- calling (steps that run the model's forward): the forward, with the model's keyword
+  arguments.
 
 The kinds: `EagerStep`, the model's forward as it is; `PackedStep`, the same forward on
-weights pre-packed for some row counts (verify/packed.py), with trees padded up to them; and
-`CompiledStep` (verify/compiled.py), the forward through torch.compile over a room cache;
+weights pre-packed for some row counts (verify/packed.py), with trees padded up to them;
+`CompiledStep` (verify/compiled.py), the forward through torch.compile over a room cache; and
 `OpenVINOStep` (verify/openvino_step.py), the forward on OpenVINO's CPU kernels with
 PagedAttention and a tree mask, over cache blocks it owns.
 """

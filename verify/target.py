@@ -173,7 +173,8 @@ def load_target(
             torch.compile over preallocated room (verify/compiled.py; its graphs compile
             before the first decode, ~30-40 s each for the default target). A compiled step
             packs its own weights, so "auto" packs nothing there; "compiled_one_graph" runs
-            one-token steps through the tree graph in float32 too. The target carries the
+            one-token steps through the tree graph in float32 too; "openvino" runs every
+            step on OpenVINO's CPU kernels (verify/openvino_step.py). The target carries the
             step it chose (`Target.step`, verify/step.py).
     """
     torch_dtype = _torch_dtype(dtype)
