@@ -148,7 +148,8 @@ def test_a_compare_entry_sets_the_acceptance_rules_settings():
     ("eagle:chain4:name=medusa", "eagle cannot set ['name']"),
     ("eagle:chain4:checkpoint", "['checkpoint'] not key=value"),
     ("eagle:eagle2:tree.total_token=8", "eagle2 cannot set ['tree.total_token']"),
-    ("medusa:tree8:rule=typcal", "rule must be one of ['block', 'greedy', 'sampling', 'spectr', 'traversal', 'typical']"),
+    ("medusa:tree8:rule=typcal",
+     "rule must be one of ['block', 'greedy', 'sampling', 'spectr', 'traversal', 'typical']"),
     ("eagle:chain4:tree.choices=[]", "chain4 cannot set ['tree.choices']"),
     ("medusa:tree8:rule.name=typical,rule.epsilon=-0.1", "rule.epsilon must be a number >= 0"),
 ])
