@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from experiments.stats import chi_square_test
+from tests.verify.tree_enumeration import continuations
 from verify.accept import BlockVerificationRule, SpeculativeSamplingRule
 from verify.rules import make_rule, rule_from_config
 from verify.sampling import SamplingParams
@@ -87,17 +88,6 @@ def target_rows(p, chain) -> torch.Tensor:
     return torch.stack([p[chain[:i]] for i in range(len(chain) + 1)])
 
 
-def extensions(p, prefix, length, vocab):
-    """Each sequence of `length` tokens starting with `prefix`, with the target's probability
-    of the tokens after it."""
-    for rest in itertools.product(range(vocab), repeat=length - len(prefix)):
-        weight, seq = 1.0, tuple(prefix)
-        for token in rest:
-            weight *= float(p[seq][token])
-            seq = (*seq, token)
-        yield seq, weight
-
-
 def output_distribution(rule, p, q, vocab, length, kind) -> dict[tuple[int, ...], float]:
     """Exactly what one verification step emits, each outcome continued by the target to
     length + 1 tokens: the sum over drafts, accepted lengths and bonus tokens."""
@@ -108,7 +98,7 @@ def output_distribution(rule, p, q, vocab, length, kind) -> dict[tuple[int, ...]
             for y in range(vocab):
                 mass = weight * float(accept[k]) * float(bonus[k, y])
                 if mass > 0:
-                    for seq, tail in extensions(p, (*chain[:k], y), length + 1, vocab):
+                    for seq, tail in continuations(p, (*chain[:k], y), length + 1):
                         out[seq] += mass * tail
     return out
 
@@ -116,7 +106,7 @@ def output_distribution(rule, p, q, vocab, length, kind) -> dict[tuple[int, ...]
 def worst_error(rule, vocab, length, seed, close, kind) -> float:
     p, q = tables(seed, vocab, length, close)
     out = output_distribution(rule, p, q, vocab, length, kind)
-    joint = dict(extensions(p, (), length + 1, vocab))
+    joint = dict(continuations(p, (), length + 1))
     return max(abs(out.get(seq, 0.0) - prob) for seq, prob in joint.items())
 
 
