@@ -129,10 +129,7 @@ class SpeculativeSamplingRule(AcceptanceRule):
         q = _draft_row(tree, node)
         for child in tree.children(node):
             token = int(tree.tokens[child])
-            q_child = q if q is not None else _one_hot(token, p)
-            if q_child[token] <= 0:
-                raise ValueError(f"node {child} drafts token {token}, which its recorded draft "
-                                 "distribution gives probability 0: the drafter is inconsistent")
+            q_child = child_proposal(q, child, token, p)
             ratio = p[token] / q_child[token]
             if torch.rand((), generator=generator, device=p.device) < ratio:
                 return child, p
@@ -336,6 +333,18 @@ def _proposals(tree: TokenTree, like: torch.Tensor) -> torch.Tensor:
         drafts = tree.draft_probs[:-1].to(like.device, like.dtype)
         proposals = torch.where(sampled[:, None], drafts, proposals)
     return proposals
+
+
+def child_proposal(q: torch.Tensor | None, child: int, token: int, like: torch.Tensor
+                   ) -> torch.Tensor:
+    """The distribution `child`'s `token` was proposed from: its parent's draft row `q`
+    (None: a deterministic proposal, one-hot at the token, shaped like `like`). ValueError
+    when a sampled child's token has no mass there."""
+    proposal = q if q is not None else _one_hot(token, like)
+    if proposal[token] <= 0:
+        raise ValueError(f"node {child} drafts token {token}, which its recorded draft "
+                         "distribution gives probability 0: the drafter is inconsistent")
+    return proposal
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:

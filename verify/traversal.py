@@ -36,7 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
-from verify.accept import Acceptance, AcceptanceRule, RuleRefusal, _one_hot, _without
+from verify.accept import Acceptance, AcceptanceRule, RuleRefusal, _without, child_proposal
 from verify.sampling import sample, warp
 from verify.tree import TokenTree
 
@@ -85,10 +85,7 @@ class TraversalVerificationRule(AcceptanceRule):
         draft = tree.draft_probs[node].to(probs) if bool(tree.sampled[node]) else None
         for child in tree.children(node):
             token = int(tree.tokens[child])
-            proposal = draft if draft is not None else _one_hot(token, target)
-            if proposal[token] <= 0:
-                raise ValueError(f"node {child} drafts token {token}, which its recorded draft "
-                                 "distribution gives probability 0: the drafter is inconsistent")
+            proposal = child_proposal(draft, child, token, target)
             entry = min(1.0, weight * float(target[token] / proposal[token]))
             yield from self._visit(tree, probs, child, entry)
             weight, target = self.absorb(weight, target, proposal)
