@@ -16,18 +16,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from drafters import draft_model, eagle, hybrid, medusa, prompt_lookup, recycling, suffix
+from drafters import (dflash, draft_model, eagle, hybrid, medusa, prompt_lookup, recycling,
+                      suffix)
 from drafters.adaptive import measured_cost
+from drafters.block import DDTree
 from drafters.dynamic_tree import DynamicTree
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts
 from verify.target import Target
 from verify.tree import TreeError, TreeTopology
 
-TreePolicy = TreeTopology | DynamicTree
+TreePolicy = TreeTopology | DynamicTree | DDTree
+# Drafters whose one forward gives every depth's distribution (drafters.block): the only ones
+# that can fill a DDTree.
+BLOCK_DRAFTERS = ("dflash",)
 DrafterBuilder = Callable[[Mapping, TreePolicy, Target], Drafter]
 
 DRAFTERS: dict[str, DrafterBuilder] = {
+    "dflash": dflash.from_config,
     "draft_model": draft_model.from_config,
     "eagle": eagle.from_config,
     "eagle3": eagle.from_config,
@@ -54,17 +60,24 @@ def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Dr
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; known drafters: "
                          f"{sorted([*DRAFTERS, *COMBINATORS])}")
-    return DRAFTERS[name](drafter_cfg, tree_policy(tree_cfg), target)
+    policy = tree_policy(tree_cfg)
+    if isinstance(policy, DDTree) and name not in BLOCK_DRAFTERS:
+        raise TreeError(f"tree {tree_cfg.get('name')!r} is a DDTree, built from a block "
+                        f"drafter's per-position marginals: drafter {name!r} has none (block "
+                        f"drafters: {list(BLOCK_DRAFTERS)})")
+    return DRAFTERS[name](drafter_cfg, policy, target)
 
 
 def tree_policy(tree_cfg: Mapping) -> TreePolicy:
-    """A static topology for a config with `choices`, a DynamicTree for one with
-    `total_tokens`."""
+    """A static topology for a config with `choices`, a DDTree for one with `policy: ddtree`,
+    a DynamicTree for one with `total_tokens`."""
     if "choices" in tree_cfg:
         if tree_cfg.get("cost"):
             raise TreeError("a static tree has no node scores to size by cost: give `cost` to "
                             "a dynamic tree (depth, top_k, total_tokens)")
         return TreeTopology.from_choices(tree_cfg["choices"])
+    if tree_cfg.get("policy") == "ddtree":
+        return DDTree.from_config(tree_cfg)
     if "total_tokens" in tree_cfg:
         return DynamicTree.from_config(tree_cfg)
     raise TreeError(f"tree config {dict(tree_cfg)} has neither `choices` (a static tree) nor "

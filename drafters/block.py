@@ -1,0 +1,153 @@
+"""Trees from a block drafter: one draft forward gives every depth's distribution at once.
+
+A block drafter (DFlash, PARD) reads the context once and returns, for the D positions after
+the root, per-position *marginals*: row d is its distribution of the token at depth d + 1 given
+the context only, not given the tokens drafted at depths 1..d. Any tree policy can be filled
+from them, because a node's children at depth d + 1 are proposed from row d whatever their
+parent holds:
+
+- a static topology (`choices`; a chain is the paper's setting): each node's children are the
+  top-k of row depth(node) (greedy) or successive draws without replacement from its warped row
+  (sampling), recorded as the node's draft distribution. That is exact under recursive
+  rejection sampling: the row is the distribution the children really came from, fixed before
+  they were drawn; that it ignores the parent's token costs acceptance, never exactness;
+- EAGLE-2's dynamic tree (`depth`, `top_k`, `total_tokens`): expansion reads row d for every
+  frontier node at depth d; top-k children, deterministic;
+- DDTree (`policy: ddtree`, `total_tokens`): best-first over the marginals. A path's score is
+  the product of its tokens' marginals, which never rises along a path, so the N best paths
+  form a tree; it is the tree of N nodes with the most expected accepted tokens *if* the
+  marginals were the target's acceptance probabilities and depths independent (DDTree's
+  factorised objective). Its children are chosen (top-k), so the tree carries no draft rows:
+  every rule treats them as one-hot proposals, which is exact. Giving them their marginal rows
+  as if drawn would not be (tests/drafters/test_block.py measures the bias).
+
+Shapes: `marginals` is (D, V) draft logits over the target's vocabulary (-inf for tokens the
+draft cannot propose), row d for depth d + 1.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from drafters.adaptive import StepCost, cut_to_cost, step_cost
+from drafters.dynamic_tree import DynamicTree, draft_log_probs
+from drafters.tree_steps import add_children, check_depth, run_steps
+from verify.sampling import SamplingParams
+from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
+
+
+@dataclass(frozen=True)
+class DDTree:
+    """Best-first tree over a block's marginals: the `total_tokens` draft nodes (root not
+    counted) whose paths have the highest product of marginals, no deeper than `depth` (None:
+    the block's depth). With a measured `cost`, each step keeps only the nodes that pay for
+    their verification (drafters.adaptive.cut_to_cost, on the path scores)."""
+
+    total_tokens: int
+    depth: int | None = None
+    cost: StepCost | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("total_tokens", "depth"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"DDTree.{name} must be an integer >= 1, got {value!r}")
+
+    @staticmethod
+    def from_config(cfg: Mapping) -> DDTree:
+        """conf/tree/ddtree*.yaml: `policy: ddtree`, `total_tokens`, optionally `depth` and
+        `cost` (drafters.adaptive.step_cost)."""
+        depth = cfg.get("depth")
+        return DDTree(int(cfg["total_tokens"]), None if depth is None else int(depth),
+                      step_cost(cfg.get("cost")))
+
+    def grow(self, root: int, log_probs: torch.Tensor) -> TokenTree:
+        """The tree below `root` from (D, V) marginal log-probabilities."""
+        depth = log_probs.shape[0] if self.depth is None else min(self.depth, log_probs.shape[0])
+        builder = best_first(root, log_probs[:depth], self.total_tokens)
+        tree = builder.build()
+        return tree if self.cost is None else cut_to_cost(tree, self.cost, draft_forwards=1)
+
+
+def best_first(root: int, log_probs: torch.Tensor, budget: int) -> TreeBuilder:
+    """A scored TreeBuilder of the `budget` best paths by summed (D, V) log-probabilities.
+
+    Each depth's candidates are its tokens sorted once; a popped node (path ..., rank r at
+    depth d) queues its next sibling (rank r + 1, same parent) and its first child (rank 0 at
+    depth d + 1): every node enters the heap once, after its parent and its better sibling.
+    Ties pop shallower, then earlier, first. Tokens the draft cannot propose never enter."""
+    ranked = log_probs.float().sort(dim=-1, descending=True)
+    values, tokens = ranked.values.tolist(), ranked.indices.tolist()
+    builder = TreeBuilder(root, scored=True)
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, order, parent, rank)
+    pushed = 0
+
+    def push(parent: int, depth: int, rank: int) -> None:
+        nonlocal pushed
+        if depth < len(values) and rank < len(values[depth]) and \
+                values[depth][rank] > float("-inf"):
+            score = builder.log_scores[parent] + values[depth][rank]
+            heapq.heappush(heap, (-score, depth, pushed, parent, rank))
+            pushed += 1
+
+    push(0, 0, 0)
+    while heap and len(builder) <= budget:
+        negative, depth, _, parent, rank = heapq.heappop(heap)
+        node = builder.add(parent, tokens[depth][rank], -negative)
+        push(parent, depth, rank + 1)
+        push(node, depth + 1, 0)
+    return builder
+
+
+BlockTree = TreeTopology | DynamicTree | DDTree
+
+
+def check_block_tree(tree: BlockTree, max_depth: int, drafter: str) -> None:
+    """Refuse, at construction, a tree deeper than the block: `max_depth` = block size - 1."""
+    depth = tree.depth if not isinstance(tree, DDTree) else (tree.depth or max_depth)
+    if isinstance(tree, TreeTopology):
+        check_depth(tree, max_depth, drafter)
+    elif depth > max_depth:
+        raise TreeError(f"tree depth {depth} exceeds what {drafter} can fill: its block "
+                        f"drafts {max_depth} positions (drafter.block_size - 1)")
+
+
+def tree_from_block(tree: BlockTree, root: int, marginals: torch.Tensor,
+                    params: SamplingParams, generator: torch.Generator | None = None
+                    ) -> TokenTree:
+    """The tree `tree` describes below `root`, filled from (D, V) marginal draft logits."""
+    if marginals.dim() != 2:
+        raise ValueError(f"marginals must be (D, V), got {tuple(marginals.shape)}")
+    if isinstance(tree, DDTree):
+        return tree.grow(root, draft_log_probs(marginals, params))
+    if isinstance(tree, DynamicTree):
+        return _dynamic(tree, root, draft_log_probs(marginals, params))
+    return fill_topology(tree, root, marginals, params, generator)
+
+
+def fill_topology(topology: TreeTopology, root: int, marginals: torch.Tensor,
+                  params: SamplingParams, generator: torch.Generator | None) -> TokenTree:
+    """A static topology, node by node in order: node u's children from row depth(u)."""
+    builder = TreeBuilder(root)
+    placed = {0: 0}  # topology node -> tree node
+    for node in range(topology.size):
+        depth = builder.depth(placed[node]) if node in placed else None
+        if depth is None or depth >= marginals.shape[0] or not topology.children(node):
+            continue
+        add_children(builder, topology, placed, node, marginals[depth], params, generator)
+    return builder.build()
+
+
+def _dynamic(tree: DynamicTree, root: int, log_probs: torch.Tensor) -> TokenTree:
+    """EAGLE-2's search and rerank with every expansion answered from the marginals."""
+    def expand(candidates: TreeBuilder, nodes: list[int]) -> torch.Tensor:
+        return log_probs[[candidates.depth(n) for n in nodes]]
+
+    steps = tree.search_steps(root, log_probs[0])
+    candidates = run_steps(steps, lambda request: expand(*request))
+    return candidates.build(tree.rerank(candidates))
