@@ -28,12 +28,14 @@ class Row:
     own_trees: tuple[str, ...] = ()  # a drafter that grows only its own kind of tree
     label: str = ""  # the test id, where one config appears in several rows
     samples: bool = False  # sampling draws its static trees' children (draft_probs recorded)
+    block: bool = False  # a block drafter (drafters.block): fills DDTrees too
 
     @property
     def trees(self) -> list[str]:
         if self.own_trees:
             return list(self.own_trees)
-        return STATIC_TREES + (["eagle2"] if self.dynamic else [])
+        return STATIC_TREES + (["eagle2"] if self.dynamic else []) + \
+            (["ddtree8"] if self.block else [])
 
 
 DRAFTERS = [
@@ -41,6 +43,8 @@ DRAFTERS = [
     # fresh weights: tests/train covers acceptance
     Row("eagle", accepts=False, dynamic=True, samples=True),
     Row("eagle3", accepts=False, dynamic=True, samples=True),
+    # fresh weights: tests/train/test_dflash.py covers acceptance
+    Row("dflash", accepts=False, dynamic=True, samples=True, block=True),
     Row("medusa", {"num_heads": 5}, samples=True),  # fresh heads; tree16 is 5 deep
     Row("prompt_lookup", accepts=False),
     # model-free, from counted continuations; adaptive: sized per step by measured t(n)

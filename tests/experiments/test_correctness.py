@@ -110,9 +110,12 @@ NEW_DRAFTERS = {
     "recycling": ("recycling", ["tree=recycling", *HAND_SET_COST, *T1]),
     "recycling80-top_p-batched": ("recycling", ["tree=recycling80", *TOP_P_BATCHED]),
     "sam_hybrid": ("sam_hybrid", ["tree=recycling", *HAND_SET_COST, *T1]),
+    # a block drafter: a chain drawn from per-position marginals, and DDTree's chosen children
+    "dflash-chain": ("dflash", ["tree=chain4", *T1]),
+    "dflash-ddtree": ("dflash", ["tree=ddtree8", *TOP_P_BATCHED]),
 }
 SLOW_CASES = {"suffix-adaptive-top_p-batched", "hybrid-pick", "eagle-adaptive",
-              "recycling80-top_p-batched", "sam_hybrid"}
+              "recycling80-top_p-batched", "sam_hybrid", "dflash-ddtree"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)

@@ -124,16 +124,24 @@ Rule = Callable[[TokenTree, torch.Tensor], Outcomes]
 def emitted(rule: Rule, p: Table, q: Table, topology: TreeTopology, iid: bool) -> Counter:
     """The distribution of the first depth + 1 tokens one step emits (the target continuing
     each shorter outcome), summed over every draft tree."""
-    length, vocab = topology.depth + 1, len(p[()])
     out: Counter = Counter()
     for tree, weight in draft_trees(topology, q, iid):
-        for path, chance, bonus in rule(tree, target_rows(p, tree)):
-            tokens = tuple(tree.tokens[path[1:]].tolist())
-            for y in range(vocab):
-                mass = weight * chance * float(bonus[y])
-                if mass > 0:
-                    for seq, tail in continuations(p, (*tokens, y), length):
-                        out[seq] += mass * tail
+        out.update(tree_emitted(rule, p, tree, topology.depth + 1, weight))
+    return out
+
+
+def tree_emitted(rule: Rule, p: Table, tree: TokenTree, length: int, weight: float = 1.0
+                 ) -> Counter:
+    """The distribution of the first `length` tokens one step emits on one given tree (the
+    target continuing each shorter outcome), times `weight`."""
+    out: Counter = Counter()
+    for path, chance, bonus in rule(tree, target_rows(p, tree)):
+        tokens = tuple(tree.tokens[path[1:]].tolist())
+        for y in range(len(bonus)):
+            mass = weight * chance * float(bonus[y])
+            if mass > 0:
+                for seq, tail in continuations(p, (*tokens, y), length):
+                    out[seq] += mass * tail
     return out
 
 
