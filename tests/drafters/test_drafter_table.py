@@ -35,7 +35,7 @@ class Row:
         if self.own_trees:
             return list(self.own_trees)
         return STATIC_TREES + (["eagle2"] if self.dynamic else []) + \
-            (["ddtree8"] if self.block else [])
+            (["ddtree8", "ddtree_auto"] if self.block else [])
 
 
 DRAFTERS = [
@@ -59,7 +59,7 @@ CASES = [(row, tree) for row in DRAFTERS for tree in row.trees]
 # A tiny model's step takes microseconds, whose measured t(n) is noise: the cost-sized tree
 # gets a hand-set, nearly flat one instead (trees of up to 16 nodes pay).
 FLAT_COST = {"cost": {"measure": False, "t_ms": {1: 10.0, 2: 10.2, 8: 10.8, 16: 11.5, 32: 30.0}}}
-TREE_OVERRIDES = {"adaptive": FLAT_COST, "recycling": FLAT_COST}
+TREE_OVERRIDES = {"adaptive": FLAT_COST, "recycling": FLAT_COST, "ddtree_auto": FLAT_COST}
 CASE_IDS = [f"{row.label or row.config}-{tree}" for row, tree in CASES]
 ARCHS = ["llama", "qwen2", "gpt2"]
 NEW_TOKENS = 80
