@@ -384,8 +384,9 @@ def pad_batch(chosen: list[SequenceFeatures]) -> dict:
 def heldout_accuracy(objective: torch.nn.Module, heldout: FeatureSet, batch: int = 8,
                      **kwargs) -> dict:
     """Top-1 / top-5 agreement with the target's next token by draft depth (one entry per row
-    of the objective's counts (K, 3)) and, where counted, the mean acceptance alpha, over the held-out sequences in eval mode; `kwargs` go
-    to the objective (EAGLE: steps=, how deep to unroll)."""
+    of the objective's counts (K, 3)) and, where counted, the mean acceptance alpha, over the
+    held-out sequences in eval mode; `kwargs` go to the objective (EAGLE: steps=, how deep to
+    unroll)."""
     objective.eval()
     device = next(objective.parameters()).device
     batches = (pad_batch(heldout.take(indices)) for indices in chunks(range(len(heldout)), batch))

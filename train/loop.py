@@ -108,8 +108,9 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
 
     objective(**batch) -> (loss, counts (K, 3) or (K, 4)): per head (Medusa) or unrolled step
     (EAGLE), named `label`, [rows with a target, top-1 hits, top-5 hits] and optionally the
-    summed acceptance alpha (train.losses.row_counts), summed over ranks for the metrics. `save(step)` runs every `save_every` steps and after the last. A batch whose loss
-    or gradient is not finite raises NonFiniteError naming it, before any weight moves
+    summed acceptance alpha (train.losses.row_counts), summed over ranks for the metrics.
+    `save(step)` runs every `save_every` steps and after the last. A batch whose loss or
+    gradient is not finite raises NonFiniteError naming it, before any weight moves
     (optim.max_nonfinite_skips: skip that many instead); weights that are not finite are never
     saved, so the last checkpoint stays the last good one.
     """

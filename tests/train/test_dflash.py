@@ -165,7 +165,7 @@ def test_the_lk_losses_reach_eagles_objective(kind):
     features = _features(target, TOKENS, (*draft.feature_layers, 2))[None]
     batch = {"input_ids": TOKENS[None], "features": features,
              "learn": torch.ones(1, len(TOKENS), dtype=torch.bool)}
-    losses = {k: float(EagleLoss(draft, head, config, RowLoss(k))(**batch)[0])
+    losses = {k: float(EagleLoss(draft, head, config, RowLoss(k))(**batch)[0].detach())
               for k in ("ce", kind)}
     objective = EagleLoss(draft, head, config)
     inputs, tokens, states, rows = objective._rows(*batch.values())

@@ -34,8 +34,8 @@ from train.features import (
     training_features,
 )
 from train.logger import finish_run
-from train.losses import RowLoss
 from train.loop import adamw
+from train.losses import RowLoss
 from train.recipes import common
 from verify.features import eagle3_layers, num_layers, resolve_layers
 from verify.target import Target

@@ -33,8 +33,8 @@ from train.features import (
     training_features,
 )
 from train.logger import finish_run
-from train.losses import RowLoss
 from train.loop import adamw
+from train.losses import RowLoss
 from train.recipes import common
 from verify.features import num_layers, resolve_layers
 from verify.target import Target
