@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
+from drafters.dflash import DFlashConfig
 from drafters.draft_model import DraftModelConfig
 from drafters.eagle import EagleConfig
 from drafters.hybrid import HybridConfig
@@ -29,6 +30,7 @@ from train.schema import OptimConfig
 
 CONF = Path(CONF_DIR)
 DRAFTER_SCHEMAS = {
+    "dflash": DFlashConfig,
     "draft_model": DraftModelConfig,
     "eagle": EagleConfig,
     "eagle3": EagleConfig,

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from drafters.eagle import EagleConfig, EagleDraft
 from drafters.vocab import copy_linear
 from train.distributed import global_mean
-from train.loop import hit_counts
+from train.losses import RowLoss, row_counts
 
 
 class EagleLoss(nn.Module):
@@ -32,11 +32,13 @@ class EagleLoss(nn.Module):
     target_head: the target's LM head rows of the draft vocabulary, frozen (soft targets).
     input_width: the first `input_width` columns of a feature row are the draft's input
     (F * H); the last H columns are the target's last normed state f^L.
+    row_loss: the per-row objective against p (optim.loss; the soft cross-entropy by default).
     """
 
-    def __init__(self, draft: EagleDraft, target_head: nn.Module, config: EagleConfig):
+    def __init__(self, draft: EagleDraft, target_head: nn.Module, config: EagleConfig,
+                 row_loss: RowLoss = RowLoss()):
         super().__init__()
-        self.draft, self.config = draft, config
+        self.draft, self.config, self.row_loss = draft, config, row_loss
         self.target_head = copy_linear(target_head, draft.vocab_ids).requires_grad_(False)
         self.input_width = len(draft.feature_layers) * target_head.weight.shape[1]
 
@@ -44,8 +46,9 @@ class EagleLoss(nn.Module):
                 steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, T); features (B, T, C) float; learn (B, T) bool, the tokens to learn
         (assistant tokens, not padding); steps: unrolled steps (default config.ttt_steps; the
-        evaluation unrolls further). Returns the loss and counts (S, 3): per step [rows, top-1
-        hits, top-5 hits] against the target's most likely draft-vocabulary token."""
+        evaluation unrolls further). Returns the loss and counts (S, 4): per step [rows, top-1
+        hits, top-5 hits] against the target's most likely draft-vocabulary token, and the
+        summed acceptance alpha (train.losses)."""
         inputs, tokens, target_states, rows = self._rows(input_ids, features, learn)
         with torch.no_grad():
             target_probs = self.target_head(target_states).float().softmax(-1)  # (B, T-1, V')
@@ -87,14 +90,14 @@ class EagleLoss(nn.Module):
 
     def _step_loss(self, hidden, target_states, target_probs, valid):
         logits = self.draft.logits(hidden).float()
-        ce = -(target_probs * logits.log_softmax(-1)).sum(-1)
-        loss = self.config.ce_weight * (ce * valid).sum()
+        per_row, alpha = self.row_loss(target_probs, logits)
+        loss = self.config.ce_weight * (per_row * valid).sum()
         if self.config.feature_weight:
             l1 = nn.functional.smooth_l1_loss(hidden.float(), target_states.float(),
                                               reduction="none").mean(-1)
             loss = loss + self.config.feature_weight * (l1 * valid).sum()
         loss = global_mean(loss, valid.sum())  # torchrun: over the global batch
-        return loss, hit_counts(logits.detach(), target_probs.argmax(-1), valid)
+        return loss, row_counts(logits.detach(), target_probs.argmax(-1), valid, alpha)
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -384,16 +384,20 @@ def pad_batch(chosen: list[SequenceFeatures]) -> dict:
 def heldout_accuracy(objective: torch.nn.Module, heldout: FeatureSet, batch: int = 8,
                      **kwargs) -> dict:
     """Top-1 / top-5 agreement with the target's next token by draft depth (one entry per row
-    of the objective's counts (K, 3)), over the held-out sequences in eval mode; `kwargs` go
-    to the objective (EAGLE: steps=, how deep to unroll)."""
+    of the objective's counts (K, 3)) and, where counted, the mean acceptance alpha, over the
+    held-out sequences in eval mode; `kwargs` go to the objective (EAGLE: steps=, how deep to
+    unroll)."""
     objective.eval()
     device = next(objective.parameters()).device
     batches = (pad_batch(heldout.take(indices)) for indices in chunks(range(len(heldout)), batch))
     counts = sum(objective(**{k: v.to(device) for k, v in b.items()}, **kwargs)[1]
                  for b in batches)
     rows = counts[:, 0].clamp_min(1)
-    return {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
-            "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
+    accuracy = {"label": "depth", "top1": (counts[:, 1] / rows).tolist(),
+                "top5": (counts[:, 2] / rows).tolist(), "rows": int(counts[0, 0])}
+    if counts.shape[1] > 3:  # the mean acceptance alpha per depth (train.losses.row_counts)
+        accuracy["alpha"] = (counts[:, 3] / rows).tolist()
+    return accuracy
 
 
 def prompts_of(heldout: FeatureSet, count: int) -> list[torch.Tensor]:

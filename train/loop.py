@@ -106,10 +106,11 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     """Run steps start_step .. optim.max_steps - 1; returns the last logged metrics and this
     run's throughput (`speed`).
 
-    objective(**batch) -> (loss, counts (K, 3)): per head (Medusa) or unrolled step (EAGLE),
-    named `label`, [rows with a target, top-1 hits, top-5 hits], summed over ranks for the
-    metrics. `save(step)` runs every `save_every` steps and after the last. A batch whose loss
-    or gradient is not finite raises NonFiniteError naming it, before any weight moves
+    objective(**batch) -> (loss, counts (K, 3) or (K, 4)): per head (Medusa) or unrolled step
+    (EAGLE), named `label`, [rows with a target, top-1 hits, top-5 hits] and optionally the
+    summed acceptance alpha (train.losses.row_counts), summed over ranks for the metrics.
+    `save(step)` runs every `save_every` steps and after the last. A batch whose loss or
+    gradient is not finite raises NonFiniteError naming it, before any weight moves
     (optim.max_nonfinite_skips: skip that many instead); weights that are not finite are never
     saved, so the last checkpoint stays the last good one.
     """
@@ -205,9 +206,11 @@ class _Window:
         elapsed = time.perf_counter() - self.start
         metrics = {"loss": float(losses) / env.world_size / len(self.losses), "lr": lr,
                    "rows_per_s": float(counts[0, 0]) / elapsed}
-        for k, (rows, top1, top5) in enumerate(counts.tolist()):
+        for k, (rows, top1, top5, *alpha) in enumerate(counts.tolist()):
             metrics[f"{label}{k}/top1"] = top1 / max(rows, 1)
             metrics[f"{label}{k}/top5"] = top5 / max(rows, 1)
+            if alpha:  # a 4th column: the summed acceptance estimate (train.losses)
+                metrics[f"{label}{k}/alpha"] = alpha[0] / max(rows, 1)
         self.reset()
         return metrics
 

@@ -84,6 +84,10 @@ class OptimConfig:
     # skipped instead (counted, each named), for data known to hold a few bad rows.
     max_nonfinite_skips: int = 0
     autocast_bf16: bool = True  # bf16 matmuls on CPUs with AVX512-BF16 / on GPUs: ~2x
+    # The per-row objective against the target's distribution (train.losses): ce, the soft
+    # cross-entropy; lk, -log of the expected acceptance; lk_hybrid, KL and TV mixed by it
+    loss: str = "ce"
+    lk_eta: float = 3.0  # lk_hybrid: KL's weight is exp(-lk_eta * acceptance)
 
 
 @dataclass
@@ -112,6 +116,7 @@ class EvalConfig:
 
 
 STRATEGIES = ("ddp", "fsdp")
+LOSSES = ("ce", "lk", "lk_hybrid")  # optim.loss (train.losses.RowLoss)
 
 
 @dataclass
@@ -155,6 +160,8 @@ def check_settings(cfg) -> None:
     if cfg.optim.max_nonfinite_skips < 0:
         raise ValueError(f"optim.max_nonfinite_skips must be >= 0, got "
                          f"{cfg.optim.max_nonfinite_skips}")
+    if cfg.optim.loss not in LOSSES:
+        raise ValueError(f"optim.loss must be one of {LOSSES}, got {cfg.optim.loss!r}")
     if cfg.dist.strategy not in STRATEGIES:
         raise ValueError(f"dist.strategy must be one of {STRATEGIES}, got "
                          f"{cfg.dist.strategy!r}")

@@ -99,7 +99,7 @@ def test_training_steps_lower_the_loss(arch, variant):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    assert counts.shape == (config.ttt_steps, 3)
+    assert counts.shape == (config.ttt_steps, 4)
     assert losses[-1] < losses[0] * 0.8, losses
 
 

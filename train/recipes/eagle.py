@@ -34,6 +34,7 @@ from train.features import (
 )
 from train.logger import finish_run
 from train.loop import adamw
+from train.losses import RowLoss
 from train.recipes import common
 from verify.features import num_layers, resolve_layers
 from verify.target import Target
@@ -52,7 +53,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     vocab = most_frequent_tokens(train_set.learned_tokens(), ecfg.draft_vocab_size)
     draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head, ecfg.inputs,
                        ecfg.layout)
-    objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg).to(env.device)
+    objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg,
+                          RowLoss.from_optim(cfg.optim)).to(env.device)
     optimizer, scheduler = adamw(draft, cfg.optim)
 
     def restore(found: Path) -> int:

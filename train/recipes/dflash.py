@@ -1,0 +1,102 @@
+"""The DFlash training recipe: setup, train, save, evaluate.
+
+    python train.py drafter=dflash                    # ShareGPT features, blocks of 8
+    python train.py drafter=dflash optim.loss=lk      # train on the expected acceptance
+    python train.py drafter=dflash experiment=smoke   # seconds, on a tiny random target
+
+The frozen target reads the training sequences once (prefill) and its features at the draft's
+layers plus its last state are cached in shards: with the default layers (EAGLE-3's) the very
+cache an EAGLE-3 run on the same data reads, so the two train on equal budgets. The draft then
+trains on the cache alone (train.dflash.DFlashLoss). Everything lands in cfg.out_dir:
+checkpoint/ (loadable by `drafter.checkpoint=`; rerunning the command resumes from it) and
+eval.json (held-out accuracy and acceptance per draft position, tau and the greedy check).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from drafters.dflash import WEIGHTS_FILE, DFlashDraft, dflash_config, save_draft
+from drafters.vocab import coverage, most_frequent_tokens
+from train.checkpoint import check_resumable, load_checkpoint
+from train.dflash import DFlashLoss
+from train.distill import distilled_data
+from train.distributed import DistEnv
+from train.evaluate import decode_check
+from train.features import (
+    FeatureSet,
+    heldout_accuracy,
+    live_target,
+    prompts_of,
+    sequence_batcher,
+    training_features,
+)
+from train.logger import finish_run
+from train.loop import adamw
+from train.losses import RowLoss
+from train.recipes import common
+from verify.features import eagle3_layers, num_layers, resolve_layers
+from verify.target import Target
+
+
+def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
+    """Train a DFlash draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+    dcfg = dflash_config(cfg.drafter)
+    target = common.training_target(cfg, env)
+    total = num_layers(target.model.config)
+    layers = resolve_layers(dcfg.feature_layers or eagle3_layers(total), total)
+    answers, heldout_answers = distilled_data(cfg.data, target, env)
+    # + the last state the soft targets read: with EAGLE-3's layers, EAGLE-3's very cache
+    stored = layers if layers[-1] == total else (*layers, total)
+    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored,
+                                            env=env)
+    vocab = most_frequent_tokens(train_set.learned_tokens(), dcfg.draft_vocab_size)
+    draft = DFlashDraft(target.model, layers, dcfg.block_size, dcfg.num_layers, vocab)
+    objective = DFlashLoss(draft, target.model.get_output_embeddings(), dcfg,
+                           RowLoss.from_optim(cfg.optim)).to(env.device)
+    optimizer, scheduler = adamw(draft, cfg.optim)
+
+    def restore(found: Path) -> int:
+        check_resumable(found, target, draft.hyperparameters, cfg)
+        return load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
+
+    logger = common.train(cfg, env, group, common.Training(
+        objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
+        save=lambda folder, state, extra: save_draft(draft, folder, target, extra, state),
+        restore=restore, label="position", feature_model=live_target(train_set, target)))
+    if not env.is_main:
+        return {}
+    results = evaluate(cfg, target, objective, heldout)
+    return finish_run(logger, results, _flat(results))
+
+
+def evaluate(cfg: DictConfig, target: Target, objective: DFlashLoss, heldout: FeatureSet
+             ) -> dict:
+    """Held-out accuracy and acceptance by draft position, and tau with the saved draft on the
+    run's tree (`+tree=<option>`; else a chain of block_size - 1, the paper's), decoded
+    through build_drafter and the loop; eval.json."""
+    accuracy = heldout_accuracy(objective, heldout)
+    accuracy["vocab_coverage"] = coverage(objective.draft.vocab_ids, heldout.learned_tokens())
+    tree = eval_tree(cfg, objective.draft.block_size)
+    drafter = common.trained_drafter(cfg, target, tree)
+    prompts = prompts_of(heldout, cfg.eval.num_prompts)
+    label = tree.get("name", f"chain of {objective.draft.block_size - 1}")
+    decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, label)
+    return common.write_eval(cfg, {"accuracy": accuracy, "decoding": decoding,
+                                   "drafter": cfg.drafter.name})
+
+
+def eval_tree(cfg: DictConfig, block_size: int) -> dict:
+    """The tree the evaluation decodes with: the config's, else a chain filling the block."""
+    if not OmegaConf.is_missing(cfg, "tree"):
+        return OmegaConf.to_container(cfg.tree, resolve=True)
+    return {"choices": [[0] * depth for depth in range(1, block_size)]}
+
+
+def _flat(results: dict) -> dict[str, float]:
+    accuracy = results["accuracy"]
+    return {**{f"eval/depth{k + 1}/top1": v for k, v in enumerate(accuracy["top1"])},
+            **{f"eval/depth{k + 1}/alpha": v for k, v in enumerate(accuracy["alpha"])},
+            **common.decoding_metrics(results["decoding"])}
