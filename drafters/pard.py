@@ -54,8 +54,8 @@ class PardConfig(DraftModelConfig):
     block_size: int = 8  # k: tokens one forward predicts (the root's next and k - 1 masks')
     # Training only: conditional drop. Offset g keeps a share max(keep_ratio**g, keep_min) of
     # the anchors kept at offset g - 1 (1.0: every anchor trains every offset).
-    keep_ratio: float = 1.0
-    keep_min: float = 0.0
+    keep_ratio: float = 0.7
+    keep_min: float = 0.2
 
 
 def pard_config(cfg: Mapping) -> PardConfig:

@@ -19,6 +19,7 @@ RECIPES = {
     "medusa": "train.recipes.medusa",
     "eagle": "train.recipes.eagle",
     "eagle3": "train.recipes.eagle",
+    "pard": "train.recipes.pard",
 }
 
 
