@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from drafters import (dflash, draft_model, eagle, hybrid, medusa, prompt_lookup, recycling,
-                      suffix)
+from drafters import (dflash, draft_model, eagle, hybrid, medusa, pard, prompt_lookup,
+                      recycling, suffix)
 from drafters.adaptive import measured_cost
 from drafters.block import DDTree
 from drafters.dynamic_tree import DynamicTree
@@ -29,7 +29,7 @@ from verify.tree import TreeError, TreeTopology
 TreePolicy = TreeTopology | DynamicTree | DDTree
 # Drafters whose one forward gives every depth's distribution (drafters.block): the only ones
 # that can fill a DDTree.
-BLOCK_DRAFTERS = ("dflash",)
+BLOCK_DRAFTERS = ("dflash", "pard")
 DrafterBuilder = Callable[[Mapping, TreePolicy, Target], Drafter]
 
 DRAFTERS: dict[str, DrafterBuilder] = {
@@ -38,6 +38,7 @@ DRAFTERS: dict[str, DrafterBuilder] = {
     "eagle": eagle.from_config,
     "eagle3": eagle.from_config,
     "medusa": medusa.from_config,
+    "pard": pard.from_config,
     "prompt_lookup": prompt_lookup.from_config,
     "recycling": recycling.from_config,
     "suffix": suffix.from_config,

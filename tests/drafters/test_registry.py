@@ -8,7 +8,7 @@ from drafters import COMBINATORS, DRAFTERS, build_drafter
 from verify.protocol import Drafter
 from verify.tree import TreeError
 
-TINY_OVERRIDES = {"draft_model": {"num_layers": 1}}  # tiny targets have 2 layers
+TINY_OVERRIDES = {"draft_model": {"num_layers": 1}, "pard": {"num_layers": 1}}  # 2-layer targets
 OWN_TREES = {"suffix": "suffix", "hybrid": "suffix"}  # drafters that grow their own kind
 
 

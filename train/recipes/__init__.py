@@ -20,6 +20,7 @@ RECIPES = {
     "eagle": "train.recipes.eagle",
     "eagle3": "train.recipes.eagle",
     "dflash": "train.recipes.dflash",
+    "pard": "train.recipes.pard",
 }
 
 

@@ -87,7 +87,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     if not env.is_main:
         return {}
     results = evaluate(cfg, target, objective, heldout, vocab)
-    return finish_run(logger, results, _flat(results))
+    return finish_run(logger, results, flat_metrics(results))
 
 
 def hyperparameters(config: DraftModelConfig) -> dict:
@@ -133,7 +133,8 @@ def evaluate(cfg: DictConfig, target: Target, objective: DistillLoss, heldout: F
                                    "use": f"drafter.path={common.checkpoint_dir(cfg)}"})
 
 
-def _flat(results: dict) -> dict[str, float]:
+def flat_metrics(results: dict) -> dict[str, float]:
+    """The first depth's held-out agreement and the decoding numbers, for the logger."""
     accuracy = results["accuracy"]
     return {"eval/depth1/top1": accuracy["top1"][0], "eval/depth1/top5": accuracy["top5"][0],
             **common.decoding_metrics(results["decoding"])}
