@@ -22,6 +22,7 @@ from drafters.draft_model import DraftModelConfig
 from drafters.eagle import EagleConfig
 from drafters.hybrid import HybridConfig
 from drafters.medusa import MedusaConfig
+from drafters.pard import PardConfig
 from drafters.prompt_lookup import PromptLookupConfig
 from drafters.recycling import RecyclingConfig
 from drafters.suffix import SuffixConfig
@@ -36,6 +37,7 @@ DRAFTER_SCHEMAS = {
     "eagle3": EagleConfig,
     "hybrid": HybridConfig,
     "medusa": MedusaConfig,
+    "pard": PardConfig,
     "prompt_lookup": PromptLookupConfig,
     "recycling": RecyclingConfig,
     "sam_hybrid": HybridConfig,

@@ -47,7 +47,7 @@ DRAFTERS = [
     Row("dflash", accepts=False, dynamic=True, samples=True, block=True),
     Row("medusa", {"num_heads": 5}, samples=True),  # fresh heads; tree16 is 5 deep
     # a block drafter: the self-draft with an untrained mask (its depth-1 row is the self-draft's)
-    Row("pard", {"num_layers": 1}, samples=True, own_trees=("chain4", "tree16", "ddtree8")),
+    Row("pard", {"num_layers": 1}, dynamic=True, samples=True, block=True),
     Row("prompt_lookup", accepts=False),
     # model-free, from counted continuations; adaptive: sized per step by measured t(n)
     Row("suffix", accepts=False, own_trees=("suffix", "adaptive")),
