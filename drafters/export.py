@@ -81,7 +81,7 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -
         tensors[name] = projection.weight
     if heads.vocab_ids is not None:
         tensors["token_map"] = heads.vocab_ids.long()
-    tensors = _own_copies(tensors)
+    tensors = own_copies(tensors)
     config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
@@ -98,7 +98,7 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -
         "treedraft": {"target": target_record(target, heads.hidden_size,
                                               heads.target_vocab_size)},
     }
-    return _write_folder(folder, tensors, config)
+    return write_folder(folder, tensors, config)
 
 
 def load_vllm_medusa(folder: str | Path, target: Target, allow_other_target: bool = False
@@ -114,7 +114,7 @@ def load_vllm_medusa(folder: str | Path, target: Target, allow_other_target: boo
         raise ValueError(f"{folder} is not a vLLM Medusa folder (model_type "
                          f"{config.get('model_type')!r})")
     lm_head = target.model.get_output_embeddings()
-    _check_export_target(config, config["hidden_size"], config["vocab_size"], target, folder,
+    check_export_target(config, config["hidden_size"], config["vocab_size"], target, folder,
                          allow_other_target)
     state = load_tensors(folder / VLLM_WEIGHTS, device=str(lm_head.weight.device))
     shared = bool(config.get("original_lm_head", False))
@@ -141,7 +141,7 @@ def _vllm_medusa_name(ours: str) -> str:
     return re.sub(r"^blocks\.(\d+)\.(\d+)\.linear\.", r"blocks.\1.layers.\2.", ours)
 
 
-def _check_export_target(config: dict, hidden_size: int, vocab_size: int, target: Target,
+def check_export_target(config: dict, hidden_size: int, vocab_size: int, target: Target,
                          folder: Path, allow_other_target: bool) -> None:
     """An export of ours records its target (check_target); one made elsewhere (or before
     fingerprints) is checked by sizes, all it says."""
@@ -180,7 +180,7 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
         tensors["t2d"] = t2d
     if embedding:
         tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
-    tensors = _own_copies(tensors)
+    tensors = own_copies(tensors)
     layer_config = draft.body.config.to_dict()
     layer_config["torch_dtype"] = str(draft.lm_head.weight.dtype).removeprefix("torch.")
     layer_config["architectures"] = ["LlamaForCausalLM"]
@@ -209,7 +209,7 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
         },
         "treedraft": {"target": target_record(target, hidden, draft.target_vocab_size)},
     }
-    return _write_folder(folder, tensors, config)
+    return write_folder(folder, tensors, config)
 
 
 def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_target: bool = False
@@ -223,7 +223,7 @@ def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_targ
         raise ValueError(f"{folder} is not a speculators eagle3 folder "
                          f"(speculators_model_type {config.get('speculators_model_type')!r})")
     layer = config["transformer_layer_config"]
-    _check_export_target(config, layer["hidden_size"], layer["vocab_size"], target, folder,
+    check_export_target(config, layer["hidden_size"], layer["vocab_size"], target, folder,
                          allow_other_target)
     device = str(target.model.get_output_embeddings().weight.device)
     state = load_tensors(folder / VLLM_WEIGHTS, device=device)
@@ -233,7 +233,7 @@ def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_targ
                        vocab_ids, train_lm_head=True, layout="eagle3")
     draft.body.norm_before_residual = bool(config.get("norm_before_residual", True))
     check_tensors(state, _speculators_shapes(draft, target, state), folder / VLLM_WEIGHTS)
-    _check_embedding(state, target, folder)
+    check_embedding(state, target, folder)
     params = dict(draft.named_parameters())
     with torch.no_grad():
         for ours, theirs in EAGLE3_NAMES.items():
@@ -257,7 +257,7 @@ def _speculators_shapes(draft: EagleDraft, target: Target, state: dict) -> dict:
     return shapes
 
 
-def _check_embedding(state: dict, target: Target, folder: Path) -> None:
+def check_embedding(state: dict, target: Target, folder: Path) -> None:
     """The embedding a draft read must be the target's (a draft for another fine-tune)."""
     if "embed_tokens.weight" in state:
         ours = target.model.get_input_embeddings().weight
@@ -266,17 +266,21 @@ def _check_embedding(state: dict, target: Target, folder: Path) -> None:
                              "another target (or another fine-tune of it)")
 
 
-def _write_folder(folder: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """`folder` with model.safetensors and config.json, written atomically (replaced)."""
+def write_folder(folder: str | Path, tensors: dict[str, torch.Tensor], config: dict,
+                 pickled: dict[str, object] | None = None) -> Path:
+    """`folder` with model.safetensors, config.json and `pickled` (file name -> object,
+    torch.save'd: what an engine reads beside the weights), written atomically (replaced)."""
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / VLLM_WEIGHTS))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, value in (pickled or {}).items():
+            torch.save(value, tmp / name)
 
     write_atomically(Path(folder), write, overwrite=True)
     return Path(folder)
 
 
-def _own_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def own_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Compact CPU copies: safetensors refuses views and tensors sharing memory (a shared LM
     head written once per head, the target's embedding-tied head)."""
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}

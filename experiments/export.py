@@ -2,11 +2,13 @@
 
     python -m experiments.export checkpoint=<eagle3 run>/checkpoint format=speculators out=<dir>
     python -m experiments.export checkpoint=<medusa run>/checkpoint format=vllm_medusa out=<dir>
+    python -m experiments.export checkpoint=<dflash>/checkpoint format=speculators_dflash out=<dir>
 
 `speculators` (EAGLE-3 drafts, for vLLM) and `vllm_medusa` (Medusa heads) are described in
-drafters.export. After writing, the folder is read back through our own loader and its draft
-logits are compared with the checkpoint's on the same random features: the command fails
-rather than leave a folder that drafts differently. Serving commands: README, "Serving what you
+drafters.export, `speculators_dflash` (DFlash drafts, for vLLM) in drafters.export_dflash.
+After writing, the folder is read back through our own loader and its draft logits are
+compared with the checkpoint's on the same random features: the command fails rather than
+leave a folder that drafts differently. Serving commands: README, "Serving what you
 trained".
 """
 
@@ -19,6 +21,8 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.checkpoint import read_config
+from drafters.dflash import DFlashDraft, block_inputs
+from drafters.dflash import load_draft as load_dflash
 from drafters.eagle import EagleDraft, load_draft
 from drafters.export import (
     export_speculators_eagle3,
@@ -26,20 +30,35 @@ from drafters.export import (
     load_speculators_eagle3,
     load_vllm_medusa,
 )
+from drafters.export_dflash import export_speculators_dflash, load_speculators_dflash
 from drafters.medusa import MedusaHeads, load_heads
 from verify.target import Target, load_target_from_config
 
-FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medusa heads"}
+FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medusa heads",
+           "speculators_dflash": "DFlash draft (drafter=dflash)"}
 
 
 def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
            speculative_tokens: int = 3, verifier: str | None = None,
-           embedding: bool = True) -> float:
+           embedding: bool = True, mask_token_id: int | None = None) -> float:
     """Write `checkpoint` to `out` in format `fmt`; returns the largest draft-logit difference
-    between the checkpoint and the folder read back (0 for an exact copy)."""
+    between the checkpoint and the folder read back (0 for an exact copy). A DFlash export
+    drafts block_size - 1 tokens (its block), whatever `speculative_tokens` says."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
     saved = read_config(checkpoint)
+    is_dflash = saved.get("drafter") == "dflash"
+    if fmt == "speculators_dflash":
+        if not is_dflash:
+            raise ValueError(f"{checkpoint} holds no DFlash draft (its config.json names "
+                             f"drafter {saved.get('drafter')!r}): format=speculators_dflash "
+                             "exports those (python train.py drafter=dflash)")
+        draft = load_dflash(checkpoint, target)
+        export_speculators_dflash(draft, out, target, verifier, embedding, mask_token_id)
+        return dflash_logit_gap(draft, load_speculators_dflash(out, target))
+    if is_dflash:
+        raise ValueError(f"{checkpoint} holds a DFlash draft: format={fmt} does not hold one; "
+                         "set format=speculators_dflash")
     if fmt == "vllm_medusa":
         if "num_heads" not in saved:
             raise ValueError(f"{checkpoint} holds no Medusa heads: format=vllm_medusa exports "
@@ -83,6 +102,24 @@ def eagle_logit_gap(ours: EagleDraft, theirs: EagleDraft, length: int = 8) -> fl
     return logit_gap(*logits)
 
 
+@torch.no_grad()
+def dflash_logit_gap(ours: DFlashDraft, theirs: DFlashDraft, context: int = 8) -> float:
+    """Largest difference of the two drafts' target-vocabulary block logits on random
+    features (a context of `context` positions) and a random root after them."""
+    weight = ours.lm_head.weight
+    generator = torch.Generator().manual_seed(0)
+    width = len(ours.feature_layers) * weight.shape[1]
+    features = torch.randn(1, context, width, generator=generator).to(weight)
+    root = torch.randint(ours.target_vocab_size, (1, 1), generator=generator)
+    tokens, positions = block_inputs(root, torch.tensor([[context]]), ours.block_size)
+    logits = []
+    for draft in (ours, theirs):
+        kv = draft.context(features, torch.arange(context, device=weight.device)[None])
+        hidden = draft(tokens.to(weight.device), positions.to(weight.device), kv)
+        logits.append(draft.to_target_vocab(draft.logits(hidden[0, 1:])))
+    return logit_gap(*logits)
+
+
 def logit_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| over entries both have finite; inf when they disagree on which are."""
     finite = torch.isfinite(a)
@@ -97,7 +134,7 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit("give checkpoint=<run>/checkpoint and out=<folder>")
     target = load_target_from_config(cfg.target)
     gap = export(cfg.checkpoint, cfg.format, cfg.out, target, cfg.speculative_tokens,
-                 cfg.verifier, cfg.embedding)
+                 cfg.verifier, cfg.embedding, cfg.mask_token_id)
     print(f"{FORMATS[cfg.format]} -> {cfg.out} ({cfg.format}); read back: largest draft-logit "
           f"difference {gap:.3g}")
     if gap > cfg.tolerance:

