@@ -16,8 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from drafters import (dflash, draft_model, eagle, hybrid, medusa, pard, prompt_lookup,
-                      recycling, suffix)
+from drafters import (
+    dflash,
+    draft_model,
+    eagle,
+    hybrid,
+    medusa,
+    pard,
+    prompt_lookup,
+    recycling,
+    suffix,
+)
 from drafters.adaptive import measured_cost
 from drafters.block import DDTree
 from drafters.dynamic_tree import DynamicTree

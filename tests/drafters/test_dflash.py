@@ -77,8 +77,8 @@ def test_trainings_block_mask_gives_each_block_what_decoding_gives_it(draft):
         trained = draft(block_tokens, positions, context, mask).view(3, draft.block_size, -1)
         for j, start in enumerate(starts[0].tolist()):
             alone = draft.context(features[None, :start], torch.arange(start)[None])
-            one_tokens, one_positions = block_inputs(tokens[start].view(1, 1), torch.tensor([[start]]),
-                                                     draft.block_size)
+            one_tokens, one_positions = block_inputs(tokens[start].view(1, 1),
+                                                     torch.tensor([[start]]), draft.block_size)
             decoded = draft(one_tokens, one_positions, alone)[0]
             assert torch.allclose(trained[j], decoded, atol=1e-5), f"block at {start}"
         # the control: a block that also saw its own anchor's feature computes something else
