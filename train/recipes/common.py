@@ -20,10 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import build_drafter
 from train.checkpoint import find_checkpoint, training_state
+from train.distill import distilled_data
 from train.distributed import DistEnv
+from train.features import FeatureSet, training_features
 from train.logger import Logger, build_logger
 from train.loop import train_steps
 from train.sharding import full_optimizer_state, full_state_dict, unshard_for_one_rank, wrap
+from verify.features import num_layers
 from verify.files import read_json, write_json
 from verify.protocol import Drafter
 from verify.target import Target, load_target_from_config
@@ -41,6 +44,17 @@ SaveCheckpoint = Callable[[Path, dict, Callable[[Path], None]], None]
 def checkpoint_dir(cfg: DictConfig) -> Path:
     """Where a run's checkpoint lives: loadable by the drafter, and resumed from."""
     return Path(cfg.out_dir) / CHECKPOINT_DIR
+
+
+def feature_sets(cfg: DictConfig, target: Target, layers: tuple[int, ...], env: DistEnv
+                 ) -> tuple[FeatureSet, FeatureSet]:
+    """The training and held-out sequences of cfg.data with the target's hidden states at
+    `layers` (absolute) and its last state, which the soft targets read (train.features).
+    Drafters reading the same layers share one cache: an equal data budget by construction."""
+    total = num_layers(target.model.config)
+    stored = layers if layers[-1] == total else (*layers, total)
+    answers, heldout_answers = distilled_data(cfg.data, target, env)
+    return training_features(cfg.data, target, answers, heldout_answers, stored, env=env)
 
 
 def training_target(cfg: DictConfig, env: DistEnv, frozen: bool = True) -> Target:

@@ -22,7 +22,6 @@ from drafters.dflash import WEIGHTS_FILE, DFlashDraft, dflash_config, save_draft
 from drafters.vocab import coverage, most_frequent_tokens
 from train.checkpoint import check_resumable, load_checkpoint
 from train.dflash import DFlashLoss
-from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.evaluate import decode_check
 from train.features import (
@@ -31,7 +30,6 @@ from train.features import (
     live_target,
     prompts_of,
     sequence_batcher,
-    training_features,
 )
 from train.logger import finish_run
 from train.loop import adamw
@@ -47,11 +45,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
     layers = resolve_layers(dcfg.feature_layers or eagle3_layers(total), total)
-    answers, heldout_answers = distilled_data(cfg.data, target, env)
-    # + the last state the soft targets read: with EAGLE-3's layers, EAGLE-3's very cache
-    stored = layers if layers[-1] == total else (*layers, total)
-    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored,
-                                            env=env)
+    # EAGLE-3's layers by default: EAGLE-3's very feature cache
+    train_set, heldout = common.feature_sets(cfg, target, layers, env)
     vocab = most_frequent_tokens(train_set.learned_tokens(), dcfg.draft_vocab_size)
     draft = DFlashDraft(target.model, layers, dcfg.block_size, dcfg.num_layers, vocab)
     objective = DFlashLoss(draft, target.model.get_output_embeddings(), dcfg,

@@ -32,7 +32,6 @@ from drafters.draft_model import (
 )
 from drafters.vocab import coverage, most_frequent_tokens
 from train.checkpoint import WAYS_OUT, check_resumable, restore_training_state
-from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.draft_model import DistillLoss, initial_draft
 from train.evaluate import decode_check
@@ -42,7 +41,6 @@ from train.features import (
     live_target,
     prompts_of,
     sequence_batcher,
-    training_features,
 )
 from train.logger import finish_run
 from train.loop import adamw
@@ -62,9 +60,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                          "(drafter.init, drafter.num_layers): leave drafter.path null")
     target = common.training_target(cfg, env)
     last = resolve_layers(LAST, num_layers(target.model.config))
-    answers, heldout_answers = distilled_data(cfg.data, target, env)
-    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, last,
-                                            env=env)
+    train_set, heldout = common.feature_sets(cfg, target, last, env)
     vocab = most_frequent_tokens(train_set.learned_tokens(), config.draft_vocab_size)
     draft = initial_draft(target.model, config, vocab)
     objective = DistillLoss(draft, target.model.get_output_embeddings(), vocab,

@@ -20,7 +20,6 @@ from omegaconf import DictConfig
 from drafters.eagle import WEIGHTS_FILE, EagleDraft, default_layers, eagle_config, save_draft
 from drafters.vocab import coverage, most_frequent_tokens
 from train.checkpoint import check_resumable, load_checkpoint
-from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.eagle import EagleLoss
 from train.evaluate import decode_check
@@ -30,7 +29,6 @@ from train.features import (
     live_target,
     prompts_of,
     sequence_batcher,
-    training_features,
 )
 from train.logger import finish_run
 from train.loop import adamw
@@ -46,10 +44,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
     layers = resolve_layers(ecfg.feature_layers or default_layers(ecfg.variant, total), total)
-    answers, heldout_answers = distilled_data(cfg.data, target, env)
-    stored = layers if layers[-1] == total else (*layers, total)  # + the state the loss reads
-    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, stored,
-                                            env=env)
+    train_set, heldout = common.feature_sets(cfg, target, layers, env)
     vocab = most_frequent_tokens(train_set.learned_tokens(), ecfg.draft_vocab_size)
     draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head, ecfg.inputs,
                        ecfg.layout)

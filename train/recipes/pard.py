@@ -20,9 +20,8 @@ from omegaconf import DictConfig
 from drafters.draft_model import INFO_FILE, save_draft_model
 from drafters.pard import PardConfig, pard_config, read_mask, write_mask
 from train.checkpoint import check_resumable, restore_training_state
-from train.distill import distilled_data
 from train.distributed import DistEnv
-from train.features import live_target, sequence_batcher, training_features
+from train.features import live_target, sequence_batcher
 from train.logger import finish_run
 from train.loop import adamw
 from train.pard import PardLoss, initial_pard, with_layout
@@ -47,9 +46,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                          f"(drafter.block_size={config.block_size})")
     target = common.training_target(cfg, env)
     last = resolve_layers(LAST, num_layers(target.model.config))
-    answers, heldout_answers = distilled_data(cfg.data, target, env)
-    train_set, heldout = training_features(cfg.data, target, answers, heldout_answers, last,
-                                            env=env)
+    train_set, heldout = common.feature_sets(cfg, target, last, env)
     draft, vocab = initial_pard(target, config, train_set.learned_tokens())
     objective = PardLoss(draft, target.model.get_output_embeddings(), vocab,
                          config.divergence).to(env.device)
