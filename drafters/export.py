@@ -212,23 +212,32 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
     return write_folder(folder, tensors, config)
 
 
+def read_speculators(folder: Path, model_type: str, target: Target, allow_other_target: bool
+                     ) -> tuple[dict, dict, torch.Tensor | None]:
+    """A speculators folder's config.json, its weights (on the target's device) and the draft
+    vocabulary its d2t offsets give (None: the whole vocabulary); ValueError for another
+    `speculators_model_type` or a folder exported for another target."""
+    config = read_json(folder / "config.json", "speculators config")
+    if config.get("speculators_model_type") != model_type:
+        raise ValueError(f"{folder} is not a speculators {model_type} folder "
+                         f"(speculators_model_type {config.get('speculators_model_type')!r})")
+    layer = config["transformer_layer_config"]
+    check_export_target(config, layer["hidden_size"], layer["vocab_size"], target, folder,
+                        allow_other_target)
+    device = str(target.model.get_output_embeddings().weight.device)
+    state = load_tensors(folder / VLLM_WEIGHTS, device=device)
+    vocab_ids = (state["d2t"] + torch.arange(len(state["d2t"]), device=device)
+                 if "d2t" in state else None)
+    return config, state, vocab_ids
+
+
 def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_target: bool = False
                             ) -> EagleDraft:
     """An EAGLE-3 draft from a speculators eagle3 folder, on `target` (whose embedding it
     shares); ValueError for another format, a draft of another target (fingerprint where
     exported here, else sizes and embedding) or tensors that are not exactly the draft's."""
     folder = Path(folder)
-    config = read_json(folder / "config.json", "speculators config")
-    if config.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"{folder} is not a speculators eagle3 folder "
-                         f"(speculators_model_type {config.get('speculators_model_type')!r})")
-    layer = config["transformer_layer_config"]
-    check_export_target(config, layer["hidden_size"], layer["vocab_size"], target, folder,
-                         allow_other_target)
-    device = str(target.model.get_output_embeddings().weight.device)
-    state = load_tensors(folder / VLLM_WEIGHTS, device=device)
-    vocab_ids = (state["d2t"] + torch.arange(len(state["d2t"]), device=device)
-                 if "d2t" in state else None)
+    config, state, vocab_ids = read_speculators(folder, "eagle3", target, allow_other_target)
     draft = EagleDraft(target.model, tuple(config["eagle_aux_hidden_state_layer_ids"]),
                        vocab_ids, train_lm_head=True, layout="eagle3")
     draft.body.norm_before_residual = bool(config.get("norm_before_residual", True))

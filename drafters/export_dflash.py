@@ -41,11 +41,11 @@ from drafters.export import (
     SPECULATORS_SCHEMA,
     VLLM_WEIGHTS,
     check_embedding,
-    check_export_target,
     own_copies,
+    read_speculators,
     write_folder,
 )
-from verify.files import check_tensors, load_tensors, read_json
+from verify.files import check_tensors
 from verify.target import Target
 
 MASK_FILE = "mask_embedding.pt"
@@ -122,17 +122,8 @@ def load_speculators_dflash(folder: str | Path, target: Target,
     here, else sizes and embedding), tensors that are not exactly the draft's, or a mask
     embedding recorded for another mask_token_id."""
     folder = Path(folder)
-    config = read_json(folder / "config.json", "speculators config")
-    if config.get("speculators_model_type") != "dflash":
-        raise ValueError(f"{folder} is not a speculators dflash folder "
-                         f"(speculators_model_type {config.get('speculators_model_type')!r})")
+    config, state, vocab_ids = read_speculators(folder, "dflash", target, allow_other_target)
     layer = config["transformer_layer_config"]
-    check_export_target(config, layer["hidden_size"], layer["vocab_size"], target, folder,
-                        allow_other_target)
-    device = str(target.model.get_output_embeddings().weight.device)
-    state = load_tensors(folder / VLLM_WEIGHTS, device=device)
-    vocab_ids = (state["d2t"] + torch.arange(len(state["d2t"]), device=device)
-                 if "d2t" in state else None)
     draft = DFlashDraft(target.model, tuple(config["aux_hidden_state_layer_ids"]),
                         config["block_size"], layer["num_hidden_layers"], vocab_ids)
     expected = {name: t.shape for name, t in draft.state_dict().items()
