@@ -21,13 +21,12 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from drafters.draft_model import load_draft_model
 from drafters.pard import MASK, PardConfig, PardDraft, mean_embedding, read_mask
-from drafters.vocab import copy_linear, most_frequent_tokens
+from drafters.vocab import most_frequent_tokens
 from train.distributed import global_mean
-from train.draft_model import DIVERGENCES, divergence, initial_draft
+from train.draft_model import DistillLoss, divergence, initial_draft
 from train.loop import hit_counts
 from verify.target import Target
 
@@ -58,18 +57,10 @@ def layout_mask(anchors: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-class PardLoss(nn.Module):
+class PardLoss(DistillLoss):
     """The draft's divergence from the target over every query of the layout, on a batch of
-    right-padded sequences; target_head's rows of the draft vocabulary turn cached last states
-    into the target's logits (frozen)."""
-
-    def __init__(self, draft: PardDraft, target_head: nn.Module,
-                 vocab_ids: torch.Tensor | None, kind: str):
-        super().__init__()
-        if kind not in DIVERGENCES:
-            raise ValueError(f"drafter.divergence must be one of {DIVERGENCES}, got {kind!r}")
-        self.draft, self.kind = draft, kind
-        self.target_head = copy_linear(target_head, vocab_ids).requires_grad_(False)
+    right-padded sequences; built as DistillLoss is (draft: a PardDraft), target_head's rows of
+    the draft vocabulary turning cached last states into the target's logits (frozen)."""
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, learn: torch.Tensor,
                 anchors: torch.Tensor | None = None, offsets: torch.Tensor | None = None
