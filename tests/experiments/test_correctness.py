@@ -113,9 +113,11 @@ NEW_DRAFTERS = {
     # a block drafter: a chain drawn from per-position marginals, and DDTree's chosen children
     "dflash-chain": ("dflash", ["tree=chain4", *T1]),
     "dflash-ddtree": ("dflash", ["tree=ddtree8", *TOP_P_BATCHED]),
+    "pard-chain": ("pard", ["tree=chain4", "drafter.num_layers=1", *T1]),
 }
 SLOW_CASES = {"suffix-adaptive-top_p-batched", "hybrid-pick", "eagle-adaptive",
-              "recycling80-top_p-batched", "sam_hybrid", "dflash-ddtree"}
+              "recycling80-top_p-batched", "sam_hybrid", "dflash-ddtree",
+              "pard-chain"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
