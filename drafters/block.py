@@ -77,11 +77,13 @@ class DDTree:
 def best_first(root: int, log_probs: torch.Tensor, budget: int) -> TreeBuilder:
     """A scored TreeBuilder of the `budget` best paths by summed (D, V) log-probabilities.
 
-    Each depth's candidates are its tokens sorted once; a popped node (path ..., rank r at
-    depth d) queues its next sibling (rank r + 1, same parent) and its first child (rank 0 at
-    depth d + 1): every node enters the heap once, after its parent and its better sibling.
-    Ties pop shallower, then earlier, first. Tokens the draft cannot propose never enter."""
-    ranked = log_probs.float().sort(dim=-1, descending=True)
+    Each depth's candidates are its `budget` best tokens (no kept path can use a worse one:
+    its better siblings would outscore it), ranked once by topk, not a sort of the whole
+    vocabulary (~15 ms for 7 x 49k here); a popped node (path ..., rank r at depth d) queues
+    its next sibling (rank r + 1, same parent) and its first child (rank 0 at depth d + 1):
+    every node enters the heap once, after its parent and its better sibling. Ties pop
+    shallower, then earlier, first. Tokens the draft cannot propose never enter."""
+    ranked = log_probs.float().topk(min(max(budget, 1), log_probs.shape[-1]), dim=-1)
     values, tokens = ranked.values.tolist(), ranked.indices.tolist()
     builder = TreeBuilder(root, scored=True)
     heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, order, parent, rank)
