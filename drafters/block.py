@@ -28,6 +28,7 @@ draft cannot propose), row d for depth d + 1.
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ import torch
 from drafters.adaptive import StepCost, cut_to_cost, step_cost
 from drafters.dynamic_tree import DynamicTree, draft_log_probs
 from drafters.tree_steps import add_children, check_depth, run_steps
+from verify.accept import Acceptance
+from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
 
@@ -153,3 +156,44 @@ def _dynamic(tree: DynamicTree, root: int, log_probs: torch.Tensor) -> TokenTree
     steps = tree.search_steps(root, log_probs[0])
     candidates = run_steps(steps, lambda request: expand(*request))
     return candidates.build(tree.rerank(candidates))
+
+
+class BlockDrafter(ABC):
+    """The Drafter protocol for a block drafter holding one sequence's draft state (a batch
+    forks one per row): each proposal is one forward's marginals (`block_marginals`, which
+    counts it in `forwards`) turned into `tree` by `tree_from_block`. A subclass writes
+    `begin`, `block_marginals` and `draft_cache_bytes`; `max_depth` is the deepest tree its
+    block fills, refused at construction when `tree` is deeper."""
+
+    feature_layers: tuple[int, ...] = ()
+    target_top_k = 0
+
+    def __init__(self, draft, tree: BlockTree, name: str, max_depth: int):
+        check_block_tree(tree, max_depth, name)
+        self.draft, self.tree, self.name = draft.eval(), tree, name
+        self.forwards = 0
+
+    def fork(self) -> BlockDrafter:
+        """A drafter for another row: the same draft and tree, its own state."""
+        return type(self)(self.draft, self.tree, self.name)
+
+    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """Nothing to do: the next context brings what the target accepted."""
+
+    @property
+    def draft_forwards(self) -> int:
+        return self.forwards
+
+    @abstractmethod
+    def begin(self, prompt: torch.Tensor) -> None:
+        """Forget the previous sequence's draft state."""
+
+    @abstractmethod
+    def block_marginals(self, ctx: DraftContext) -> torch.Tensor:
+        """(D, V) float CPU draft logits over the target's vocabulary after ctx.tokens[-1],
+        row d for depth d + 1, from one draft forward."""
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        return tree_from_block(self.tree, int(ctx.tokens[-1]), self.block_marginals(ctx),
+                               ctx.params, ctx.generator)

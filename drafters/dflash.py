@@ -31,17 +31,15 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from drafters.block import BlockTree, check_block_tree, tree_from_block
+from drafters.block import BlockDrafter, BlockTree
 from drafters.checkpoint import check_target, read_config, save_module, target_record
 from drafters.config import typed_config
 from drafters.eagle3_layer import eagle3_layer_config
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
-from verify.accept import Acceptance
 from verify.features import eagle3_layers, num_layers, resolve_layers
 from verify.files import load_tensors
 from verify.protocol import DraftContext
 from verify.target import Target
-from verify.tree import TokenTree
 
 WEIGHTS_FILE = "draft.safetensors"
 MASK = -1  # a block token id meaning "to predict": its input is the learned mask embedding
@@ -234,46 +232,29 @@ def block_mask(starts: torch.Tensor, valid: torch.Tensor, context_len: int, bloc
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-class DFlashDrafter:
+class DFlashDrafter(BlockDrafter):
     """Proposes trees from one DFlash forward per step (drafters.block for the tree).
 
     Holds one sequence's context keys/values (fork for another row of a batch). The tree is
     a static topology, EAGLE-2's dynamic tree or DDTree, no deeper than block_size - 1.
     """
 
-    target_top_k = 0
-
     def __init__(self, draft: DFlashDraft, tree: BlockTree, name: str = "dflash"):
-        check_block_tree(tree, draft.block_size - 1, name)
-        self.draft, self.tree, self.name = draft.eval(), tree, name
+        super().__init__(draft, tree, name, draft.block_size - 1)
         self.feature_layers = draft.feature_layers
-        self.forwards = 0
         self._context: ContextKV | None = None
 
     def begin(self, prompt: torch.Tensor) -> None:
         self._context = None
-
-    def fork(self) -> DFlashDrafter:
-        return DFlashDrafter(self.draft, self.tree, self.name)
-
-    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Nothing to do: the next context brings the accepted rows' features."""
-
-    @property
-    def draft_forwards(self) -> int:
-        return self.forwards
 
     def draft_cache_bytes(self) -> int:
         if self._context is None:
             return 0
         return sum(k.numel() * k.element_size() * 2 for k, _ in self._context)
 
-    @torch.no_grad()
-    def propose(self, ctx: DraftContext) -> TokenTree:
+    def block_marginals(self, ctx: DraftContext) -> torch.Tensor:
         self._extend_context(ctx)
-        marginals = self.marginals(int(ctx.tokens[-1]), len(ctx.tokens) - 1)
-        return tree_from_block(self.tree, int(ctx.tokens[-1]), marginals, ctx.params,
-                               ctx.generator)
+        return self.marginals(int(ctx.tokens[-1]), len(ctx.tokens) - 1)
 
     def marginals(self, root: int, position: int) -> torch.Tensor:
         """The block after `root` (at `position`): (block_size - 1, V) float CPU draft logits

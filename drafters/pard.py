@@ -31,15 +31,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from drafters.block import BlockTree, check_block_tree, tree_from_block
+from drafters.block import BlockDrafter, BlockTree
 from drafters.config import typed_config
 from drafters.draft_model import DraftModelConfig, load_draft_model, truncated_copy
 from drafters.vocab import check_vocab_ids, to_target_vocab
-from verify.accept import Acceptance
 from verify.files import read_json
 from verify.protocol import DraftContext
 from verify.target import Target
-from verify.tree import TokenTree
 
 MASK = -1  # a token id meaning "to predict": its input is the learned mask embedding
 MASK_FILE = "pard_mask.json"  # {"block_size": k, "mask_embedding": [H floats]}
@@ -111,43 +109,25 @@ def mean_embedding(model: PreTrainedModel) -> torch.Tensor:
     return model.get_input_embeddings().weight.detach().float().mean(0)
 
 
-class PardDrafter:
+class PardDrafter(BlockDrafter):
     """Proposes trees from one PARD forward per step (drafters.block for the tree); holds one
     sequence's draft cache (fork for another row of a batch)."""
 
-    feature_layers: tuple[int, ...] = ()
-    target_top_k = 0
-
     def __init__(self, draft: PardDraft, tree: BlockTree, name: str = "pard"):
-        check_block_tree(tree, draft.block_size, name)
-        self.draft, self.tree, self.name = draft.eval(), tree, name
-        self.forwards = 0
+        super().__init__(draft, tree, name, draft.block_size)
         self.begin(torch.empty(0, dtype=torch.long))
 
     def begin(self, prompt: torch.Tensor) -> None:
         self.cache = DynamicCache(config=self.draft.model.config)
         self.cached = torch.empty(0, dtype=torch.long)  # (T',) the tokens the cache holds
 
-    def fork(self) -> PardDrafter:
-        return PardDrafter(self.draft, self.tree, self.name)
-
-    def update(self, tree: TokenTree, acceptance: Acceptance) -> None:
-        """Nothing to do: the next context brings the accepted tokens, fed then."""
-
-    @property
-    def draft_forwards(self) -> int:
-        return self.forwards
-
     def draft_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.cache.layers
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                    if isinstance(t, torch.Tensor))
 
-    @torch.no_grad()
-    def propose(self, ctx: DraftContext) -> TokenTree:
-        marginals = self.marginals(ctx.tokens.cpu())
-        return tree_from_block(self.tree, int(ctx.tokens[-1]), marginals, ctx.params,
-                               ctx.generator)
+    def block_marginals(self, ctx: DraftContext) -> torch.Tensor:
+        return self.marginals(ctx.tokens.cpu())
 
     def marginals(self, tokens: torch.Tensor) -> torch.Tensor:
         """The block after tokens[-1] given (T,) committed tokens: (k, V) float CPU draft
