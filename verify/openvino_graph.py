@@ -66,7 +66,8 @@ def build_graph(model: PreTrainedModel, hidden_layers: Sequence[int] = ()) -> ov
     params = _parameters(model)
     x = ops.gather(_constant(model.get_input_embeddings().weight), params["input_ids"], 0)
     hidden = {0: x}
-    cos, sin = (ops.unsqueeze(params[name], np.array([1])) for name in ("rope_cos", "rope_sin"))
+    # (T, 1, 1, D): broadcast over heads in _rotate's (T, heads, 1, D) layout
+    cos, sin = (ops.unsqueeze(params[name], np.array([1, 2])) for name in ("rope_cos", "rope_sin"))
     layers = model.model.layers
     for index, layer in enumerate(layers):
         x = _decoder_layer(layer, x, cos, sin, params, index)
@@ -135,10 +136,15 @@ def rotary_tables(model: PreTrainedModel, positions: torch.Tensor) -> tuple[np.n
 
 
 def _rotate(x: ov.Node, cos: ov.Node, sin: ov.Node, heads: int, dim: int) -> ov.Node:
-    """RoPE on (T, heads * D) states: x * cos + rotate_half(x) * sin, back to (T, heads * D)."""
-    x = ops.reshape(x, np.array([0, heads, dim]), True)
-    first, second = ops.split(x, -1, 2).outputs()
-    rotated = ops.concat([ops.negative(second), first], -1)
+    """RoPE on (T, heads * D) states: x * cos + rotate_half(x) * sin, back to (T, heads * D).
+
+    Written in the shape the CPU plugin's RoPE fusion matches (each token a batch of one:
+    (T, heads, 1, D), a split of the last axis, the second half times -1): fused, the step's
+    rotary work is one kernel per projection instead of eltwise, split and concat nodes (about
+    2 ms of a 19 ms float32 step here)."""
+    x = ops.reshape(x, np.array([0, heads, 1, dim]), True)
+    first, second = ops.variadic_split(x, 3, np.array([dim // 2, dim - dim // 2])).outputs()
+    rotated = ops.concat([ops.multiply(second, np.float32(-1)), first], -1)
     out = ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin))
     return ops.reshape(out, np.array([0, heads * dim]), True)
 

@@ -138,3 +138,15 @@ def prefilled_far(target, prompt) -> torch.Tensor:
     verifier = TreeVerifier(target.step)
     verifier.prefill(prompt)
     return verifier.verify(TREE)[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rotary_embedding_fuses_into_the_plugins_rope_kernel(arch, targets):
+    # The graph's rotary shape is what the plugin's RoPE fusion matches: one RoPE kernel per
+    # query and key projection, no split or concat left (main before: 0 RoPE, 2 splits a layer)
+    _, paged = targets[arch]
+    runtime = paged.step.compiled(()).get_runtime_model()
+    kinds = [op.get_rt_info()["layerType"].astype(str) for op in runtime.get_ops()]
+    layers = paged.model.config.num_hidden_layers
+    assert kinds.count("RoPE") == 2 * layers
+    assert "Split" not in kinds
