@@ -112,14 +112,7 @@ class DraftModelDrafter(EngineDrafter):
         """Cache each row's (T_b,) committed tokens, all rows in one forward; returns no
         states (the cache is all a draft LM carries) and the draft logits (B, V') after each
         row's last token."""
-        contexts = [ctx.tokens.cpu() for ctx in ctxs]
-        # Keep the common prefix (the cache may be ahead after a new sequence), but always
-        # feed at least the root: its logits are the first level's distribution.
-        keeps = [min(_common_prefix(cached, tokens), len(tokens) - 1)
-                 for cached, tokens in zip(self.cached_rows, contexts)]
-        self.engine.crop_rows(keeps)
-        # in step with the cache, should the forward fail
-        self.cached_rows = [tokens[:keep] for tokens, keep in zip(contexts, keeps)]
+        contexts, keeps = self._crop_to_common_prefix(ctxs)
         counts = [len(tokens) - keep for tokens, keep in zip(contexts, keeps)]
         if len(contexts) > 1 and self.engine.size == 0:  # the prompts: each row alone
             logits = self._start_rows(contexts)
@@ -137,6 +130,19 @@ class DraftModelDrafter(EngineDrafter):
             logits = out[torch.arange(len(contexts), device=out.device), column].cpu()
         self.cached_rows = [tokens.clone() for tokens in contexts]
         return None, logits
+
+    def _crop_to_common_prefix(self, ctxs: list[DraftContext]
+                               ) -> tuple[list[torch.Tensor], list[int]]:
+        """Crop each row's cache to what it shares with its context (the cache may be ahead
+        after a new sequence), but below the root, whose logits are the first level's
+        distribution. Returns the (T_b,) contexts and the kept counts."""
+        contexts = [ctx.tokens.cpu() for ctx in ctxs]
+        keeps = [min(_common_prefix(cached, tokens), len(tokens) - 1)
+                 for cached, tokens in zip(self.cached_rows, contexts)]
+        self.engine.crop_rows(keeps)
+        # in step with the cache, should the forward fail
+        self.cached_rows = [tokens[:keep] for tokens, keep in zip(contexts, keeps)]
+        return contexts, keeps
 
     def _start_rows(self, contexts: list[torch.Tensor]) -> torch.Tensor:
         """The first catch-up of an empty engine, row by row (DraftEngine.start_rows): each
@@ -248,6 +254,7 @@ class DraftModelConfig:
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | tv
     allow_other_target: bool = False  # load a distilled draft whose target's fingerprint differs
     iid_siblings: bool = False  # sampling: a static tree's siblings drawn i.i.d. (rule=spectr)
+    step: str | None = None  # torch | openvino; null: openvino when target.step=openvino
 
 
 def draft_model_config(cfg: Mapping) -> DraftModelConfig:
@@ -261,12 +268,18 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree,
     to N layers; `path: <folder or hub id>` loads that model (a distilled draft's folder with
     its reduced vocabulary) and checks it is compatible."""
     config = draft_model_config(cfg)
+    # imported here: drafters.paged_drafts builds on this module's drafter
+    from drafters.paged_drafts import PagedDraftModelDrafter, draft_step
+    on_openvino = draft_step(config.step, target, config.name) == "openvino"
+    vocab_ids = None
     if config.path is None:
-        return DraftModelDrafter(truncated_copy(target.model, config.num_layers), tree,
-                                 name=config.name, iid_siblings=config.iid_siblings)
-    model, vocab_ids = load_draft_model(config.path, target, config.allow_other_target)
-    return DraftModelDrafter(model, tree, name=config.name, vocab_ids=vocab_ids,
-                             iid_siblings=config.iid_siblings)
+        model = truncated_copy(target.model, config.num_layers)
+    else:
+        model, vocab_ids = load_draft_model(config.path, target, config.allow_other_target)
+    options = {"vocab_ids": vocab_ids, "iid_siblings": config.iid_siblings}
+    if on_openvino:
+        return PagedDraftModelDrafter(model, tree, config.name, target.step, **options)
+    return DraftModelDrafter(model, tree, name=config.name, **options)
 
 
 def load_draft_model(path: str | Path, target: Target, allow_other_target: bool = False

@@ -71,6 +71,7 @@ class EagleConfig:
     feature_weight: float = 1.0  # smooth-L1 on the next feature (EAGLE-1; 0 for EAGLE-3)
     ce_weight: float = 0.1  # cross-entropy to the target's next-token distribution
     noise: float = 0.1  # uniform noise U(-noise, noise) on input features
+    step: str | None = None  # torch | openvino; null: openvino when target.step=openvino
 
 
 def eagle_config(cfg: Mapping) -> EagleConfig:
@@ -230,20 +231,7 @@ class EagleDrafter(EngineDrafter):
         predicted features (B, H) and the float CPU draft-vocabulary logits (B, V') of their
         children."""
         weight = self.draft.lm_head.weight
-        starts, counts = [], []
-        for row, ctx in enumerate(ctxs):
-            if ctx.features is None:
-                raise ValueError(f"{self.name} needs the target's features (ctx.features) at "
-                                 f"layers {self.feature_layers}; verify.loop.generate computes "
-                                 "them")
-            count, length = len(ctx.features), len(ctx.tokens)
-            start = length - 1 - count
-            if not 0 <= start <= int(self.engine.lengths[row]):
-                raise ValueError(f"{self.name} got features for positions {start}..{length - 2}"
-                                 f" but holds {int(self.engine.lengths[row])}: call begin() for "
-                                 "a new sequence")
-            starts.append(start)
-            counts.append(count)
+        starts, counts = self._feature_spans(ctxs)
         self.engine.crop_rows(starts)
         if len(ctxs) > 1 and self.engine.size == 0:  # the prompts: each row alone, no padding
             last = self._start_rows(ctxs, counts)
@@ -261,6 +249,25 @@ class EagleDrafter(EngineDrafter):
             self.engine.commit_chains(counts)
             last = hidden[torch.arange(len(ctxs)), torch.tensor(counts) - 1]
         return last, self.draft.logits(last).float().cpu()
+
+    def _feature_spans(self, ctxs: list[DraftContext]) -> tuple[list[int], list[int]]:
+        """Per row, the first position its features cover and how many (the rows the catch-up
+        feeds), checked against what the cache holds."""
+        starts, counts = [], []
+        for row, ctx in enumerate(ctxs):
+            if ctx.features is None:
+                raise ValueError(f"{self.name} needs the target's features (ctx.features) at "
+                                 f"layers {self.feature_layers}; verify.loop.generate computes "
+                                 "them")
+            count, length = len(ctx.features), len(ctx.tokens)
+            start = length - 1 - count
+            if not 0 <= start <= int(self.engine.lengths[row]):
+                raise ValueError(f"{self.name} got features for positions {start}..{length - 2}"
+                                 f" but holds {int(self.engine.lengths[row])}: call begin() for "
+                                 "a new sequence")
+            starts.append(start)
+            counts.append(count)
+        return starts, counts
 
     def _start_rows(self, ctxs: list[DraftContext], counts: list[int]) -> torch.Tensor:
         """The first catch-up of an empty engine, row by row (DraftEngine.start_rows): every
@@ -351,4 +358,8 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) 
                                                          num_layers(target.model.config))
         draft = EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head,
                            inputs=config.inputs, layout=config.layout)
+    # imported here: drafters.paged_drafts builds on this module's drafter
+    from drafters.paged_drafts import PagedEagleDrafter, draft_step
+    if draft_step(config.step, target, config.name) == "openvino":
+        return PagedEagleDrafter(draft, tree, config.name, target.step)
     return EagleDrafter(draft, tree, name=config.name)

@@ -50,6 +50,10 @@ class DraftEngine:
         self.forwards = 0  # draft forwards run (catch-ups and tree levels), for cost reports
         self.reset()
 
+    def empty_copy(self) -> DraftEngine:
+        """An engine for the same draft with a cache of its own (a forked drafter's)."""
+        return DraftEngine(self.config)
+
     def reset(self, rows: int = 1) -> None:
         """Forget everything: `rows` new sequences start."""
         self.cache = new_cache(self.config)
@@ -290,7 +294,7 @@ class EngineDrafter(DraftStats, ABC):
     def fork(self) -> EngineDrafter:
         """The same draft and settings (shared, not copied), its own empty cache."""
         twin = copy.copy(self)
-        twin.engine = DraftEngine(self.engine.config)
+        twin.engine = self.engine.empty_copy()
         twin.begin(torch.empty(0, dtype=torch.long))
         return twin
 

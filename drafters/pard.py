@@ -193,6 +193,9 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> PardDrafter:
     """conf/drafter/pard.yaml: `path: null` drafts with the target cut to num_layers layers
     (its mask untrained: the mean embedding), `path: <folder>` with a trained PARD draft."""
     config = pard_config(cfg)
+    if config.step == "openvino":
+        raise ValueError("drafter=pard runs its block forward in PyTorch only (drafter.step="
+                         "torch or null); drafter=draft_model runs on OpenVINO's kernels")
     if config.path is None:
         model = truncated_copy(target.model, config.num_layers)
         draft = PardDraft(model, config.block_size, None, mean_embedding(model))

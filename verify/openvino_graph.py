@@ -63,31 +63,33 @@ def build_graph(model: PreTrainedModel, hidden_layers: Sequence[int] = ()) -> ov
     """`model`'s forward over a paged cache (module docstring), with the hidden states
     `hidden_layers` (absolute indices) as extra outputs."""
     check_supported(model)
-    params = _parameters(model)
-    x = ops.gather(_constant(model.get_input_embeddings().weight), params["input_ids"], 0)
-    hidden = {0: x}
-    # (T, 1, 1, D): broadcast over heads in _rotate's (T, heads, 1, D) layout
-    cos, sin = (ops.unsqueeze(params[name], np.array([1, 2])) for name in ("rope_cos", "rope_sin"))
     layers = model.model.layers
+    params = graph_parameters(len(layers))
+    x = embed(model.get_input_embeddings(), params["input_ids"])
+    hidden = {0: x}
+    rope = rope_inputs(params)
     for index, layer in enumerate(layers):
-        x = _decoder_layer(layer, x, cos, sin, params, index)
+        x = decoder_layer(layer, x, rope, params, index, attention_shape(layer.self_attn))
         hidden[index + 1] = x
-    x = _rms_norm(x, model.model.norm)
+    x = rms_norm(x, model.model.norm)
     hidden[len(layers)] = x
     rows = ops.gather(x, params["logit_rows"], 0)
-    logits = _linear(rows, model.get_output_embeddings())
-    outputs = [_named(logits, "logits")]
-    outputs += [_named(hidden[h], f"hidden.{h}") for h in hidden_layers]
+    logits = linear(rows, model.get_output_embeddings())
+    outputs = [named(logits, "logits")]
+    outputs += [named(hidden[h], f"hidden.{h}") for h in hidden_layers]
     return ov.Model(outputs, list(params.values()), "treedraft-target")
 
 
-def _parameters(model: PreTrainedModel) -> dict[str, ov.Node]:
+def graph_parameters(layers: int, extra: dict[str, tuple[ov.Type, list[int]]] | None = None
+                     ) -> dict[str, ov.Node]:
+    """The inputs of a paged graph with `layers` attention layers (module docstring), plus
+    `extra` {name: (element type, shape)} (a draft's input states)."""
     shapes = {"input_ids": (I64, [-1]), "logit_rows": (I64, [-1]),
               "rope_cos": (F32, [-1, -1]), "rope_sin": (F32, [-1, -1]),
               **{name: (I32, [-1]) for name in PA_TABLE_INPUTS + ROW_INPUTS},
               "max_context_len": (I32, []), "qq_bias": (ov.Type.u8, [-1]),
-              "qq_bias_begins": (I32, [-1])}
-    for index in range(len(model.model.layers)):
+              "qq_bias_begins": (I32, [-1]), **(extra or {})}
+    for index in range(layers):
         for kind in ("key_cache", "value_cache"):
             shapes[f"{kind}.{index}"] = (ov.Type.dynamic, ov.PartialShape.dynamic(4))
     params = {}
@@ -99,36 +101,46 @@ def _parameters(model: PreTrainedModel) -> dict[str, ov.Node]:
     return params
 
 
-def _named(node: ov.Node, name: str) -> ov.Output:
+def embed(table: torch.nn.Embedding, ids: ov.Node) -> ov.Node:
+    """(T,) token ids -> (T, H) rows of the embedding table."""
+    return ops.gather(constant(table.weight), ids, 0)
+
+
+def rope_inputs(params: dict[str, ov.Node]) -> tuple[ov.Node, ov.Node]:
+    """cos and sin as (T, 1, 1, D): broadcast over heads in `_rotate`'s (T, heads, 1, D)."""
+    return tuple(ops.unsqueeze(params[name], np.array([1, 2]))
+                 for name in ("rope_cos", "rope_sin"))
+
+
+def named(node: ov.Node, name: str) -> ov.Output:
     out = node.output(0)
     out.get_tensor().set_names({name})
     return out
 
 
-def _constant(weight: torch.Tensor) -> ov.Node:
+def constant(weight: torch.Tensor) -> ov.Node:
     """A float32 constant sharing `weight`'s memory (the plugin casts where it runs bf16)."""
     array = weight.detach().to(torch.float32).contiguous().numpy()
     return ops.constant(array, shared_memory=True)
 
 
-def _linear(x: ov.Node, linear: torch.nn.Linear) -> ov.Node:
-    out = ops.matmul(x, _constant(linear.weight), False, True)  # (T, out)
-    return out if linear.bias is None else ops.add(out, _constant(linear.bias))
+def linear(x: ov.Node, layer: torch.nn.Linear) -> ov.Node:
+    out = ops.matmul(x, constant(layer.weight), False, True)  # (T, out)
+    return out if layer.bias is None else ops.add(out, constant(layer.bias))
 
 
-def _rms_norm(x: ov.Node, norm: torch.nn.Module) -> ov.Node:
+def rms_norm(x: ov.Node, norm: torch.nn.Module) -> ov.Node:
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
     variance = ops.reduce_mean(ops.multiply(x, x), np.array([-1]), True)
     scale = ops.sqrt(ops.add(variance, np.float32(eps)))
-    return ops.multiply(ops.divide(x, scale), _constant(norm.weight))
+    return ops.multiply(ops.divide(x, scale), constant(norm.weight))
 
 
-def rotary_tables(model: PreTrainedModel, positions: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """cos and sin (T, D) float32 of each position, from the model's own inverse frequencies
+def rotary_tables(rotary: torch.nn.Module, positions: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """cos and sin (T, D) float32 of each position, from the rotary module's own inverse frequencies
     and scaling (so RoPE variants the model computes at init carry over). Computed here, not
     in the graph: a bfloat16 step would compute the angles in bfloat16 too, and position 660
     times a frequency of 1 is 2.6 radians off there (Hugging Face keeps them in float32)."""
-    rotary = model.model.rotary_emb
     angles = positions.to(torch.float32)[:, None] * rotary.inv_freq.to(torch.float32)[None]
     angles = torch.cat([angles, angles], dim=-1)  # (T, D)
     scale = float(getattr(rotary, "attention_scaling", 1.0))
@@ -149,26 +161,40 @@ def _rotate(x: ov.Node, cos: ov.Node, sin: ov.Node, heads: int, dim: int) -> ov.
     return ops.reshape(out, np.array([0, heads * dim]), True)
 
 
-def _decoder_layer(layer, x, cos, sin, params: dict, index: int) -> ov.Node:
-    attention = layer.self_attn
-    config = attention.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+def attention_shape(attention: torch.nn.Module) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) of a Hugging Face attention module (from its config) or of
+    a draft's own (its attributes `heads`, `kv_heads`, `head_dim`)."""
+    config = getattr(attention, "config", None)
+    if config is None:
+        return attention.heads, attention.kv_heads, attention.head_dim
+    heads = config.num_attention_heads
     dim = getattr(attention, "head_dim", config.hidden_size // heads)
-    normed = _rms_norm(x, layer.input_layernorm)
-    query = _rotate(_linear(normed, attention.q_proj), cos, sin, heads, dim)
-    key = _rotate(_linear(normed, attention.k_proj), cos, sin, kv_heads, dim)
-    value = _linear(normed, attention.v_proj)
+    return heads, config.num_key_value_heads, dim
+
+
+def decoder_layer(layer: torch.nn.Module, x: ov.Node, rope: tuple[ov.Node, ov.Node],
+                  params: dict, index: int, shape: tuple[int, int, int],
+                  attention_input: ov.Node | None = None) -> ov.Node:
+    """A pre-norm decoder layer (Llama's) on the (T, H) residual stream `x`, attending through
+    cache layer `index`; `attention_input` replaces input_layernorm(x) as what the q, k and v
+    projections read (EAGLE-3's layer reads [embedding, feature])."""
+    heads, kv_heads, dim = shape
+    attention = layer.self_attn
+    normed = rms_norm(x, layer.input_layernorm) if attention_input is None else attention_input
+    query = _rotate(linear(normed, attention.q_proj), *rope, heads, dim)
+    key = _rotate(linear(normed, attention.k_proj), *rope, kv_heads, dim)
+    value = linear(normed, attention.v_proj)
     scale = float(getattr(attention, "scaling", dim ** -0.5))
     attended = _paged_attention(query, key, value, params, index, scale)
     attended.get_rt_info()["num_k_heads"] = kv_heads
     attended.get_rt_info()["k_head_size"] = dim
     attended.get_rt_info()["num_v_heads"] = kv_heads
     attended.get_rt_info()["v_head_size"] = dim
-    x = ops.add(x, _linear(attended.output(0), attention.o_proj))
-    normed = _rms_norm(x, layer.post_attention_layernorm)
+    x = ops.add(x, linear(attended.output(0), attention.o_proj))
+    normed = rms_norm(x, layer.post_attention_layernorm)
     mlp = layer.mlp
-    gated = ops.multiply(ops.swish(_linear(normed, mlp.gate_proj)), _linear(normed, mlp.up_proj))
-    return ops.add(x, _linear(gated, mlp.down_proj))
+    gated = ops.multiply(ops.swish(linear(normed, mlp.gate_proj)), linear(normed, mlp.up_proj))
+    return ops.add(x, linear(gated, mlp.down_proj))
 
 
 def _paged_attention(query, key, value, params: dict, index: int, scale: float) -> ov.Node:

@@ -62,31 +62,37 @@ class OpenVINOStep:
         return True  # a state compiles its graph when made, before any decode is timed
 
     def new_state(self, feature_layers: tuple[int, ...]) -> PagedState:
-        return PagedState(self.model, self.compiled(feature_layers), feature_layers)
+        return PagedState(self.compiled(feature_layers), self.model.model.rotary_emb,
+                          self.model.dtype, feature_layers)
 
     def compiled(self, feature_layers: tuple[int, ...]) -> ov.CompiledModel:
         """The graph with these hidden states as outputs, compiled once (about a second for
         the default target)."""
         if feature_layers not in self._compiled:
-            threads = self.threads or torch.get_num_threads()
-            self._compiled[feature_layers] = ov.Core().compile_model(
-                build_graph(self.model, feature_layers), "CPU", {
-                    "INFERENCE_PRECISION_HINT": self.precision,
-                    "KV_CACHE_PRECISION": self.precision,
-                    "PERFORMANCE_HINT": "LATENCY",
-                    "INFERENCE_NUM_THREADS": threads,
-                    "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # no int8 activations: exact f32
-                    "PERF_COUNT": self.profiling,
-                })
+            self._compiled[feature_layers] = self.compile(build_graph(self.model, feature_layers))
         return self._compiled[feature_layers]
+
+    def compile(self, graph: ov.Model) -> ov.CompiledModel:
+        """`graph` compiled with this step's precision and threads (a draft's graph too: the
+        drafts run on the target's kernels, under the same settings)."""
+        return ov.Core().compile_model(graph, "CPU", {
+            "INFERENCE_PRECISION_HINT": self.precision,
+            "KV_CACHE_PRECISION": self.precision,
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_NUM_THREADS": self.threads or torch.get_num_threads(),
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # no int8 activations: exact f32
+            "PERF_COUNT": self.profiling,
+        })
 
 
 class PagedState:
-    """B rows of paged KV cache and the forwards over them (`verify.step.StepState`)."""
+    """B rows of paged KV cache and the forwards over them (`verify.step.StepState`): the
+    target's, or a draft's (drafters.paged_engine) over its own graph. `rotary`: the module
+    whose inverse frequencies give the positions' tables; `dtype`: the features'."""
 
-    def __init__(self, model: PreTrainedModel, compiled: ov.CompiledModel,
-                 feature_layers: tuple[int, ...]):
-        self.model, self.dtype = model, model.dtype
+    def __init__(self, compiled: ov.CompiledModel, rotary: torch.nn.Module, dtype: torch.dtype,
+                 feature_layers: tuple[int, ...] = ()):
+        self.rotary, self.dtype = rotary, dtype
         self.feature_layers = feature_layers
         self.request = compiled.create_infer_request()
         self.cache_names = [port.get_any_name() for port in compiled.inputs
@@ -118,14 +124,18 @@ class PagedState:
     def prefill_rows(self, prompts: Sequence[torch.Tensor]
                      ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """All prompts in one forward, laid end to end (PagedAttention keeps rows apart)."""
-        self.free.extend(block for table in self.tables for block in table)
-        self.tables, self.used = [[] for _ in prompts], [0] * len(prompts)
+        self.reset_rows(len(prompts))
         sizes = [len(prompt) for prompt in prompts]
         masks = [np.tril(np.ones((n, n), dtype=np.uint8)) for n in sizes]
         logits, features = self._run(torch.cat(list(prompts)), [0] * len(prompts), sizes,
                                      [torch.arange(n) for n in sizes], masks,
                                      last_only=True)
         return logits, None if features is None else list(features.split(sizes))
+
+    def reset_rows(self, rows: int) -> None:
+        """`rows` empty rows; every block back in the pool."""
+        self.free.extend(block for table in self.tables for block in table)
+        self.tables, self.used = [[] for _ in range(rows)], [0] * rows
 
     def extend(self, tokens: torch.Tensor, length: int
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,12 +161,9 @@ class PagedState:
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of rows b = 0.. of sizes[b] new tokens after past[b] cached ones:
         logits (sum sizes, V), or (B, V) with `last_only`, and features (sum sizes, F * H)."""
-        for row, (length, n) in enumerate(zip(past, sizes)):
-            self._reserve(row, length + n)
-            self.used[row] = length + n
         begins = np.cumsum([0, *sizes])
         rows = begins[1:] - 1 if last_only else np.arange(begins[-1])
-        self.request.infer(self._inputs(tokens, past, sizes, depths, masks, rows))
+        self.infer(range(len(sizes)), tokens, past, depths, masks, rows)
         logits = torch.from_numpy(self.request.get_tensor("logits").data.copy())
         if not self.feature_layers:
             return logits, None
@@ -164,15 +171,31 @@ class PagedState:
                   for h in self.feature_layers]
         return logits, torch.cat(states, dim=-1).to(self.dtype)
 
-    def _inputs(self, tokens, past, sizes, depths, masks, rows) -> dict[str, np.ndarray]:
+    def infer(self, rows: Sequence[int], tokens: torch.Tensor, past: Sequence[int],
+              offsets: Sequence[torch.Tensor], masks: Sequence[np.ndarray],
+              logit_rows: np.ndarray, extra: dict[str, np.ndarray] | None = None) -> None:
+        """One forward: cache row rows[i] gets len(offsets[i]) new tokens (`tokens` holds them
+        all, end to end) after its past[i] cached slots, at positions past[i] + offsets[i],
+        seeing its cached slots and, among its new tokens, what masks[i] (n_i, n_i) allows;
+        the outputs' `logit_rows` (indices into `tokens`) come back. `extra`: further graph
+        inputs (a draft's input states). The outputs stay in `self.request`."""
+        sizes = [len(offset) for offset in offsets]
+        for row, length, n in zip(rows, past, sizes):
+            self._reserve(row, length + n)
+            self.used[row] = length + n
+        inputs = self._inputs(rows, tokens, past, sizes, offsets, masks, logit_rows)
+        self.request.infer({**inputs, **(extra or {})})
+
+    def _inputs(self, rows, tokens, past, sizes, depths, masks, logit_rows
+                ) -> dict[str, np.ndarray]:
         tables = [self.tables[row][:-(-(length + n) // self.block_size)]
-                  for row, (length, n) in enumerate(zip(past, sizes))]
+                  for row, length, n in zip(rows, past, sizes)]
         positions = torch.cat([length + d for length, d in zip(past, depths)])
-        cos, sin = rotary_tables(self.model, positions)
+        cos, sin = rotary_tables(self.rotary, positions)
         return {
             "input_ids": tokens.numpy().astype(np.int64),
             "rope_cos": cos, "rope_sin": sin,
-            "logit_rows": np.asarray(rows, dtype=np.int64),
+            "logit_rows": np.asarray(logit_rows, dtype=np.int64),
             "past_lens": np.asarray(past, dtype=np.int32),
             "score_aggregation_window": np.zeros(len(past), dtype=np.int32),
             "subsequence_begins": np.cumsum([0, *sizes], dtype=np.int32),

@@ -1,0 +1,137 @@
+"""Learned drafts on OpenVINO's kernels: `drafter.step=openvino`, the default beside
+`target.step=openvino`.
+
+Why: beside a target step on OpenVINO (~20 ms here), a draft forward in PyTorch eager cost
+7-11 ms (issue 55), so the tree search kept the learned drafts at two nodes. Here the draft's
+forward is a paged graph built from its own weights with the target's graph pieces
+(verify.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention), compiled by
+the target's step (its precision and threads), and run by drafters.paged_engine. Everything
+above the forward (catch-up spans, tree policies, commits) is the PyTorch drafter's own: these
+classes override only the two forwards.
+"""
+
+from __future__ import annotations
+
+import openvino as ov
+import openvino.opset16 as ops
+from transformers import PreTrainedModel
+
+from drafters.draft_model import DraftModelDrafter
+from drafters.dynamic_tree import DynamicTree
+from drafters.eagle import EagleDraft, EagleDrafter
+from drafters.engine import LevelAnswer, LevelRequest
+from drafters.paged_engine import PagedDraftEngine
+from verify.openvino_graph import (
+    F32,
+    attention_shape,
+    build_graph,
+    check_supported,
+    decoder_layer,
+    embed,
+    graph_parameters,
+    linear,
+    named,
+    rms_norm,
+    rope_inputs,
+)
+from verify.openvino_step import OpenVINOStep
+from verify.protocol import DraftContext
+from verify.target import Target
+from verify.tree import TreeTopology
+
+STEPS = ("torch", "openvino")  # drafter.step values; null follows the target's step
+
+
+def draft_step(requested: str | None, target: Target, name: str) -> str:
+    """Where the draft's forwards run: `requested`, or the target's kind of step when null."""
+    on_openvino = isinstance(target.step, OpenVINOStep)
+    if requested is None:
+        return "openvino" if on_openvino else "torch"
+    if requested not in STEPS:
+        raise ValueError(f"drafter.step must be one of {STEPS} or null, got {requested!r}")
+    if requested == "openvino" and not on_openvino:
+        raise ValueError(f"drafter.step=openvino runs {name}'s draft on the target step's "
+                         "OpenVINO kernels, precision and threads: set target.step=openvino "
+                         "too (or drafter.step=torch)")
+    return requested
+
+
+def eagle_graph(draft: EagleDraft) -> ov.Model:
+    """EAGLE's draft forward over a paged cache: inputs as verify.openvino_graph's plus
+    `draft_states` (T, H), the fused target features or the draft's own outputs; outputs at
+    the logit rows `hidden` (R, H), what drafter.eagle's forward returns, and `logits`
+    (R, V') over the draft vocabulary."""
+    hidden_size = draft.lm_head.weight.shape[1]
+    params = graph_parameters(1, {"draft_states": (F32, [-1, hidden_size])})
+    embedded = embed(draft._embed[0], params["input_ids"])
+    states, rope = params["draft_states"], rope_inputs(params)
+    if draft.layout == "eagle3":  # drafters.eagle3_layer: embedding and feature apart
+        layer = draft.body
+        normed = rms_norm(states, layer.hidden_norm)
+        reads = ops.concat([rms_norm(embedded, layer.input_layernorm), normed], -1)
+        residual = normed if layer.norm_before_residual else states
+        out = decoder_layer(layer, residual, rope, params, 0,
+                            attention_shape(layer.self_attn), reads)
+        head_input = rms_norm(out, layer.norm)
+    else:  # EAGLE-1's: [embedding, feature] -> H, the target architecture's layer and norm
+        check_supported(draft.body)
+        layer = draft.body.layers[0]
+        x = linear(ops.concat([embedded, states], -1), draft.input_proj)
+        out = rms_norm(decoder_layer(layer, x, rope, params, 0, attention_shape(layer.self_attn)),
+                       draft.body.norm)
+        head_input = out
+    rows = params["logit_rows"]
+    logits = linear(ops.gather(head_input, rows, 0), draft.lm_head)
+    return ov.Model([named(logits, "logits"), named(ops.gather(out, rows, 0), "hidden")],
+                    list(params.values()), "treedraft-eagle")
+
+
+class PagedEagleDrafter(EagleDrafter):
+    """EagleDrafter whose catch-ups and tree levels run on the OpenVINO draft graph."""
+
+    def __init__(self, draft: EagleDraft, tree: TreeTopology | DynamicTree, name: str,
+                 step: OpenVINOStep):
+        if draft.inputs != "both":
+            raise ValueError(f"{name}: the input ablation inputs={draft.inputs!r} runs on "
+                             "drafter.step=torch only")
+        super().__init__(draft, tree, name)
+        rotary = draft.body.rotary if draft.layout == "eagle3" else draft.body.rotary_emb
+        self.engine = PagedDraftEngine(step.compile(eagle_graph(draft)), rotary,
+                                       draft.lm_head.weight.dtype, reads_states=True)
+
+    def _catch_up(self, ctxs: list[DraftContext]) -> LevelAnswer:
+        """EagleDrafter._catch_up on the draft graph: every row's spans in one forward, the
+        first one (the prompts) too, since rows run unpadded."""
+        starts, _ = self._feature_spans(ctxs)
+        self.engine.crop_rows(starts)
+        weight = self.draft.lm_head.weight
+        states = [self.draft.fuse_features(ctx.features.to(weight)) for ctx in ctxs]
+        tokens = [ctx.tokens[start + 1:] for ctx, start in zip(ctxs, starts)]
+        return self.engine.feed_chains(tokens, states)
+
+    def _forward_level(self, requests: dict[int, LevelRequest]) -> dict[int, LevelAnswer]:
+        return self.engine.feed_level({row: (request.paths, request.tokens,
+                                             request.parent_states)
+                                       for row, request in requests.items()})
+
+
+class PagedDraftModelDrafter(DraftModelDrafter):
+    """DraftModelDrafter whose catch-ups and tree levels run on the draft model's own graph
+    (the target's graph builder: any Llama-family draft, a truncated self-draft too)."""
+
+    def __init__(self, model: PreTrainedModel, tree: TreeTopology | DynamicTree, name: str,
+                 step: OpenVINOStep, **options):
+        super().__init__(model, tree, name, **options)
+        self.engine = PagedDraftEngine(step.compile(build_graph(model)),
+                                       model.model.rotary_emb, model.dtype, reads_states=False)
+
+    def _catch_up(self, ctxs: list[DraftContext]) -> LevelAnswer:
+        contexts, keeps = self._crop_to_common_prefix(ctxs)
+        _, logits = self.engine.feed_chains([tokens[keep:]
+                                             for tokens, keep in zip(contexts, keeps)])
+        self.cached_rows = [tokens.clone() for tokens in contexts]
+        return None, logits
+
+    def _forward_level(self, requests: dict[int, LevelRequest]) -> dict[int, LevelAnswer]:
+        return self.engine.feed_level({row: (request.paths, request.tokens, None)
+                                       for row, request in requests.items()})
