@@ -12,8 +12,11 @@ classes override only the two forwards.
 
 from __future__ import annotations
 
+import copy
+
 import openvino as ov
 import openvino.opset16 as ops
+import torch
 from transformers import PreTrainedModel
 
 from drafters.draft_model import DraftModelDrafter
@@ -21,13 +24,14 @@ from drafters.dynamic_tree import DynamicTree
 from drafters.eagle import EagleDraft, EagleDrafter
 from drafters.engine import LevelAnswer, LevelRequest
 from drafters.paged_engine import PagedDraftEngine
+from drafters.pard import PardDraft, PardDrafter, common_prefix
 from verify.openvino_graph import (
     F32,
     attention_shape,
     build_graph,
     check_supported,
+    constant,
     decoder_layer,
-    embed,
     graph_parameters,
     linear,
     named,
@@ -63,7 +67,7 @@ def eagle_graph(draft: EagleDraft) -> ov.Model:
     (R, V') over the draft vocabulary."""
     hidden_size = draft.lm_head.weight.shape[1]
     params = graph_parameters(1, {"draft_states": (F32, [-1, hidden_size])})
-    embedded = embed(draft._embed[0], params["input_ids"])
+    embedded = ops.gather(constant(draft._embed[0].weight), params["input_ids"], 0)
     states, rope = params["draft_states"], rope_inputs(params)
     if draft.layout == "eagle3":  # drafters.eagle3_layer: embedding and feature apart
         layer = draft.body
@@ -135,3 +139,45 @@ class PagedDraftModelDrafter(DraftModelDrafter):
     def _forward_level(self, requests: dict[int, LevelRequest]) -> dict[int, LevelAnswer]:
         return self.engine.feed_level({row: (request.paths, request.tokens, None)
                                        for row, request in requests.items()})
+
+
+class PagedPardDrafter(PardDrafter):
+    """PardDrafter whose block forward runs on the draft model's graph, the mask embedding as
+    one more row of its token table (id = the table's length)."""
+
+    def __init__(self, draft: PardDraft, tree, name: str, step: OpenVINOStep):
+        super().__init__(draft, tree, name)
+        model = draft.model
+        table = model.get_input_embeddings().weight
+        self.mask_id = len(table)
+        inputs = torch.cat([table, draft.mask_embedding.detach().to(table)[None]])
+        self.engine = PagedDraftEngine(step.compile(build_graph(model, input_table=inputs)),
+                                       model.model.rotary_emb, model.dtype, reads_states=False)
+        self.begin(torch.empty(0, dtype=torch.long))
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        if hasattr(self, "engine"):  # PardDrafter.__init__ calls begin before it exists
+            self.engine.reset(1)
+        self.cached = torch.empty(0, dtype=torch.long)
+
+    def fork(self) -> PagedPardDrafter:
+        twin = copy.copy(self)
+        twin.engine = self.engine.empty_copy()
+        twin.begin(torch.empty(0, dtype=torch.long))
+        return twin
+
+    def draft_cache_bytes(self) -> int:
+        return self.engine.cache_bytes()
+
+    def marginals(self, tokens: torch.Tensor) -> torch.Tensor:
+        """PardDrafter.marginals on the graph: the unseen tokens and the masks in one
+        forward, the masks' entries cropped after."""
+        keep = min(common_prefix(self.cached, tokens), len(tokens) - 1)  # feed the root always
+        self.engine.crop_rows([keep])
+        k = self.draft.block_size
+        fed = torch.cat([tokens[keep:], torch.full((k - 1,), self.mask_id, dtype=torch.long)])
+        _, logits = self.engine.feed_chains([fed], outputs=k)
+        self.engine.crop_rows([len(tokens)])  # the masks' entries: never committed
+        self.cached = tokens.clone()
+        self.forwards += 1
+        return self.draft.to_target_vocab(logits)

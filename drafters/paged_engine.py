@@ -104,15 +104,16 @@ class PagedDraftEngine:
         self.rollback()
 
     def feed_chains(self, tokens: Sequence[torch.Tensor],
-                    states: Sequence[torch.Tensor] | None = None) -> Answer:
+                    states: Sequence[torch.Tensor] | None = None, outputs: int = 1) -> Answer:
         """Append tokens[b] (k_b,) to row b's committed entries, each seeing its row's earlier
-        ones (a catch-up; `states[b]` (k_b, H) their input states). Returns the states (B, H)
-        or None and the logits (B, V') after each row's last token."""
+        ones (a catch-up; `states[b]` (k_b, H) their input states). Returns the states
+        (B * outputs, H) or None and the logits (B * outputs, V') at each row's last `outputs`
+        tokens (PARD's block: its root and masks)."""
         counts = [len(row_tokens) for row_tokens in tokens]
-        if min(counts) < 1:
-            raise ValueError(f"every row feeds at least one token, got {counts}")
+        if min(counts) < outputs:
+            raise ValueError(f"every row feeds at least {outputs} tokens, got {counts}")
         masks = [np.tril(np.ones((n, n), dtype=np.uint8)) for n in counts]
-        last = np.cumsum(counts) - 1
+        last = (np.cumsum(counts)[:, None] + np.arange(-outputs, 0)[None]).reshape(-1)
         self.rollback()
         self.forwards += 1
         hidden, logits = self._run(range(self.rows), torch.cat(list(tokens)), states,

@@ -193,12 +193,14 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> PardDrafter:
     """conf/drafter/pard.yaml: `path: null` drafts with the target cut to num_layers layers
     (its mask untrained: the mean embedding), `path: <folder>` with a trained PARD draft."""
     config = pard_config(cfg)
-    if config.step == "openvino":
-        raise ValueError("drafter=pard runs its block forward in PyTorch only (drafter.step="
-                         "torch or null); drafter=draft_model runs on OpenVINO's kernels")
+    # imported here: drafters.paged_drafts builds on this module's drafter
+    from drafters.paged_drafts import PagedPardDrafter, draft_step
+    on_openvino = draft_step(config.step, target, config.name) == "openvino"
     if config.path is None:
         model = truncated_copy(target.model, config.num_layers)
         draft = PardDraft(model, config.block_size, None, mean_embedding(model))
     else:
         draft = load_pard(config.path, target, config.block_size, config.allow_other_target)
+    if on_openvino:
+        return PagedPardDrafter(draft, tree, config.name, target.step)
     return PardDrafter(draft, tree, name=config.name)

@@ -59,13 +59,16 @@ def check_supported(model: PreTrainedModel) -> None:
                                "(only silu is built)")
 
 
-def build_graph(model: PreTrainedModel, hidden_layers: Sequence[int] = ()) -> ov.Model:
+def build_graph(model: PreTrainedModel, hidden_layers: Sequence[int] = (),
+                input_table: torch.Tensor | None = None) -> ov.Model:
     """`model`'s forward over a paged cache (module docstring), with the hidden states
-    `hidden_layers` (absolute indices) as extra outputs."""
+    `hidden_layers` (absolute indices) as extra outputs; `input_table` (V'', H): the rows
+    input ids index instead of the model's token table (PARD's, with its mask row after)."""
     check_supported(model)
     layers = model.model.layers
     params = graph_parameters(len(layers))
-    x = embed(model.get_input_embeddings(), params["input_ids"])
+    table = model.get_input_embeddings().weight if input_table is None else input_table
+    x = ops.gather(constant(table), params["input_ids"], 0)
     hidden = {0: x}
     rope = rope_inputs(params)
     for index, layer in enumerate(layers):
@@ -99,11 +102,6 @@ def graph_parameters(layers: int, extra: dict[str, tuple[ov.Type, list[int]]] | 
         param.output(0).get_tensor().set_names({name})
         params[name] = param
     return params
-
-
-def embed(table: torch.nn.Embedding, ids: ov.Node) -> ov.Node:
-    """(T,) token ids -> (T, H) rows of the embedding table."""
-    return ops.gather(constant(table.weight), ids, 0)
 
 
 def rope_inputs(params: dict[str, ov.Node]) -> tuple[ov.Node, ov.Node]:

@@ -10,7 +10,7 @@ import torch
 import verify.openvino_step as openvino_step
 from drafters import build_drafter
 from drafters.engine import LevelRequest
-from drafters.paged_drafts import PagedDraftModelDrafter, PagedEagleDrafter
+from drafters.paged_drafts import PagedDraftModelDrafter, PagedEagleDrafter, PagedPardDrafter
 from drafters.paged_engine import PagedDraftEngine
 from verify.loop import generate
 from verify.openvino_graph import UnsupportedModel
@@ -25,6 +25,7 @@ CHAIN = {"name": "chain2", "choices": [[0], [0, 0]]}
 DRAFTERS = {"eagle1": {"name": "eagle", "draft_vocab_size": None},
             "eagle3": {"name": "eagle3", "draft_vocab_size": None},
             "draft_model": {"name": "draft_model", "num_layers": 1}}
+DECODERS = {**DRAFTERS, "pard": {"name": "pard", "num_layers": 1, "block_size": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -135,14 +136,34 @@ def test_without_compaction_the_next_catch_up_is_wrong(targets, monkeypatch):
     assert largest_difference("draft_model", targets["llama"]) > 100 * TOLERANCE
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_paged_pard_block_equals_the_pytorch_block(arch, targets):
+    # a block after the prompt, then after an accepted continuation (the masks' entries were
+    # cropped, the new tokens fed after the kept ones), then after a rewound prompt
+    eager_target, paged_target = targets[arch]
+    config = {"name": "pard", "num_layers": 1, "block_size": 4}
+    paged = build_drafter(config, CHAIN, paged_target)
+    eager = build_drafter({**config, "step": "torch"}, CHAIN, eager_target)
+    eager.draft = paged.draft
+    assert isinstance(paged, PagedPardDrafter)
+    longer = torch.cat([PROMPTS[0], torch.tensor([70, 71, 72])])
+    for tokens in (PROMPTS[0], longer, PROMPTS[0][:6]):
+        with torch.no_grad():
+            expected, got = eager.marginals(tokens), paged.marginals(tokens)
+        assert got.shape == (4, expected.shape[1])
+        finite = expected.isfinite()
+        assert torch.equal(finite, got.isfinite())
+        assert (got[finite] - expected[finite]).abs().max() < TOLERANCE
+
+
 @pytest.mark.parametrize("tree", [{"name": "tree6", "choices": [[0], [1], [0, 0], [0, 1],
                                                                  [1, 0], [0, 0, 0]]},
                                   {"name": "eagle2", "depth": 3, "top_k": 3, "total_tokens": 6}])
-@pytest.mark.parametrize("kind", list(DRAFTERS))
+@pytest.mark.parametrize("kind", list(DECODERS))
 def test_greedy_decoding_stays_identical_to_plain(kind, tree, targets):
     target = targets["qwen2"][1]
-    drafter = build_drafter(DRAFTERS[kind], tree, target)
-    assert isinstance(drafter, (PagedEagleDrafter, PagedDraftModelDrafter))
+    drafter = build_drafter(DECODERS[kind], tree, target)
+    assert isinstance(drafter, (PagedEagleDrafter, PagedDraftModelDrafter, PagedPardDrafter))
     plain = generate(target.step, PROMPTS[0], max_new_tokens=24).tokens
     out = generate(target.step, PROMPTS[0], max_new_tokens=24, drafter=drafter)
     assert torch.equal(out.tokens, plain)
