@@ -50,6 +50,7 @@ class MedusaConfig:
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
     checkpoint: str | None = None
     allow_other_target: bool = False  # load a checkpoint whose target's fingerprint differs
+    step: str | None = None  # torch | openvino; null: openvino when target.step=openvino
     init_heads: str | None = None  # heads to start from, e.g. Medusa-1's for Medusa-2's stage 2
     variant: str = "medusa1"  # medusa1: frozen target | medusa2: + a LoRA adapter on it
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
@@ -209,9 +210,12 @@ class MedusaDrafter(StatelessBatchDrafter):
                              "as verify.loop.generate does")
         weight = self.heads.head_lm(0).weight
         hidden = torch.stack([ctx.features[-1].to(weight) for ctx in ctxs])  # (B, H)
-        logits = self.heads(hidden, num_heads=self.topology.depth)  # (depth, B, V')
-        logits = self.heads.to_target_vocab(logits.float().cpu())  # (depth, B, V)
+        logits = self.heads.to_target_vocab(self._head_logits(hidden))  # (depth, B, V)
         return [self._fill(int(ctx.tokens[-1]), logits[:, b], ctx) for b, ctx in enumerate(ctxs)]
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, H) states -> (depth, B, V') float CPU logits of the heads the tree needs."""
+        return self.heads(hidden, num_heads=self.topology.depth).float().cpu()
 
     def _fill(self, root: int, logits: torch.Tensor, ctx: DraftContext) -> TokenTree:
         """Place each topology node's children, parents first; (K, V) logits per depth."""
@@ -271,9 +275,14 @@ def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> MedusaD
     """conf/drafter/medusa.yaml: fresh heads (`num_heads`, `num_layers`, `share_lm_head`) on the
     target, or `checkpoint: <folder>` to load trained ones (whose own config then applies)."""
     config = medusa_config(cfg)
+    # imported here: drafters.paged_drafts builds on this module's drafter
+    from drafters.paged_drafts import OpenVINOMedusaDrafter, draft_step
+    on_openvino = draft_step(config.step, target, config.name) == "openvino"
     if config.checkpoint:
         heads = load_heads(config.checkpoint, target, config.allow_other_target)
     else:
         heads = MedusaHeads(target.model.get_output_embeddings(), config.num_heads,
                             config.num_layers, config.share_lm_head)
+    if on_openvino:
+        return OpenVINOMedusaDrafter(heads, topology, config.name, target.step)
     return MedusaDrafter(heads, topology, name=config.name)

@@ -23,6 +23,7 @@ from drafters.draft_model import DraftModelDrafter
 from drafters.dynamic_tree import DynamicTree
 from drafters.eagle import EagleDraft, EagleDrafter
 from drafters.engine import LevelAnswer, LevelRequest
+from drafters.medusa import MedusaDrafter, MedusaHeads
 from drafters.paged_engine import PagedDraftEngine
 from drafters.pard import PardDraft, PardDrafter, common_prefix
 from verify.openvino_graph import (
@@ -181,3 +182,33 @@ class PagedPardDrafter(PardDrafter):
         self.cached = tokens.clone()
         self.forwards += 1
         return self.draft.to_target_vocab(logits)
+
+
+def medusa_graph(heads: MedusaHeads, depth: int) -> ov.Model:
+    """The first `depth` Medusa heads over (B, H) states `hidden`: `logits` (depth, B, V')."""
+    hidden = ops.parameter(ov.PartialShape([-1, heads.hidden_size]), F32, name="hidden")
+    hidden.output(0).get_tensor().set_names({"hidden"})
+    outputs = []
+    for k in range(depth):
+        x = hidden
+        for block in heads.blocks[k]:  # ResBlock: x + SiLU(W x + b)
+            x = ops.add(x, ops.swish(linear(x, block.linear)))
+        outputs.append(ops.unsqueeze(linear(x, heads.head_lm(k)), 0))
+    logits = ops.concat(outputs, 0) if depth > 1 else outputs[0]
+    return ov.Model([named(logits, "logits")], [hidden], "treedraft-medusa")
+
+
+class OpenVINOMedusaDrafter(MedusaDrafter):
+    """MedusaDrafter whose heads run as one OpenVINO graph (no cache: they read one state)."""
+
+    def __init__(self, heads: MedusaHeads, topology: TreeTopology, name: str,
+                 step: OpenVINOStep):
+        super().__init__(heads, topology, name)
+        compiled = step.compile(medusa_graph(heads, max(topology.depth, 1)))
+        self.request = compiled.create_infer_request()
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.topology.depth == 0:  # a root-only tree drafts nothing
+            return super()._head_logits(hidden)
+        self.request.infer({"hidden": hidden.float().numpy()})
+        return torch.from_numpy(self.request.get_tensor("logits").data.copy())

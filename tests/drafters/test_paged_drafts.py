@@ -10,7 +10,12 @@ import torch
 import verify.openvino_step as openvino_step
 from drafters import build_drafter
 from drafters.engine import LevelRequest
-from drafters.paged_drafts import PagedDraftModelDrafter, PagedEagleDrafter, PagedPardDrafter
+from drafters.paged_drafts import (
+    OpenVINOMedusaDrafter,
+    PagedDraftModelDrafter,
+    PagedEagleDrafter,
+    PagedPardDrafter,
+)
 from drafters.paged_engine import PagedDraftEngine
 from verify.loop import generate
 from verify.openvino_graph import UnsupportedModel
@@ -25,7 +30,9 @@ CHAIN = {"name": "chain2", "choices": [[0], [0, 0]]}
 DRAFTERS = {"eagle1": {"name": "eagle", "draft_vocab_size": None},
             "eagle3": {"name": "eagle3", "draft_vocab_size": None},
             "draft_model": {"name": "draft_model", "num_layers": 1}}
-DECODERS = {**DRAFTERS, "pard": {"name": "pard", "num_layers": 1, "block_size": 4}}
+DECODERS = {**DRAFTERS, "pard": {"name": "pard", "num_layers": 1, "block_size": 4},
+            "medusa": {"name": "medusa", "num_heads": 3}}
+PAGED = (PagedEagleDrafter, PagedDraftModelDrafter, PagedPardDrafter, OpenVINOMedusaDrafter)
 
 
 @pytest.fixture(scope="module")
@@ -156,18 +163,36 @@ def test_paged_pard_block_equals_the_pytorch_block(arch, targets):
         assert (got[finite] - expected[finite]).abs().max() < TOLERANCE
 
 
-@pytest.mark.parametrize("tree", [{"name": "tree6", "choices": [[0], [1], [0, 0], [0, 1],
-                                                                 [1, 0], [0, 0, 0]]},
-                                  {"name": "eagle2", "depth": 3, "top_k": 3, "total_tokens": 6}])
-@pytest.mark.parametrize("kind", list(DECODERS))
+@pytest.mark.parametrize("num_layers", [0, 2])
+def test_openvino_medusa_heads_equal_the_pytorch_heads(num_layers, targets):
+    eager_target, paged_target = targets["llama"]
+    config = {"name": "medusa", "num_heads": 3, "num_layers": num_layers}
+    tree = {"name": "tree6", "choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}
+    torch.manual_seed(0)
+    eager = build_drafter({**config, "step": "torch"}, tree, eager_target)
+    for block in eager.heads.blocks.parameters():  # fresh blocks are zero: the identity
+        block.data.normal_(0, 0.2)
+    paged = OpenVINOMedusaDrafter(eager.heads, eager.topology, "medusa", paged_target.step)
+    hidden = torch.randn(3, eager.heads.hidden_size)
+    expected, got = eager._head_logits(hidden), paged._head_logits(hidden)
+    assert got.shape == expected.shape == (3, 3, eager.heads.vocab_size)
+    assert (got - expected).abs().max() < TOLERANCE
+
+
+TREES = {"tree6": {"name": "tree6", "choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
+         "eagle2": {"name": "eagle2", "depth": 3, "top_k": 3, "total_tokens": 6}}
+
+
+@pytest.mark.parametrize("kind, tree", [(kind, tree) for kind in DECODERS for tree in TREES
+                                        if (kind, tree) != ("medusa", "eagle2")])
 def test_greedy_decoding_stays_identical_to_plain(kind, tree, targets):
     target = targets["qwen2"][1]
-    drafter = build_drafter(DECODERS[kind], tree, target)
-    assert isinstance(drafter, (PagedEagleDrafter, PagedDraftModelDrafter, PagedPardDrafter))
+    drafter = build_drafter(DECODERS[kind], TREES[tree], target)
+    assert isinstance(drafter, PAGED)
     plain = generate(target.step, PROMPTS[0], max_new_tokens=24).tokens
     out = generate(target.step, PROMPTS[0], max_new_tokens=24, drafter=drafter)
     assert torch.equal(out.tokens, plain)
-    assert drafter.draft_forwards > 0
+    assert max(step.tree_size for step in out.steps) > 1, "the drafter never drafted"
 
 
 def test_what_the_draft_step_cannot_run_is_refused_by_name(targets):
