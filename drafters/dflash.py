@@ -56,6 +56,7 @@ class DFlashConfig:
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
     checkpoint: str | None = None  # a trained draft (python train.py drafter=dflash)
     allow_other_target: bool = False
+    step: str | None = None  # torch (null too); openvino is refused: its block is not causal
     # Training only (train.dflash):
     anchors: int = 16  # blocks per sequence, anchored at sampled positions
     loss_decay: float = 4.0  # gamma: draft position k (1-based) weighs exp(-(k - 1) / gamma)
@@ -320,6 +321,12 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> DFlashDrafter:
     """conf/drafter/dflash.yaml: a fresh (untrained) draft, or `checkpoint: <folder>`. A
     checkpoint runs at the block size it was trained for: another is refused, by name."""
     config = dflash_config(cfg)
+    if config.step == "openvino":
+        # measured: the CPU plugin's PagedAttention is causal among a forward's new tokens
+        # (qq_bias only narrows it), so a non-causal block would see no later mask
+        raise ValueError("drafter=dflash runs on drafter.step=torch (or null) only: its block "
+                         "attends non-causally, which OpenVINO's paged attention cannot; its "
+                         "graph needs a plain attention, not built yet")
     if config.checkpoint:
         draft = load_draft(config.checkpoint, target, config.allow_other_target)
         if draft.block_size != config.block_size:

@@ -102,7 +102,7 @@ class PagedEagleDrafter(EagleDrafter):
         super().__init__(draft, tree, name)
         rotary = draft.body.rotary if draft.layout == "eagle3" else draft.body.rotary_emb
         self.engine = PagedDraftEngine(step.compile(eagle_graph(draft)), rotary,
-                                       draft.lm_head.weight.dtype, reads_states=True)
+                                       draft.lm_head.weight.dtype)
 
     def _catch_up(self, ctxs: list[DraftContext]) -> LevelAnswer:
         """EagleDrafter._catch_up on the draft graph: every row's spans in one forward, the
@@ -128,7 +128,7 @@ class PagedDraftModelDrafter(DraftModelDrafter):
                  step: OpenVINOStep, **options):
         super().__init__(model, tree, name, **options)
         self.engine = PagedDraftEngine(step.compile(build_graph(model)),
-                                       model.model.rotary_emb, model.dtype, reads_states=False)
+                                       model.model.rotary_emb, model.dtype)
 
     def _catch_up(self, ctxs: list[DraftContext]) -> LevelAnswer:
         contexts, keeps = self._crop_to_common_prefix(ctxs)
@@ -153,7 +153,7 @@ class PagedPardDrafter(PardDrafter):
         self.mask_id = len(table)
         inputs = torch.cat([table, draft.mask_embedding.detach().to(table)[None]])
         self.engine = PagedDraftEngine(step.compile(build_graph(model, input_table=inputs)),
-                                       model.model.rotary_emb, model.dtype, reads_states=False)
+                                       model.model.rotary_emb, model.dtype)
         self.begin(torch.empty(0, dtype=torch.long))
 
     def begin(self, prompt: torch.Tensor) -> None:
@@ -212,3 +212,4 @@ class OpenVINOMedusaDrafter(MedusaDrafter):
             return super()._head_logits(hidden)
         self.request.infer({"hidden": hidden.float().numpy()})
         return torch.from_numpy(self.request.get_tensor("logits").data.copy())
+

@@ -41,21 +41,23 @@ class FedNode(NamedTuple):
 
 
 class PagedDraftEngine:
-    """B rows of draft cache on a compiled draft graph (inputs as verify.openvino_graph's, plus
-    `draft_states` (T, H) for a draft that reads states; outputs `logits` (R, V') and, for
-    such a draft, `hidden` (R, H) at the logit rows)."""
+    """B rows of draft cache on a compiled draft graph: inputs as verify.openvino_graph's, plus
+    `draft_states` (rows, H') for a draft that reads states (EAGLE's inputs, DFlash's context
+    features); outputs `logits` (R, V') and, for a draft that predicts states, `hidden` (R, H)
+    at the logit rows."""
 
-    def __init__(self, compiled: ov.CompiledModel, rotary: torch.nn.Module, dtype: torch.dtype,
-                 reads_states: bool):
+    def __init__(self, compiled: ov.CompiledModel, rotary: torch.nn.Module, dtype: torch.dtype):
         self.compiled, self.rotary, self.dtype = compiled, rotary, dtype
-        self.reads_states = reads_states
+        names = [set(port.get_names()) for port in (*compiled.inputs, *compiled.outputs)]
+        self.reads_states = any("draft_states" in n for n in names)
+        self.returns_states = any("hidden" in n for n in names)
         self.state = PagedState(compiled, rotary, dtype)
         self.forwards = 0  # draft forwards run (catch-ups and tree levels), for cost reports
         self.reset()
 
     def empty_copy(self) -> PagedDraftEngine:
         """The same compiled graph, a cache of its own (a forked drafter's)."""
-        return PagedDraftEngine(self.compiled, self.rotary, self.dtype, self.reads_states)
+        return PagedDraftEngine(self.compiled, self.rotary, self.dtype)
 
     def reset(self, rows: int = 1) -> None:
         """Forget everything: `rows` new sequences start."""
@@ -113,13 +115,24 @@ class PagedDraftEngine:
         if min(counts) < outputs:
             raise ValueError(f"every row feeds at least {outputs} tokens, got {counts}")
         masks = [np.tril(np.ones((n, n), dtype=np.uint8)) for n in counts]
-        last = (np.cumsum(counts)[:, None] + np.arange(-outputs, 0)[None]).reshape(-1)
+        return self.feed(tokens, masks, [np.arange(n - outputs, n) for n in counts], states)
+
+    def feed(self, tokens: Sequence[torch.Tensor], masks: Sequence[np.ndarray],
+             outputs: Sequence[np.ndarray], states: Sequence[torch.Tensor] | None = None
+             ) -> Answer:
+        """Append tokens[b] (k_b,) to row b's committed entries at its next positions, each
+        seeing its row's committed entries and what masks[b] (k_b, k_b) allows among the new;
+        `states[b]` the rows' draft_states. Returns the states or None and the logits at the
+        rows outputs[b] (indices into tokens[b]) of every row, end to end."""
+        counts = [len(row_tokens) for row_tokens in tokens]
+        starts = np.cumsum([0, *counts[:-1]])
+        rows = np.concatenate([start + np.asarray(row) for start, row in zip(starts, outputs)])
         self.rollback()
         self.forwards += 1
-        hidden, logits = self._run(range(self.rows), torch.cat(list(tokens)), states,
-                                   [torch.arange(n) for n in counts], masks, last)
+        answer = self._run(range(self.rows), torch.cat(list(tokens)), states,
+                           [torch.arange(n) for n in counts], list(masks), rows)
         self.lengths = self.lengths + torch.tensor(counts)
-        return hidden, logits
+        return answer
 
     def feed_level(self, levels: dict[int, tuple[list[list[int]], list[int],
                                                  torch.Tensor | None]]) -> dict[int, Answer]:
@@ -180,7 +193,7 @@ class PagedDraftEngine:
                          masks, logit_rows, extra)
         request = self.state.request
         logits = torch.from_numpy(request.get_tensor("logits").data.copy())
-        if not self.reads_states:
+        if not self.returns_states:
             return None, logits
         return torch.from_numpy(request.get_tensor("hidden").data.copy()).to(self.dtype), logits
 

@@ -170,29 +170,39 @@ def attention_shape(attention: torch.nn.Module) -> tuple[int, int, int]:
     return heads, config.num_key_value_heads, dim
 
 
+def attention(normed: ov.Node, module: torch.nn.Module, rope: tuple[ov.Node, ov.Node],
+              params: dict, index: int, shape: tuple[int, int, int]) -> ov.Node:
+    """(T, heads * D) attended values of the (T, H) rows `normed` (their keys and values
+    appended to cache layer `index`), before o_proj. The CPU kernel is causal among a
+    forward's new rows whatever `qq_bias` says: the mask can only narrow what a row sees."""
+    heads, kv_heads, dim = shape
+    query = _rotate(linear(normed, module.q_proj), *rope, heads, dim)
+    key = _rotate(linear(normed, module.k_proj), *rope, kv_heads, dim)
+    value = linear(normed, module.v_proj)
+    scale = float(getattr(module, "scaling", dim ** -0.5))
+    attended = _paged_attention(query, key, value, params, index, scale)
+    for side in ("k", "v"):
+        attended.get_rt_info()[f"num_{side}_heads"] = kv_heads
+        attended.get_rt_info()[f"{side}_head_size"] = dim
+    return attended.output(0)
+
+
+def mlp(x: ov.Node, module: torch.nn.Module) -> ov.Node:
+    """Llama's gated MLP: down(SiLU(gate x) * up x)."""
+    gated = ops.multiply(ops.swish(linear(x, module.gate_proj)), linear(x, module.up_proj))
+    return linear(gated, module.down_proj)
+
+
 def decoder_layer(layer: torch.nn.Module, x: ov.Node, rope: tuple[ov.Node, ov.Node],
                   params: dict, index: int, shape: tuple[int, int, int],
                   attention_input: ov.Node | None = None) -> ov.Node:
     """A pre-norm decoder layer (Llama's) on the (T, H) residual stream `x`, attending through
     cache layer `index`; `attention_input` replaces input_layernorm(x) as what the q, k and v
     projections read (EAGLE-3's layer reads [embedding, feature])."""
-    heads, kv_heads, dim = shape
-    attention = layer.self_attn
     normed = rms_norm(x, layer.input_layernorm) if attention_input is None else attention_input
-    query = _rotate(linear(normed, attention.q_proj), *rope, heads, dim)
-    key = _rotate(linear(normed, attention.k_proj), *rope, kv_heads, dim)
-    value = linear(normed, attention.v_proj)
-    scale = float(getattr(attention, "scaling", dim ** -0.5))
-    attended = _paged_attention(query, key, value, params, index, scale)
-    attended.get_rt_info()["num_k_heads"] = kv_heads
-    attended.get_rt_info()["k_head_size"] = dim
-    attended.get_rt_info()["num_v_heads"] = kv_heads
-    attended.get_rt_info()["v_head_size"] = dim
-    x = ops.add(x, linear(attended.output(0), attention.o_proj))
-    normed = rms_norm(x, layer.post_attention_layernorm)
-    mlp = layer.mlp
-    gated = ops.multiply(ops.swish(linear(normed, mlp.gate_proj)), linear(normed, mlp.up_proj))
-    return ops.add(x, linear(gated, mlp.down_proj))
+    attended = attention(normed, layer.self_attn, rope, params, index, shape)
+    x = ops.add(x, linear(attended, layer.self_attn.o_proj))
+    return ops.add(x, mlp(rms_norm(x, layer.post_attention_layernorm), layer.mlp))
 
 
 def _paged_attention(query, key, value, params: dict, index: int, scale: float) -> ov.Node:

@@ -201,6 +201,8 @@ def test_what_the_draft_step_cannot_run_is_refused_by_name(targets):
         build_drafter({"name": "eagle", "step": "openvino"}, CHAIN, eager_target)
     with pytest.raises(ValueError, match="drafter.step must be one of"):
         build_drafter({"name": "draft_model", "step": "gpu"}, CHAIN, paged_target)
+    with pytest.raises(ValueError, match="block attends non-causally"):
+        build_drafter({"name": "dflash", "step": "openvino"}, CHAIN, paged_target)
     with pytest.raises(ValueError, match="inputs='tokens' runs on drafter.step=torch"):
         build_drafter({"name": "eagle", "inputs": "tokens"}, CHAIN, paged_target)
     gpt2 = load_target(tiny="gpt2")
