@@ -56,7 +56,7 @@ class DFlashConfig:
     draft_vocab_size: int | None = 8192  # null: the target's whole vocabulary
     checkpoint: str | None = None  # a trained draft (python train.py drafter=dflash)
     allow_other_target: bool = False
-    step: str | None = None  # torch (null too); openvino is refused: its block is not causal
+    step: str | None = None  # torch | openvino; null: openvino when target.step=openvino
     # Training only (train.dflash):
     anchors: int = 16  # blocks per sequence, anchored at sampled positions
     loss_decay: float = 4.0  # gamma: draft position k (1-based) weighs exp(-(k - 1) / gamma)
@@ -271,6 +271,18 @@ class DFlashDrafter(BlockDrafter):
 
     def _extend_context(self, ctx: DraftContext) -> None:
         """Append the features of positions T - 1 - k .. T - 2 to every layer's context."""
+        start = self._new_context_start(ctx)
+        positions = torch.arange(start, len(ctx.tokens) - 1,
+                                 device=self.draft.fc.weight.device)[None]
+        new = self.draft.context(ctx.features[None], positions)
+        if self._context is None:
+            self._context = new
+        else:
+            self._context = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                             for (k, v), (nk, nv) in zip(self._context, new)]
+
+    def _new_context_start(self, ctx: DraftContext) -> int:
+        """The first position ctx.features covers, checked to follow what the context holds."""
         if ctx.features is None:
             raise ValueError(f"{self.name} needs the target's features (ctx.features) at layers "
                              f"{self.feature_layers}; verify.loop.generate computes them")
@@ -279,13 +291,7 @@ class DFlashDrafter(BlockDrafter):
         if start != held:
             raise ValueError(f"{self.name} got features for positions {start}..{length - 2} "
                              f"but holds {held}: call begin() for a new sequence")
-        positions = torch.arange(start, length - 1, device=self.draft.fc.weight.device)[None]
-        new = self.draft.context(ctx.features[None], positions)
-        if self._context is None:
-            self._context = new
-        else:
-            self._context = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                             for (k, v), (nk, nv) in zip(self._context, new)]
+        return start
 
     def _held(self) -> int:
         return 0 if self._context is None else self._context[0][0].shape[2]
@@ -321,12 +327,10 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> DFlashDrafter:
     """conf/drafter/dflash.yaml: a fresh (untrained) draft, or `checkpoint: <folder>`. A
     checkpoint runs at the block size it was trained for: another is refused, by name."""
     config = dflash_config(cfg)
-    if config.step == "openvino":
-        # measured: the CPU plugin's PagedAttention is causal among a forward's new tokens
-        # (qq_bias only narrows it), so a non-causal block would see no later mask
-        raise ValueError("drafter=dflash runs on drafter.step=torch (or null) only: its block "
-                         "attends non-causally, which OpenVINO's paged attention cannot; its "
-                         "graph needs a plain attention, not built yet")
+    # imported here: drafters.openvino_dflash builds on this module's drafter
+    from drafters.openvino_dflash import OpenVINODFlashDrafter
+    from drafters.paged_drafts import draft_step
+    on_openvino = draft_step(config.step, target, config.name) == "openvino"
     if config.checkpoint:
         draft = load_draft(config.checkpoint, target, config.allow_other_target)
         if draft.block_size != config.block_size:
@@ -337,4 +341,6 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> DFlashDrafter:
     else:
         layers = config.feature_layers or eagle3_layers(num_layers(target.model.config))
         draft = DFlashDraft(target.model, tuple(layers), config.block_size, config.num_layers)
+    if on_openvino:
+        return OpenVINODFlashDrafter(draft, tree, config.name, target.step)
     return DFlashDrafter(draft, tree, name=config.name)

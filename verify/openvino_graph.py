@@ -105,7 +105,7 @@ def graph_parameters(layers: int, extra: dict[str, tuple[ov.Type, list[int]]] | 
 
 
 def rope_inputs(params: dict[str, ov.Node]) -> tuple[ov.Node, ov.Node]:
-    """cos and sin as (T, 1, 1, D): broadcast over heads in `_rotate`'s (T, heads, 1, D)."""
+    """cos and sin as (T, 1, 1, D): broadcast over heads in `rotate`'s (T, heads, 1, D)."""
     return tuple(ops.unsqueeze(params[name], np.array([1, 2]))
                  for name in ("rope_cos", "rope_sin"))
 
@@ -145,7 +145,7 @@ def rotary_tables(rotary: torch.nn.Module, positions: torch.Tensor) -> tuple[np.
     return (angles.cos() * scale).numpy(), (angles.sin() * scale).numpy()
 
 
-def _rotate(x: ov.Node, cos: ov.Node, sin: ov.Node, heads: int, dim: int) -> ov.Node:
+def rotate(x: ov.Node, cos: ov.Node, sin: ov.Node, heads: int, dim: int) -> ov.Node:
     """RoPE on (T, heads * D) states: x * cos + rotate_half(x) * sin, back to (T, heads * D).
 
     Written in the shape the CPU plugin's RoPE fusion matches (each token a batch of one:
@@ -176,8 +176,8 @@ def attention(normed: ov.Node, module: torch.nn.Module, rope: tuple[ov.Node, ov.
     appended to cache layer `index`), before o_proj. The CPU kernel is causal among a
     forward's new rows whatever `qq_bias` says: the mask can only narrow what a row sees."""
     heads, kv_heads, dim = shape
-    query = _rotate(linear(normed, module.q_proj), *rope, heads, dim)
-    key = _rotate(linear(normed, module.k_proj), *rope, kv_heads, dim)
+    query = rotate(linear(normed, module.q_proj), *rope, heads, dim)
+    key = rotate(linear(normed, module.k_proj), *rope, kv_heads, dim)
     value = linear(normed, module.v_proj)
     scale = float(getattr(module, "scaling", dim ** -0.5))
     attended = _paged_attention(query, key, value, params, index, scale)

@@ -10,6 +10,7 @@ import torch
 import verify.openvino_step as openvino_step
 from drafters import build_drafter
 from drafters.engine import LevelRequest
+from drafters.openvino_dflash import OpenVINODFlashDrafter
 from drafters.paged_drafts import (
     OpenVINOMedusaDrafter,
     PagedDraftModelDrafter,
@@ -31,8 +32,10 @@ DRAFTERS = {"eagle1": {"name": "eagle", "draft_vocab_size": None},
             "eagle3": {"name": "eagle3", "draft_vocab_size": None},
             "draft_model": {"name": "draft_model", "num_layers": 1}}
 DECODERS = {**DRAFTERS, "pard": {"name": "pard", "num_layers": 1, "block_size": 4},
-            "medusa": {"name": "medusa", "num_heads": 3}}
-PAGED = (PagedEagleDrafter, PagedDraftModelDrafter, PagedPardDrafter, OpenVINOMedusaDrafter)
+            "medusa": {"name": "medusa", "num_heads": 3},
+            "dflash": {"name": "dflash", "block_size": 4, "draft_vocab_size": None}}
+PAGED = (PagedEagleDrafter, PagedDraftModelDrafter, PagedPardDrafter, OpenVINOMedusaDrafter,
+         OpenVINODFlashDrafter)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +166,52 @@ def test_paged_pard_block_equals_the_pytorch_block(arch, targets):
         assert (got[finite] - expected[finite]).abs().max() < TOLERANCE
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_openvino_dflash_block_equals_the_pytorch_block(arch, targets, monkeypatch):
+    # the prompt's context and block, then the accepted rows appended and the next block:
+    # past the arrays' first capacity, so their growth is crossed too
+    eager_target, paged_target = targets[arch]
+    paged = build_drafter(DECODERS["dflash"], CHAIN, paged_target)
+    eager = build_drafter({**DECODERS["dflash"], "step": "torch"}, CHAIN, eager_target)
+    eager.draft = paged.draft
+    assert isinstance(paged, OpenVINODFlashDrafter)
+    assert largest_block_difference(eager, paged, eager_target) < TOLERANCE
+
+
+def test_a_causal_dflash_block_is_caught(targets, monkeypatch):
+    # the control: a causal block (what the paged kernel would give) is far off
+    eager_target, paged_target = targets["llama"]
+    paged = build_drafter(DECODERS["dflash"], CHAIN, paged_target)
+    eager = build_drafter({**DECODERS["dflash"], "step": "torch"}, CHAIN, eager_target)
+    eager.draft = paged.draft
+    forward = paged.draft.forward
+
+    def causal(tokens, positions, context, mask=None):
+        held, n = context[0][0].shape[2], tokens.shape[1]
+        allowed = torch.ones(n, held + n, dtype=torch.bool)
+        allowed[:, held:] = torch.ones(n, n, dtype=torch.bool).tril()
+        additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo().min)
+        return forward(tokens, positions, context, additive[None, None])
+    monkeypatch.setattr(eager.draft, "forward", causal)
+    assert largest_block_difference(eager, paged, eager_target) > 100 * TOLERANCE
+
+
+def largest_block_difference(eager, paged, target) -> float:
+    features_of = target_features(target, paged.feature_layers)
+    prompt = torch.arange(3, 70)  # 66 context rows: past the arrays' first 64
+    longer = torch.cat([prompt, torch.tensor([70, 71, 72])])
+    params = SamplingParams()
+    steps = [DraftContext(prompt, features_of(prompt)[:-1], params),
+             DraftContext(longer, features_of(longer)[len(prompt) - 1:-1], params)]
+    largest = 0.0
+    for ctx in steps:
+        with torch.no_grad():
+            expected, got = eager.block_marginals(ctx), paged.block_marginals(ctx)
+        assert got.shape == expected.shape == (3, eager.draft.target_vocab_size)
+        largest = max(largest, float((got - expected).abs().max()))
+    return largest
+
+
 @pytest.mark.parametrize("num_layers", [0, 2])
 def test_openvino_medusa_heads_equal_the_pytorch_heads(num_layers, targets):
     eager_target, paged_target = targets["llama"]
@@ -201,8 +250,6 @@ def test_what_the_draft_step_cannot_run_is_refused_by_name(targets):
         build_drafter({"name": "eagle", "step": "openvino"}, CHAIN, eager_target)
     with pytest.raises(ValueError, match="drafter.step must be one of"):
         build_drafter({"name": "draft_model", "step": "gpu"}, CHAIN, paged_target)
-    with pytest.raises(ValueError, match="block attends non-causally"):
-        build_drafter({"name": "dflash", "step": "openvino"}, CHAIN, paged_target)
     with pytest.raises(ValueError, match="inputs='tokens' runs on drafter.step=torch"):
         build_drafter({"name": "eagle", "inputs": "tokens"}, CHAIN, paged_target)
     gpt2 = load_target(tiny="gpt2")
