@@ -67,6 +67,12 @@ def dflash_config(cfg: Mapping) -> DFlashConfig:
         minimum = 2 if key == "block_size" else 1
         if getattr(config, key) < minimum:
             raise ValueError(f"drafter.{key} must be >= {minimum}, got {getattr(config, key)}")
+    # position k weighs exp(-(k - 1) / gamma): 0 makes position 1's weight 0/0 (a NaN loss at
+    # the first step, after the whole feature extraction), a negative gamma grows with k
+    if not config.loss_decay > 0:
+        raise ValueError(f"drafter.loss_decay must be > 0 (position k weighs "
+                         f"exp(-(k - 1) / loss_decay)), got {config.loss_decay}: the paper's "
+                         "is 4 for blocks of 8 (larger weighs later positions more)")
     return config
 
 
