@@ -166,6 +166,7 @@ def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
 
 def distribution_rows(cfg: DictConfig) -> list[dict]:
     """Chi-square rows for exact sampling, typical acceptance and the negative control."""
+    check_distribution(cfg.distribution)
     with single_thread():
         return _distribution_rows(cfg)
 
@@ -214,9 +215,6 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
     counts: Counter = Counter()
     drafted = 0  # draft tokens put to the test: a row whose drafter proposed none tests nothing
     tally = TokensPerForward()  # tokens per target forward after the prefill: the speed it buys
-    if dist.samples % dist.batch_size:
-        raise ValueError(f"distribution.samples={dist.samples} is not a multiple of "
-                         f"distribution.batch_size={dist.batch_size}")
     for _ in tqdm(range(dist.samples // dist.batch_size), desc=f"sampling ({rule.name})",
                   leave=False):
         batch = generate_batch(model, [prompt] * dist.batch_size, dist.length, drafter=drafter,
@@ -240,7 +238,23 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
                        "tokens_per_step": tally.tau}}
 
 
+def check_distribution(dist: DictConfig) -> None:
+    """Refuse, before anything loads (the greedy part takes minutes), a distribution test
+    that cannot count: no samples (a chi-square over nothing divides by zero), no batch, or
+    samples that batches do not divide."""
+    if not dist.enabled:
+        return
+    for key in ("samples", "batch_size"):
+        if dist[key] < 1:
+            raise ValueError(f"distribution.{key} must be >= 1, got {dist[key]} (or "
+                             "distribution.enabled=false to skip the distribution test)")
+    if dist.samples % dist.batch_size:
+        raise ValueError(f"distribution.samples={dist.samples} is not a multiple of "
+                         f"distribution.batch_size={dist.batch_size}")
+
+
 def evaluate(cfg: DictConfig) -> list[dict]:
+    check_distribution(cfg.distribution)
     target = load_target_from_config(cfg.target)
     drafter = build_drafter(cfg.drafter, cfg.tree, target)
     questions = pick_questions(cfg.data_root, cfg.greedy.num_prompts)

@@ -190,3 +190,12 @@ def test_a_file_given_as_a_model_folder_is_refused(llama_folder):
 def test_an_integer_dtype_is_refused():
     with pytest.raises(ValueError, match="target.dtype=int8 is not a floating-point dtype"):
         load_target(tiny="llama", dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_a_float8_dtype_is_refused_before_anything_loads(dtype, monkeypatch):
+    # a storage format, not one a cast model's matmuls run in (torch: NotImplementedError)
+    monkeypatch.setattr("verify.target.build_tiny_model", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(ValueError, match=f"target.dtype={dtype} is not a floating-point dtype "
+                                         "a model computes in: use float32, bfloat16 or float16"):
+        load_target(tiny="llama", dtype=dtype)
