@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from drafters import build_drafter, proposes_chains
+from drafters import build_drafter, proposes_chains, rule_refusal
 from experiments.chain import chain_rows
 from experiments.common import check_report, file_stem, pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
@@ -185,12 +185,16 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     expected = sequence_distribution(model, prompt, dist.length, params)
     # every registered rule that samples (greedy has its own row; chain rules on chains
     # only), each followed by its negative control; a rule refusing the drafter's trees gets
-    # a row saying why
+    # a row saying why, known from the configs (drafters.rule_refusal) without decoding
     chains, chosen = proposes_chains(cfg.drafter, cfg.tree), dist.get("rules")
     rows = []
     for name, rule in RULES.items():
         if name == "greedy" or (rule.chains_only and not chains) or (
                 chosen is not None and name not in chosen):
+            continue
+        refusal = rule_refusal(name, drafter_cfg, cfg.tree)
+        if refusal is not None:
+            rows.append(refused_row(make_rule(name, params), RuleRefusal(refusal)))
             continue
         for variant in (make_rule(name, params), *(
                 [CONTROLS[name]()] if name in CONTROLS else [])):

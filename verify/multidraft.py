@@ -41,6 +41,8 @@ class KSequentialRule(AcceptanceRule):
     name = "spectr"
     exact = True
     sampling_only = True
+    needs_draws = True
+    needs_iid = True
 
     def __call__(self, tree, logits, params, generator=None):
         probs = warp(logits, params)
