@@ -32,7 +32,13 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from drafters.block import BlockDrafter, BlockTree
-from drafters.checkpoint import check_target, read_config, save_module, target_record
+from drafters.checkpoint import (
+    check_kind,
+    check_target,
+    read_config,
+    save_module,
+    target_record,
+)
 from drafters.config import typed_config
 from drafters.eagle3_layer import eagle3_layer_config
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
@@ -309,6 +315,7 @@ def load_draft(folder: str | Path, target: Target, allow_other_target: bool = Fa
                ) -> DFlashDraft:
     """A draft saved by `save_draft`, on `target`; ValueError for another target's."""
     folder = Path(folder)
+    check_kind(folder, "the DFlash drafter", "DFlash")
     config = read_config(folder)
     if config.get("drafter") != "dflash":
         raise ValueError(f"{folder} does not hold a DFlash draft (its config.json names "
