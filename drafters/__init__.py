@@ -15,6 +15,7 @@ builds its member drafters through `build_drafter` itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from drafters import (
     dflash,
@@ -103,13 +104,71 @@ def proposes_chains(drafter_cfg: Mapping, tree_cfg: Mapping) -> bool:
     return all(len(topology.children(node)) <= 1 for node in range(topology.size))
 
 
-def check_rule_fits(rule: RuleConfig, drafter_cfg: Mapping, tree_cfg: Mapping) -> None:
-    """Refuse, before anything loads, an acceptance rule that verifies chains only (block)
-    for a drafter whose trees may branch: it would stop the run at the first tree that does
-    (and pass unnoticed while the drafts happen to be chains)."""
+# Drafters that, when sampling on a static tree, draw a node's children from a draft
+# distribution they record (TokenTree.draft_probs). The others choose theirs (n-gram matches,
+# a suffix trie, recycled successors), and so does every drafter on a dynamic tree or a DDTree
+# (top-k by score): their trees are one-hot proposals.
+DRAWING_DRAFTERS = ("dflash", "draft_model", "eagle", "eagle3", "medusa", "pard")
+# Drafters that can draw a node's siblings i.i.d. (with replacement): their `iid_siblings`
+IID_DRAFTERS = ("draft_model",)
+
+
+@dataclass(frozen=True)
+class TreeTraits:
+    """What every tree a drafter config proposes is, known from its config alone."""
+
+    chains: bool  # no node has more than one child
+    drawn: bool  # sampling: children drawn from a recorded draft distribution
+    iid: bool  # and a node's siblings drawn i.i.d.
+
+
+def tree_traits(drafter_cfg: Mapping, tree_cfg: Mapping) -> TreeTraits:
+    """The traits of the trees drafter `drafter_cfg` proposes on tree `tree_cfg` (see
+    DRAWING_DRAFTERS). A hybrid that picks a member's tree as it is has the traits all its
+    members share; one that merges them proposes one-hot trees."""
+    name = drafter_cfg["name"]
+    if name in COMBINATORS:
+        config = hybrid.hybrid_config(drafter_cfg)
+        members = [tree_traits(member, {**tree_cfg, **overrides})
+                   for member, overrides in hybrid.member_configs(config)]
+        picks = config.policy == "pick"
+        return TreeTraits(chains=False, drawn=picks and all(m.drawn for m in members),
+                          iid=picks and all(m.iid for m in members))
+    drawn = name in DRAWING_DRAFTERS and "choices" in tree_cfg  # a static tree
+    iid = drawn and name in IID_DRAFTERS and bool(drafter_cfg.get("iid_siblings", False))
+    return TreeTraits(chains=proposes_chains(drafter_cfg, tree_cfg), drawn=drawn, iid=iid)
+
+
+def rule_refusal(rule: RuleConfig, drafter_cfg: Mapping, tree_cfg: Mapping) -> str | None:
+    """Why the acceptance rule `rule` cannot verify the trees drafter `drafter_cfg` proposes
+    on tree `tree_cfg` (what the rule declares it needs, against `tree_traits`), or None
+    when it can. The one place rules and drafters are matched: the bench and the
+    correctness evaluation ask it before anything loads, the rules check each tree again."""
     name, _ = rule_parts(rule)
-    if name in RULES and RULES[name].chains_only and not proposes_chains(drafter_cfg, tree_cfg):
-        raise ValueError(f"the {name!r} rule verifies chains only, but drafter "
-                         f"{drafter_cfg['name']!r} on tree {tree_cfg.get('name')!r} may propose "
-                         "trees that branch: give it a chain tree (chain1..chain8) or use the "
-                         "'sampling' rule")
+    if name not in RULES:
+        return None
+    needs, traits = RULES[name], tree_traits(drafter_cfg, tree_cfg)
+    drafter = f"drafter {drafter_cfg['name']!r} on tree {tree_cfg.get('name')!r}"
+    if needs.chains_only and not traits.chains:
+        return (f"the {name!r} rule verifies chains only, but {drafter} may propose trees "
+                "that branch: give it a chain tree (chain1..chain8) or use the 'sampling' rule")
+    if needs.needs_draws and not traits.drawn:
+        return (f"the {name!r} rule verifies sampled trees, but {drafter} chooses its "
+                "children (no draft probabilities): use 'sampling', which is optimal for "
+                f"chosen drafts, or a drafter that draws them ({', '.join(DRAWING_DRAFTERS)} "
+                "on a static tree)")
+    if needs.needs_iid and not traits.iid:
+        return (f"the {name!r} rule selects among siblings drawn i.i.d., but {drafter} "
+                "draws them without replacement: set drafter.iid_siblings=true (a "
+                f"{' or '.join(IID_DRAFTERS)} on a static tree), or use 'sampling' or "
+                "'traversal'")
+    return None
+
+
+def check_rule_fits(rule: RuleConfig, drafter_cfg: Mapping, tree_cfg: Mapping) -> None:
+    """Refuse, before anything loads, an acceptance rule that cannot verify the drafter's
+    trees (`rule_refusal`): it would stop the run at the first tree it refuses (and pass
+    unnoticed while the drafts happen to fit)."""
+    refusal = rule_refusal(rule, drafter_cfg, tree_cfg)
+    if refusal is not None:
+        raise ValueError(refusal)

@@ -70,3 +70,70 @@ def check_target(saved: Mapping, target: Target, folder: str | Path, what: str,
         raise ValueError(f"{trained_on}: {describe_difference(theirs, have)}. Load the target "
                          "it was trained on, or set drafter.allow_other_target=true if you "
                          "know they compute the same")
+
+
+# The checkpoint kind each trained drafter loads (and its training resumes from), and the
+# drafter that loads each kind: named in a refusal, so that a folder given to the wrong
+# drafter says what it is and where it belongs
+KIND_OF_DRAFTER = {"dflash": "DFlash", "eagle": "EAGLE", "eagle3": "EAGLE", "medusa": "Medusa",
+                   "draft_model": "draft model", "pard": "PARD"}
+DRAFTERS_OF_KIND = {"DFlash": "drafter=dflash", "EAGLE": "drafter=eagle or eagle3",
+                    "Medusa": "drafter=medusa", "draft model": "drafter=draft_model drafter.path=",
+                    "PARD": "drafter=pard drafter.path=",
+                    "Hugging Face model": "drafter=draft_model drafter.path="}
+
+
+def checkpoint_kind(folder: str | Path) -> str | None:
+    """What `folder` holds, by the files each kind writes (the one place that tells them
+    apart): "PARD" (pard_mask.json), "draft model" (a distilled draft's treedraft.json),
+    "DFlash" (its config.json names the drafter), "Medusa" (heads.safetensors), "EAGLE"
+    (draft.safetensors with feature layers), "Hugging Face model" (a config.json with a
+    model_type); None for anything else (each loader then says what it misses)."""
+    # the file names live with their drafters, which import this module
+    from drafters import dflash, draft_model, eagle, medusa, pard
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    if (folder / pard.MASK_FILE).is_file():
+        return "PARD"
+    if (folder / draft_model.INFO_FILE).is_file():
+        return "draft model"
+    config = _json_or_empty(folder / CONFIG_FILE)
+    if config.get("drafter") == "dflash" and (folder / dflash.WEIGHTS_FILE).is_file():
+        return "DFlash"
+    if (folder / medusa.WEIGHTS_FILE).is_file():
+        return "Medusa"
+    if (folder / eagle.WEIGHTS_FILE).is_file() and "feature_layers" in config:
+        return "EAGLE"
+    return "Hugging Face model" if "model_type" in config else None
+
+
+def check_kind(folder: str | Path, who: str, needed: str, also: tuple[str, ...] = (),
+               way_out: str | None = None) -> None:
+    """Refuse a folder that holds a checkpoint of another kind than `needed` (or `also`)
+    before its files are read as `needed`'s (a KeyError, or transformers' "Unrecognized
+    model"): "<folder> holds a <kind> checkpoint, but <who> needs a <needed> one", then
+    `way_out`, by default the drafter that loads it. A folder of no known kind is left to
+    the caller's own checks."""
+    kind = checkpoint_kind(folder)
+    if kind is None or kind in (needed, *also):
+        return
+    if way_out is None:
+        use = DRAFTERS_OF_KIND[kind]
+        way_out = "load it with " + use + (str(folder) if use.endswith("=") else "")
+    raise ValueError(f"{folder} holds {_a(kind)} checkpoint, but {who} needs {_a(needed)} "
+                     f"one: {way_out}")
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}"
+
+
+def _json_or_empty(path: Path) -> dict:
+    """A JSON object file's contents; {} when it is missing or holds something else."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

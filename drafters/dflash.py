@@ -32,7 +32,13 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from drafters.block import BlockDrafter, BlockTree
-from drafters.checkpoint import check_target, read_config, save_module, target_record
+from drafters.checkpoint import (
+    check_kind,
+    check_target,
+    read_config,
+    save_module,
+    target_record,
+)
 from drafters.config import typed_config
 from drafters.eagle3_layer import eagle3_layer_config
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
@@ -68,6 +74,12 @@ def dflash_config(cfg: Mapping) -> DFlashConfig:
         minimum = 2 if key == "block_size" else 1
         if getattr(config, key) < minimum:
             raise ValueError(f"drafter.{key} must be >= {minimum}, got {getattr(config, key)}")
+    # position k weighs exp(-(k - 1) / gamma): 0 makes position 1's weight 0/0 (a NaN loss at
+    # the first step, after the whole feature extraction), a negative gamma grows with k
+    if not config.loss_decay > 0:
+        raise ValueError(f"drafter.loss_decay must be > 0 (position k weighs "
+                         f"exp(-(k - 1) / loss_decay)), got {config.loss_decay}: the paper's "
+                         "is 4 for blocks of 8 (larger weighs later positions more)")
     return config
 
 
@@ -310,6 +322,7 @@ def load_draft(folder: str | Path, target: Target, allow_other_target: bool = Fa
                ) -> DFlashDraft:
     """A draft saved by `save_draft`, on `target`; ValueError for another target's."""
     folder = Path(folder)
+    check_kind(folder, "the DFlash drafter", "DFlash")
     config = read_config(folder)
     if config.get("drafter") != "dflash":
         raise ValueError(f"{folder} does not hold a DFlash draft (its config.json names "

@@ -33,7 +33,13 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from drafters.checkpoint import check_target, read_config, save_module, target_record
+from drafters.checkpoint import (
+    check_kind,
+    check_target,
+    read_config,
+    save_module,
+    target_record,
+)
 from drafters.config import shallow_config, typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
@@ -331,6 +337,7 @@ def load_draft(folder: str | Path, target: Target, allow_other_target: bool = Fa
     target (drafters.checkpoint.check_target) or its file does not hold exactly the draft's
     tensors."""
     folder = Path(folder)
+    check_kind(folder, "the EAGLE drafter", "EAGLE")
     config = read_config(folder)
     check_target(config["target"], target, folder, "EAGLE draft", allow_other_target)
     device = str(target.model.get_output_embeddings().weight.device)

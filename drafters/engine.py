@@ -36,7 +36,14 @@ from drafters.dynamic_tree import DynamicTree, draft_log_probs
 from drafters.tree_steps import Steps, check_depth, fill_steps, relay, run_lockstep
 from drafters.vocab import target_ids, to_target_vocab
 from verify.accept import Acceptance
-from verify.cache import allocated_bytes, cache_rows_alone, move_entries, new_cache, trim
+from verify.cache import (
+    allocated_bytes,
+    cache_rows_alone,
+    check_full_attention,
+    move_entries,
+    new_cache,
+    trim,
+)
 from verify.protocol import DraftContext, DraftStats
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
@@ -46,6 +53,7 @@ class DraftEngine:
     current tree (`fed[b]`: tree node -> cache slot)."""
 
     def __init__(self, config: PretrainedConfig):
+        check_full_attention(config, "draft model")  # its cache is trimmed and moved too
         self.config = config
         self.forwards = 0  # draft forwards run (catch-ups and tree levels), for cost reports
         self.reset()

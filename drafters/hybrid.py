@@ -249,6 +249,11 @@ def _union(layer_sets) -> tuple[int, ...]:
     return tuple(union)
 
 
+def hybrid_config(cfg: Mapping) -> HybridConfig:
+    """conf/drafter/hybrid.yaml typed (drafters.config.typed_config)."""
+    return typed_config(HybridConfig, cfg, "hybrid")
+
+
 def member_configs(cfg: HybridConfig) -> list[tuple[dict, dict]]:
     """Each member's (drafter config, tree overrides): conf/drafter/<name>.yaml with the
     member's keys over it."""
@@ -272,7 +277,7 @@ def from_config(cfg: Mapping, tree_cfg: Mapping, policy, target: Target, build) 
     """conf/drafter/hybrid.yaml over the tree `tree_cfg` (its policy built: `policy`).
     `build(drafter_cfg, tree_cfg, target)` (drafters.build_drafter) builds each member on the
     tree config with the member's tree overrides."""
-    config: HybridConfig = typed_config(HybridConfig, cfg, "hybrid")
+    config = hybrid_config(cfg)
     members = [(drafter["name"], build(drafter, {**tree_cfg, **tree_overrides}, target))
                for drafter, tree_overrides in member_configs(config)]
     hybrid = HybridDrafter(members, policy if isinstance(policy, DynamicTree) else None, config)

@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from drafters.base import StatelessBatchDrafter
-from drafters.checkpoint import check_target, read_config, save_module, target_record
+from drafters.checkpoint import (
+    check_kind,
+    check_target,
+    read_config,
+    save_module,
+    target_record,
+)
 from drafters.config import typed_config
 from drafters.tree_steps import add_children, check_depth
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
@@ -250,6 +256,7 @@ def load_heads(folder: str | Path, target: Target, allow_other_target: bool = Fa
     made for another target (drafters.checkpoint.check_target, as EAGLE's and the draft model's)
     or does not hold exactly the heads' tensors."""
     folder = Path(folder)
+    check_kind(folder, "the Medusa drafter", "Medusa")
     config = read_config(folder)
     lm_head = target.model.get_output_embeddings()
     check_target(config["target"], target, folder, "Medusa heads", allow_other_target)

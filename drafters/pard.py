@@ -32,6 +32,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from drafters.block import BlockDrafter, BlockTree
+from drafters.checkpoint import check_kind
 from drafters.config import typed_config
 from drafters.draft_model import DraftModelConfig, load_draft_model, truncated_copy
 from drafters.vocab import check_vocab_ids, to_target_vocab
@@ -177,6 +178,7 @@ def load_pard(path: str | Path, target: Target, block_size: int,
     """A PARD draft folder (trained with `python train.py drafter=pard`) on `target`, refused
     unless its tokenizer and vocabulary match the target's (draft_model.load_draft_model), it
     is a PARD draft, and it was trained for `block_size`."""
+    check_kind(path, "the PARD drafter", "PARD", ("draft model", "Hugging Face model"))
     saved = read_mask(path)
     if saved is None:
         raise ValueError(f"{path} holds no PARD draft ({MASK_FILE} missing): adapt a draft to "

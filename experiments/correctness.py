@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from drafters import build_drafter, proposes_chains
+from drafters import build_drafter, proposes_chains, rule_refusal
 from experiments.chain import chain_rows
 from experiments.common import check_report, file_stem, pick_questions, single_thread, write_report
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
@@ -166,6 +166,7 @@ def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
 
 def distribution_rows(cfg: DictConfig) -> list[dict]:
     """Chi-square rows for exact sampling, typical acceptance and the negative control."""
+    check_distribution(cfg.distribution)
     with single_thread():
         return _distribution_rows(cfg)
 
@@ -184,12 +185,16 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     expected = sequence_distribution(model, prompt, dist.length, params)
     # every registered rule that samples (greedy has its own row; chain rules on chains
     # only), each followed by its negative control; a rule refusing the drafter's trees gets
-    # a row saying why
+    # a row saying why, known from the configs (drafters.rule_refusal) without decoding
     chains, chosen = proposes_chains(cfg.drafter, cfg.tree), dist.get("rules")
     rows = []
     for name, rule in RULES.items():
         if name == "greedy" or (rule.chains_only and not chains) or (
                 chosen is not None and name not in chosen):
+            continue
+        refusal = rule_refusal(name, drafter_cfg, cfg.tree)
+        if refusal is not None:
+            rows.append(refused_row(make_rule(name, params), RuleRefusal(refusal)))
             continue
         for variant in (make_rule(name, params), *(
                 [CONTROLS[name]()] if name in CONTROLS else [])):
@@ -214,9 +219,6 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
     counts: Counter = Counter()
     drafted = 0  # draft tokens put to the test: a row whose drafter proposed none tests nothing
     tally = TokensPerForward()  # tokens per target forward after the prefill: the speed it buys
-    if dist.samples % dist.batch_size:
-        raise ValueError(f"distribution.samples={dist.samples} is not a multiple of "
-                         f"distribution.batch_size={dist.batch_size}")
     for _ in tqdm(range(dist.samples // dist.batch_size), desc=f"sampling ({rule.name})",
                   leave=False):
         batch = generate_batch(model, [prompt] * dist.batch_size, dist.length, drafter=drafter,
@@ -240,7 +242,23 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
                        "tokens_per_step": tally.tau}}
 
 
+def check_distribution(dist: DictConfig) -> None:
+    """Refuse, before anything loads (the greedy part takes minutes), a distribution test
+    that cannot count: no samples (a chi-square over nothing divides by zero), no batch, or
+    samples that batches do not divide."""
+    if not dist.enabled:
+        return
+    for key in ("samples", "batch_size"):
+        if dist[key] < 1:
+            raise ValueError(f"distribution.{key} must be >= 1, got {dist[key]} (or "
+                             "distribution.enabled=false to skip the distribution test)")
+    if dist.samples % dist.batch_size:
+        raise ValueError(f"distribution.samples={dist.samples} is not a multiple of "
+                         f"distribution.batch_size={dist.batch_size}")
+
+
 def evaluate(cfg: DictConfig) -> list[dict]:
+    check_distribution(cfg.distribution)
     target = load_target_from_config(cfg.target)
     drafter = build_drafter(cfg.drafter, cfg.tree, target)
     questions = pick_questions(cfg.data_root, cfg.greedy.num_prompts)

@@ -59,8 +59,12 @@ class AcceptanceRule:
 
     name = "base"
     exact = False
+    # What the rule needs of the trees it verifies, declared so that a drafter whose trees
+    # never have it is refused before anything loads (drafters.rule_refusal), not mid-run:
     chains_only = False  # True: the rule verifies chains (every node <= 1 child) only
     sampling_only = False  # True: refused for greedy decoding (its gain needs sampled drafts)
+    needs_draws = False  # True: children drawn from a recorded draft distribution (draft_probs)
+    needs_iid = False  # True: a node's sampled siblings drawn i.i.d. (TokenTree.iid_draws)
 
     def __call__(self, tree: TokenTree, logits: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Acceptance:

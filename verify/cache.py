@@ -176,10 +176,30 @@ def full_attention_layers(cache: Cache) -> list[DynamicLayer | RoomLayer]:
     """The cache's layers, refused unless every one holds full attention (compaction moves
     entries by slot, which a sliding window or a recurrent state does not keep)."""
     for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, GrowingLayer, RoomLayer):
+        if type(layer) not in FULL_ATTENTION:
             raise NotImplementedError(
                 f"cache compaction supports full-attention layers, not {type(layer).__name__}")
     return cache.layers
+
+
+FULL_ATTENTION = (DynamicLayer, GrowingLayer, RoomLayer)  # the cache layers compaction moves
+
+
+def check_full_attention(config: PretrainedConfig, what: str) -> None:
+    """Refuse, at load, a model whose cache would hold layers compaction cannot move (a
+    sliding window, Mistral's or Qwen2's with use_sliding_window): found by the cache
+    transformers builds for `config`, so the first cache commit never fails mid-decode.
+    `what` names the model ("target", "draft model") in the error."""
+    other = {index: type(layer).__name__ for index, layer in enumerate(new_cache(config).layers)
+             if type(layer) not in FULL_ATTENTION}
+    if not other:
+        return
+    window = getattr(config, "sliding_window", None)
+    raise ValueError(
+        f"the {what}'s layers {sorted(other)} cache {sorted(set(other.values()))} (a sliding "
+        f"window of {window} tokens), whose entries tree decoding cannot move by slot: "
+        "decode it with a config without the window (sliding_window: null in its "
+        "config.json, the same model for sequences within the window), or pick another model")
 
 
 def cache_length(cache: Cache) -> int:

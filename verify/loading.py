@@ -13,13 +13,15 @@ project loads from a path goes through here instead:
 - `trust_remote_code` is passed, False unless the caller's setting says otherwise, so a
   folder's code never runs on a keystroke;
 - the weights must fill the model exactly (no missing, unexpected or misshapen tensors), and
-  the model's attention must be causal.
+  the model must be causal: a later token may not change an earlier position's logits
+  (checked by one tiny forward at load, whatever the model's modules are called).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import (
     AutoModelForCausalLM,
@@ -27,6 +29,12 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+# The causality probe (`check_causal`): tokens per row, and how far (relative to the logits'
+# scale) earlier positions may move when only the last token changes: far below one bfloat16
+# rounding step, far above float32 noise, and far below what an encoder's future token moves.
+CAUSAL_PROBE_LENGTH = 6
+CAUSAL_TOLERANCE = 1e-5
 
 
 def pretrained_source(path: str | Path, what: str) -> str:
@@ -93,11 +101,22 @@ def check_loaded_whole(loading: dict, path: str | Path, what: str) -> None:
 
 
 def check_causal(model: PreTrainedModel, path: str | Path, what: str) -> None:
-    """Refuse a model whose self-attention is not causal (BERT and other encoders load as a
-    "causal" LM whose every token sees the whole sequence): transformers marks each attention
-    module's `is_causal`; cross-attention (`cross` in its name) is left aside."""
-    bidirectional = [name for name, module in model.named_modules()
-                     if getattr(module, "is_causal", True) is False and "cross" not in name]
-    if bidirectional:
+    """Refuse a model whose logits at a position depend on a later token (BERT, BigBird,
+    RemBERT and other encoders load as a "causal" LM whose every token sees the whole
+    sequence). Judged by what the model computes, not by its modules' names or flags: one
+    forward of two rows that differ only in their last token, whose earlier positions must
+    agree (rows of one batch run the same kernels, so a causal model gives them exactly;
+    the tolerance only absorbs a kernel that rounds per row). Decoders with cross-attention
+    (BART's or Pegasus's `encoder_attn`, given no encoder states) pass: they are causal."""
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(1, CAUSAL_PROBE_LENGTH + 1).remainder(vocab).repeat(2, 1)
+    ids[1, -1] = (ids[1, -1] + 1) % vocab  # the later token, changed in the second row
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(model.device)).logits.float()
+    earlier = logits[:, :-1]
+    moved = float((earlier[0] - earlier[1]).abs().max())
+    if moved > CAUSAL_TOLERANCE * max(float(earlier.abs().max()), 1.0):
         raise ValueError(f"the {what} in {path} is a {type(model).__name__}, whose attention "
-                         f"is not causal ({bidirectional[0]}): decoding needs a causal LM")
+                         f"is not causal: changing token {CAUSAL_PROBE_LENGTH - 1} moved the "
+                         f"logits before it (by up to {moved:.3g}), so each position sees "
+                         "the future (an encoder); decoding needs a causal LM")

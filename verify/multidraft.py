@@ -41,6 +41,8 @@ class KSequentialRule(AcceptanceRule):
     name = "spectr"
     exact = True
     sampling_only = True
+    needs_draws = True
+    needs_iid = True
 
     def __call__(self, tree, logits, params, generator=None):
         probs = warp(logits, params)
@@ -48,15 +50,18 @@ class KSequentialRule(AcceptanceRule):
         path = [0]
         while True:
             node = path[-1]
-            draws, q = tree.iid_draws[node] or [], tree.draft_probs[node].to(probs)
-            rho = self.rho(probs[node], q, len(draws)) if draws else 1.0
+            draws = _draws(tree, node)
+            if not draws:  # a leaf, or a lone root (no draft at all): the bonus comes from p
+                return Acceptance(path, sample(probs[node].float(), generator))
+            q = tree.draft_probs[node].to(probs)
+            rho = self.rho(probs[node], q, len(draws))
             for token in draws:
                 chance = min(1.0, float(probs[node, token] / (rho * q[token])))
                 if float(torch.rand((), generator=generator, device=probs.device)) < chance:
                     path.append(_child(tree, node, token))
                     break
             else:
-                bonus = self.residual(probs[node], q, rho, len(draws)) if draws else probs[node]
+                bonus = self.residual(probs[node], q, rho, len(draws))
                 return Acceptance(path, sample(bonus.float(), generator))
 
     def outcomes(self, tree: TokenTree, probs: torch.Tensor
@@ -68,7 +73,7 @@ class KSequentialRule(AcceptanceRule):
         while stack:
             path, reach = stack.pop()
             node = path[-1]
-            draws = tree.iid_draws[node] or []
+            draws = _draws(tree, node)
             if not draws:
                 out.append((path, reach, probs[node]))
                 continue
@@ -133,6 +138,12 @@ def _spread(p: torch.Tensor, q: torch.Tensor, rho: float, draws: int) -> float:
     token's min(q, p / rho) the drafts deliver it."""
     miss = 1 - float(torch.minimum(q, p / rho).sum())
     return sum(miss ** i for i in range(draws))
+
+
+def _draws(tree: TokenTree, node: int) -> list[int]:
+    """`node`'s i.i.d. draws in draw order; none for a leaf and for a tree that drew nothing
+    (a lone root carries no `iid_draws` nor draft probabilities)."""
+    return list(tree.iid_draws[node] or []) if tree.iid_draws is not None else []
 
 
 def _child(tree: TokenTree, node: int, token: int) -> int:

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
+from verify.cache import check_full_attention
 from verify.compiled import CompiledStep
 from verify.hf_state import CacheState
 from verify.packed import ladder_width, pack_target
@@ -165,6 +166,8 @@ def target_step(model: PreTrainedModel, step: str = "eager",
         return _openvino_step(model, **options)
     if options:
         raise ValueError(f"target.step={step} takes no options {sorted(options)}")
+    # here, not at the first cache commit: the OpenVINO step refuses a window its own way
+    check_full_attention(model.config, "target")
     if step.startswith("compiled"):
         if packed_rows not in (None, [], (), "auto"):
             raise ValueError(f"a compiled step packs its own weights: target.packed_rows="

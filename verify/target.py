@@ -283,13 +283,23 @@ def _tiny_config(arch: str, vocab_size: int) -> PretrainedConfig:
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHS}")
 
 
+# The dtypes a target's weights may be cast to and still compute in: torch has matmuls for
+# these on every device; an integer cast is not a quantised model, and float8 (e4m3fn, e5m2,
+# ...) is a storage format whose matmuls are scaled kernels, not a cast model's forward.
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _torch_dtype(name: str) -> torch.dtype:
+    """`target.dtype` as a torch dtype; refused, before anything loads, unless it is one a
+    cast model computes in (COMPUTE_DTYPES)."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as 'float32'")
-    if not dtype.is_floating_point:  # weights cast to int8 are not a quantised model
-        raise ValueError(f"target.dtype={name} is not a floating-point dtype: use float32, "
-                         "bfloat16 or float16")
+    if dtype not in COMPUTE_DTYPES:
+        kind = "floating-point dtype a model computes in" if dtype.is_floating_point else \
+            "floating-point dtype"
+        raise ValueError(f"target.dtype={name} is not a {kind}: use float32, bfloat16 or "
+                         "float16")
     return dtype
 
 

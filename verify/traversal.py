@@ -52,6 +52,7 @@ class TraversalVerificationRule(AcceptanceRule):
     name = "traversal"
     exact = True
     sampling_only = True
+    needs_draws = True
 
     def __call__(self, tree, logits, params, generator=None):
         for node, chance, bonus in self.candidates(tree, warp(logits, params)):

@@ -306,3 +306,12 @@ def test_a_distilled_folder_holds_only_weights_in_safetensors_and_its_vocabulary
     (tmp_path / "d" / "draft_vocab.json").unlink()
     save_file({"vocab_ids": vocab}, str(tmp_path / "d" / LEGACY_VOCAB_FILE))
     assert torch.equal(read_vocab(tmp_path / "d"), vocab)
+
+
+def test_a_draft_model_with_a_sliding_window_is_refused_when_built():
+    # its cache is trimmed and its entries moved like the target's: refused before decoding
+    from tests.verify.test_step import tiny_mistral
+    with pytest.raises(ValueError, match=r"the draft model's layers \[0, 1\] cache "
+                                         r"\['DynamicSlidingWindowLayer'\]"):
+        DraftModelDrafter(tiny_mistral(16), TreeTopology.chain(2))
+    assert DraftModelDrafter(tiny_mistral(None), TreeTopology.chain(2)).iid_siblings is False

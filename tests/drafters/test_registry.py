@@ -2,9 +2,12 @@
 protocol; unknown names and trees a drafter cannot fill are refused at construction."""
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
-from drafters import COMBINATORS, DRAFTERS, build_drafter
+from drafters import COMBINATORS, DRAFTERS, build_drafter, rule_refusal
+from verify.accept import RuleRefusal
+from verify.loop import generate
 from verify.protocol import Drafter
 from verify.tree import TreeError
 
@@ -73,3 +76,35 @@ def test_hybrid_members_get_their_own_options_and_tree(tiny, conf):
     assert suffix.tree.total_tokens == 16  # the shared tree config
     assert (eagle.tree.depth, eagle.tree.top_k, eagle.tree.total_tokens) == (2, 2, 2)
     assert drafter.feature_layers == eagle.feature_layers  # the suffix reads none
+
+
+# (drafter, its overrides, tree): each registered drafter with a model, and the trees that
+# change what it proposes (a dynamic tree, a DDTree, siblings drawn i.i.d.). The model-free
+# ones find no match in a random model's output, so their runs verify no tree at all (the
+# bench's parse tests cover their refusals); the hybrid's suffix member hands over to EAGLE.
+MODEL_FREE = ("prompt_lookup", "recycling", "suffix")
+PROPOSALS = [(name, TINY_OVERRIDES.get(name, {}), OWN_TREES.get(name, "tree8"))
+             for name in sorted([*DRAFTERS, *COMBINATORS]) if name not in MODEL_FREE] + [
+    ("eagle", {}, "eagle2"), ("dflash", {}, "ddtree8"),
+    ("draft_model", {"num_layers": 1, "iid_siblings": True}, "tree8")]
+PROMPT = torch.arange(40, 50)
+
+
+@pytest.mark.parametrize("name, overrides, tree", PROPOSALS,
+                         ids=[f"{n}-{t}{'-iid' if o.get('iid_siblings') else ''}"
+                              for n, o, t in PROPOSALS])
+def test_the_rules_refused_before_loading_are_the_ones_the_trees_would_refuse(
+        name, overrides, tree, tiny, conf):
+    # rule_refusal judges from the configs alone; the rules judge each tree while decoding:
+    # they must agree
+    drafter_cfg, tree_cfg = OmegaConf.merge(conf("drafter", name), overrides), conf("tree", tree)
+    for rule in ("traversal", "spectr"):
+        refusal = rule_refusal(rule, drafter_cfg, tree_cfg)
+        drafter = build_drafter(drafter_cfg, tree_cfg, tiny("llama"))
+        try:
+            generate(tiny("llama").model, PROMPT, 6, drafter=drafter, temperature=1.0,
+                     rule=rule, generator=torch.Generator().manual_seed(0))
+        except RuleRefusal as refused:
+            assert refusal is not None, f"{rule} refused only while decoding: {refused}"
+        else:
+            assert refusal is None, f"{rule} refused, yet every tree was verified: {refusal}"

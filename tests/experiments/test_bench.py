@@ -170,6 +170,31 @@ def test_the_block_rule_is_refused_before_decoding_for_a_drafter_whose_trees_bra
     assert parse_compare("prompt_lookup:chain4:rule=block").rule == "block"
 
 
+@pytest.mark.parametrize("entry, why", [
+    ("prompt_lookup:chain4:rule=traversal", "chooses its children (no draft probabilities)"),
+    ("suffix:suffix:rule=spectr", "chooses its children"),
+    ("eagle:eagle2:rule=traversal", "chooses its children"),  # EAGLE-2: top-k by score
+    ("dflash:ddtree8:rule=traversal", "chooses its children"),
+    ("hybrid:suffix:rule=traversal", "chooses its children"),
+    ("draft_model:tree8:rule=spectr", "draws them without replacement: set "
+                                      "drafter.iid_siblings=true"),
+    ("medusa:tree8:rule=spectr", "draws them without replacement")])
+def test_a_sequence_rule_is_refused_before_decoding_for_trees_it_cannot_verify(entry, why):
+    with pytest.raises(ValueError, match=re.escape(f"compare entry {entry!r}: the "
+                                                   f"'{entry.rsplit('=', 1)[1]}' rule ")
+                       + ".*" + re.escape(why)):
+        parse_compare(entry)
+
+
+@pytest.mark.parametrize("entry", ["draft_model:tree8:rule=traversal",
+                                   "medusa:chain4:rule=traversal",
+                                   "eagle3:tree8:rule=traversal", "dflash:chain4:rule=traversal",
+                                   "draft_model:tree8:iid_siblings=true,rule=spectr",
+                                   "draft_model:chain4:iid_siblings=true,rule=spectr"])
+def test_a_sequence_rule_stays_for_a_drafter_that_draws_what_it_needs(entry):
+    assert parse_compare(entry).rule == entry.rsplit("=", 1)[1]
+
+
 def test_method_names_stay_distinct_and_the_main_drafter_comes_first():
     cfg = bench_config("compare=[draft_model:chain4,draft_model:chain4,draft_model:tree8,"
                        "'draft_model:chain4:label=b']")

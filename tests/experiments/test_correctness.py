@@ -304,3 +304,19 @@ def test_the_greedy_reference_is_hf_or_this_loops_plain_decoding(monkeypatch):
     assert "Hugging Face greedy" in hf["check"]
     with pytest.raises(ValueError, match="greedy.reference is one of"):
         greedy_row(target, object(), questions, 4, reference="vllm")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distribution.samples=0"], "distribution.samples must be >= 1, got 0"),
+    (["distribution.batch_size=0"], "distribution.batch_size must be >= 1, got 0"),
+    (["distribution.samples=10", "distribution.batch_size=4"],
+     "distribution.samples=10 is not a multiple of distribution.batch_size=4")])
+def test_a_distribution_test_that_cannot_count_is_refused_before_anything_loads(
+        overrides, message, monkeypatch):
+    monkeypatch.setattr("experiments.correctness.load_target_from_config",
+                        lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(ValueError, match=message):
+        evaluate(correctness_cfg(*overrides))
+    # off, it is not checked
+    with pytest.raises(pytest.fail.Exception, match="the target was loaded"):
+        evaluate(correctness_cfg(*overrides, "distribution.enabled=false"))

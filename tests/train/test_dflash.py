@@ -183,6 +183,16 @@ def test_an_unknown_loss_is_refused_by_name(train_cfg):
         RowLoss("bogus")
 
 
+@pytest.mark.parametrize("decay", ["0", "-1", "nan"])
+def test_a_loss_decay_that_is_not_positive_is_refused_before_anything_loads(
+        train_cfg, monkeypatch, decay):
+    def no_target(*args):
+        raise AssertionError("the target was loaded")
+    monkeypatch.setattr(dflash_recipe.common, "training_target", no_target)
+    with pytest.raises(ValueError, match=f"drafter.loss_decay must be > 0 .* got {decay}"):
+        run_training(train_cfg("drafter=dflash", f"drafter.loss_decay={decay}"))
+
+
 def test_a_smoke_run_trains_with_the_configured_loss_and_reports_acceptance(
         train_cfg, monkeypatch):
     built = []

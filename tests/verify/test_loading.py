@@ -10,7 +10,19 @@ import torch
 import transformers.utils.hub
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    BartConfig,
+    BertConfig,
+    BertForMaskedLM,
+    BigBirdConfig,
+    BlenderbotConfig,
+    MBartConfig,
+    MegatronBertConfig,
+    PegasusConfig,
+    PreTrainedTokenizerFast,
+    RemBertConfig,
+)
 
 from drafters.draft_model import load_draft_model
 from verify.loading import looks_local
@@ -59,6 +71,44 @@ def test_an_encoder_folder_is_refused_as_not_causal(tmp_path):
     save_tokenizer(tmp_path / "bert")
     with pytest.raises(ValueError, match="BertLMHeadModel, whose attention is not causal"):
         load_target(str(tmp_path / "bert"))
+
+
+ENCODER = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64, max_position_embeddings=64)
+DECODER = dict(vocab_size=64, d_model=32, decoder_layers=1, decoder_attention_heads=2,
+               decoder_ffn_dim=64, encoder_layers=1, encoder_attention_heads=2,
+               encoder_ffn_dim=64, max_position_embeddings=64)
+# Encoders whose ForCausalLM class loads without is_decoder: each token sees the whole sequence
+BIDIRECTIONAL = {"bigbird": BigBirdConfig(**ENCODER),
+                 "megatron-bert": MegatronBertConfig(**ENCODER),
+                 "rembert": RemBertConfig(**ENCODER, input_embedding_size=16,
+                                          output_embedding_size=16)}
+# Decoders whose `encoder_attn` is cross-attention (no encoder states here): causal
+CROSS_ATTENDING = {"bart": BartConfig(**DECODER), "mbart": MBartConfig(**DECODER),
+                   "pegasus": PegasusConfig(**DECODER), "blenderbot": BlenderbotConfig(**DECODER)}
+
+
+def saved_from_config(config, folder: Path) -> Path:
+    """A random model of `config` (AutoModelForCausalLM's class for it) saved whole, with a
+    tokenizer, at `folder`."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", BIDIRECTIONAL)
+def test_an_encoder_is_refused_by_what_it_computes(arch, tmp_path):
+    folder = saved_from_config(BIDIRECTIONAL[arch], tmp_path / arch)
+    with pytest.raises(ValueError, match=r"whose attention is not causal: changing token 5 "
+                                         r"moved the logits before it"):
+        load_target(str(folder), attn_implementation="eager")  # they have no sdpa
+
+
+@pytest.mark.parametrize("arch", CROSS_ATTENDING)
+def test_a_decoder_with_cross_attention_loads_as_the_causal_lm_it_is(arch, tmp_path):
+    target = load_target(str(saved_from_config(CROSS_ATTENDING[arch], tmp_path / arch)))
+    assert type(target.model).__name__.endswith("ForCausalLM")
 
 
 EVIL = '''
@@ -140,3 +190,12 @@ def test_a_file_given_as_a_model_folder_is_refused(llama_folder):
 def test_an_integer_dtype_is_refused():
     with pytest.raises(ValueError, match="target.dtype=int8 is not a floating-point dtype"):
         load_target(tiny="llama", dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_a_float8_dtype_is_refused_before_anything_loads(dtype, monkeypatch):
+    # a storage format, not one a cast model's matmuls run in (torch: NotImplementedError)
+    monkeypatch.setattr("verify.target.build_tiny_model", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(ValueError, match=f"target.dtype={dtype} is not a floating-point dtype "
+                                         "a model computes in: use float32, bfloat16 or float16"):
+        load_target(tiny="llama", dtype=dtype)

@@ -4,11 +4,13 @@ on the model for the verifier to find."""
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, MistralConfig
 
 from verify.cache import CAPACITY_STEP, RoomLayer, cache_length
 from verify.compiled import CompiledStep
+from verify.loop import generate
 from verify.packed import packing_unavailable
-from verify.step import EagerStep, PackedStep, as_step
+from verify.step import EagerStep, PackedStep, as_step, target_step
 from verify.target import Target, build_tiny_model, load_target
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
@@ -74,3 +76,21 @@ def test_a_bare_model_gets_the_eager_step_and_a_step_is_kept():
     assert TreeVerifier(step).step is step and TreeVerifier(model).model is model
     target = Target(model, None, "tiny-llama")
     assert type(target.step) is EagerStep and target.step.model is model
+
+
+def tiny_mistral(window: int | None):
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                           sliding_window=window)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("step", ["eager", "compiled"])
+def test_a_sliding_window_is_refused_at_load_not_at_the_first_cache_commit(step):
+    with pytest.raises(ValueError, match=r"the target's layers \[0, 1\] cache "
+                                         r"\['DynamicSlidingWindowLayer'\] \(a sliding window of "
+                                         r"16 tokens\).*sliding_window: null"):
+        target_step(tiny_mistral(16), step)
+    # the same model without the window decodes
+    no_window = tiny_mistral(None)
+    assert len(generate(target_step(no_window, "eager"), PROMPT, 4).tokens) == 4

@@ -221,3 +221,22 @@ def test_iid_draws_move_with_their_nodes_and_a_cut_drops_them():
     assert moved.iid_draws == [[0, 0, 1], None, [2], None, None]
     assert moved.tokens.tolist() == [2, 0, 1, 1, 2] and moved.parents.tolist() == [-1, 0, 0, 1, 2]
     assert tree.keep([0, 1, 2]).iid_draws is None
+
+
+LONE_ROOTS = {"no-draft": TokenTree(torch.tensor([2]), torch.tensor([-1])),
+              "draft-row": TokenTree(torch.tensor([2]), torch.tensor([-1]),
+                                     torch.zeros(1, VOCAB))}
+
+
+@pytest.mark.parametrize("lone", LONE_ROOTS)
+@pytest.mark.parametrize("name", ["traversal", "spectr"])
+def test_a_lone_root_emits_its_bonus_token_from_the_target(name, lone):
+    # plain sampling, a batch past max_batch_for_speculation, a draft model at the end of its
+    # positions: the tree is its root alone, and the bonus token is drawn from p
+    tree, p = LONE_ROOTS[lone], torch.tensor([[0.2, 0.5, 0.3]])
+    rule = make_rule(name, T1)
+    assert [(path, chance) for path, chance, _ in rule.outcomes(tree, p)] == [([0], 1.0)]
+    assert torch.equal(rule.outcomes(tree, p)[0][2], p[0])
+    generator = torch.Generator().manual_seed(0)
+    bonus = Counter((rule(tree, p.log(), T1, generator).bonus,) for _ in range(3000))
+    assert chi_square_test(bonus, {(t,): float(p[0, t]) for t in range(VOCAB)})[1] > 0.001
