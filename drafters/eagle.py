@@ -25,7 +25,7 @@ ever holds entries built from real features. The target's token embedding is sha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +92,12 @@ def eagle_config(cfg: Mapping) -> EagleConfig:
     if config.layout not in LAYOUTS:
         raise ValueError(f"drafter.layout must be one of {LAYOUTS}, got {config.layout!r}")
     return config
+
+
+def eagle_variant(feature_layers: Sequence[int], layout: str) -> str:
+    """Which EAGLE a draft is, from what it is built of: EAGLE-3 fuses several target layers
+    or drafts with EAGLE-3's layer; EAGLE-1 reads one layer through its own."""
+    return "eagle3" if len(feature_layers) > 1 or layout == "eagle3" else "eagle1"
 
 
 def default_layout(variant: str) -> str:
@@ -179,9 +185,8 @@ class EagleDraft(nn.Module):
 
     @property
     def variant(self) -> str:
-        """Which EAGLE this draft is, from what it is built of: EAGLE-3 fuses several target
-        layers or drafts with EAGLE-3's layer; EAGLE-1 reads one layer through its own."""
-        return "eagle3" if len(self.feature_layers) > 1 or self.layout == "eagle3" else "eagle1"
+        """Which EAGLE this draft is (eagle_variant)."""
+        return eagle_variant(self.feature_layers, self.layout)
 
     @property
     def hyperparameters(self) -> dict:

@@ -26,6 +26,7 @@ that fails stops the command (they run first).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -195,7 +196,17 @@ def read_result(path: Path, prompts: int) -> dict:
             isinstance(r, dict) and isinstance(r.get("tokens"), list)
             and isinstance(r.get("seconds"), (int, float)) for r in rows):
         return {"error": f"its result holds no `rows` of {prompts} prompts' tokens and seconds"}
+    untimed = next((i for i, r in enumerate(rows) if not is_duration(r["seconds"])), None)
+    if untimed is not None:  # tokens/s would divide by it
+        return {"error": f"its result times prompt {untimed} at {rows[untimed]['seconds']!r} "
+                         "seconds: a decode takes a positive, finite time (does the runner "
+                         "read its clock around the generate call?)"}
     return result
+
+
+def is_duration(seconds: float) -> bool:
+    """A time a decode can have taken: positive and finite (JSON also carries NaN, Infinity)."""
+    return math.isfinite(seconds) and seconds > 0
 
 
 EXCEPTION = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
@@ -307,7 +318,8 @@ def _speedups_over_engine_plain(rows: list[dict]) -> None:
               if "tokens_per_s" in r and r["method"] in (f"{r['engine']}/{PLAIN}",
                                                            "treedraft/plain_loop")}
     for row in rows:
-        if "tokens_per_s" in row and row["engine"] in plains:
+        # a plain decoding that generated nothing (an EOS first) is no measure of speed
+        if "tokens_per_s" in row and plains.get(row["engine"]):
             row["speedup_over_engine_plain"] = row["tokens_per_s"] / plains[row["engine"]]
 
 

@@ -22,14 +22,18 @@ the same way). Greedy decoding of the same draft over the same tokens proposes t
 chains, so the two agree up to the few steps where float32 kernels round differently; a
 convention broken in the export (aux-layer ids, d2t/t2d, norms, head order, projections)
 shows as acceptance near zero in vLLM, which is the point of the check. `noise` is the
-binomial standard error of the depth-1 difference (both runs' variances). A draft that
-fails to export or to serve is a "not run: <reason>" row; the others go on.
+binomial standard error of the depth-1 difference (both runs' variances).
+
+Before the target loads, each folder's kind is read from its files (a DFlash checkpoint
+given as drafts.eagle3 is refused, naming both kinds) and vLLM's environment is looked for.
+Before any decoding, each draft is exported or loaded on the target: one that does not fit
+it (another target, another vocabulary) is a "not run: <reason>" row, as is one that fails
+to serve; the others go on.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +43,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters.checkpoint import read_config
-from drafters.draft_model import LEGACY_VOCAB_FILE, VOCAB_FILE
+from drafters.draft_model import LEGACY_VOCAB_FILE, VOCAB_FILE, load_draft_model
+from drafters.kinds import DESCRIPTIONS, RUN_CHECKPOINT, checkpoint_kind
 from experiments.bench import Prompt, parse_compare
 from experiments.common import (
     CONF_DIR,
@@ -66,9 +71,9 @@ from verify.target import Target, load_target_from_config
 
 @dataclass(frozen=True)
 class Kind:
-    """A kind of draft: treedraft's drafter and its key naming the checkpoint, vLLM's method,
-    the experiments.export format (None: the checkpoint is served as it is) and what vLLM's
-    `LLM` needs besides."""
+    """A kind of draft: treedraft's drafter (also the checkpoint_kind of its folder) and its
+    key naming the checkpoint, vLLM's method, the experiments.export format (None: the
+    checkpoint is served as it is) and what vLLM's `LLM` needs besides."""
 
     drafter: str
     key: str
@@ -130,6 +135,22 @@ def treedraft_entry(kind: str, checkpoint: str, k: int) -> str:
     return f"{entry},block_size={block_size}"
 
 
+def prepared(kind: str, checkpoint: str, target: Target, k: int, verifier: str,
+             scratch: Path) -> tuple[str, str]:
+    """treedraft's compare entry for a draft and the folder vLLM serves, once the draft is
+    known to fit the target (its export loads it on the target; a draft model is loaded and
+    its vocabulary compared): ValueError or OSError saying why not, before any decoding."""
+    entry = treedraft_entry(kind, checkpoint, k)
+    folder = serving_folder(kind, checkpoint, target, k, verifier, scratch)
+    if KINDS[kind].fmt is None:  # served as it is: nothing has loaded it on the target yet
+        try:
+            load_draft_model(folder, target)
+        except ValueError as error:
+            raise ValueError(f"drafts.{kind}={checkpoint} cannot draft for {target.name}: "
+                             f"{error}") from error
+    return entry, folder
+
+
 def servable_draft_model(folder: Path) -> str:
     """The distilled draft's folder, if vLLM can serve it as trained. vLLM drafts from the
     folder's whole output head; a draft distilled over a reduced vocabulary trained only
@@ -171,10 +192,38 @@ def served_row(kind: str, ours: list[dict], theirs: dict, reference: list[list[i
     return row
 
 
+def vllm_python(cfg: DictConfig) -> Path:
+    """The python of vLLM's environment (cfg.venv); ValueError naming the fix when it is not
+    installed, so that nothing loads or decodes for a comparison that cannot be made."""
+    python = (REPO / cfg.venv / "bin" / "python").absolute()
+    if not python.is_file():
+        raise ValueError(f"vLLM is not installed: {python} missing (venv={cfg.venv}); "
+                         "`make peers` (or `bash scripts/peers.sh vllm`) installs it")
+    return python
+
+
+def check_kind(kind: str, path: str) -> None:
+    """Refuse a folder that does not hold a draft of `kind` (ValueError naming the kind found
+    and the kind expected, and where it belongs), from its files alone."""
+    found, expected = checkpoint_kind(path), KINDS[kind].drafter
+    if found == expected:
+        return
+    fix = {"run": f"give its checkpoint: drafts.{kind}={Path(path) / RUN_CHECKPOINT}",
+           "speculators": "give the checkpoint it was exported from (experiments.served "
+                          "exports it itself)",
+           "vllm_medusa": "give the checkpoint it was exported from (experiments.served "
+                          "exports it itself)"}.get(found)
+    if fix is None and found in KINDS:
+        fix = f"give it as drafts.{found}={path}"
+    raise ValueError(f"drafts.{kind}={path} holds {DESCRIPTIONS[found]}, not "
+                     f"{DESCRIPTIONS[expected]}" + (f": {fix}" if fix else ""))
+
+
 def checked_drafts(cfg: DictConfig) -> dict[str, str]:
     """The drafts given ({kind: checkpoint folder}), once every input is known good: ValueError
-    naming the first that is not (an unknown kind, a folder that is not there, a chain length
-    with no tree chain<k>), before the target loads and decodes."""
+    naming the first that is not (an unknown kind, a folder that is not there or holds another
+    kind of draft, a chain length with no tree chain<k>, vLLM not installed), before the target
+    loads and decodes."""
     unknown = set(cfg.drafts) - set(KINDS)
     if unknown:
         raise ValueError(f"drafts.{sorted(unknown)[0]}: choose from {sorted(KINDS)}")
@@ -186,53 +235,62 @@ def checked_drafts(cfg: DictConfig) -> dict[str, str]:
         if not Path(path).expanduser().is_dir():
             raise ValueError(f"drafts.{kind}={path}: no such folder (a training run's "
                              "checkpoint/ folder)")
+        check_kind(kind, path)
     chains = sorted(int(p.stem.removeprefix("chain"))
                     for p in (Path(CONF_DIR) / "tree").glob("chain*.yaml"))
     if cfg.speculative_tokens not in chains:
         raise ValueError(f"speculative_tokens={cfg.speculative_tokens}: choose from {chains} "
                          "(treedraft's chain trees, conf/tree/chain<k>.yaml)")
+    vllm_python(cfg)
     return drafts
 
 
 def compare(cfg: DictConfig) -> list[dict]:
-    """A row per draft given (cfg.drafts: kind -> checkpoint; null ones are skipped)."""
+    """A row per draft given (cfg.drafts: kind -> checkpoint; null ones are skipped): every
+    draft is checked against the target (exported, or loaded) before any decoding, one that
+    does not fit a "not run" row."""
     drafts = checked_drafts(cfg)
     k = cfg.speculative_tokens
+    python = vllm_python(cfg)
     target = load_target_from_config(cfg.target)
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories,
                                cfg.warmup)
     prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
                for q in questions]
     eos = set(target.eos_token_ids)
-    python = (REPO / cfg.venv / "bin" / "python").absolute()
-    rows = []
+    rows, ready = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         model = model_folder(target, scratch)
-        plain = treedraft_rows(cfg, target, prompts, [], "treedraft plain")
-        reference = [r["tokens"] for r in plain["treedraft/plain_loop"]]
         for kind, checkpoint in drafts.items():
-            spec = KINDS[kind]
-            try:  # before decoding it here: a draft vLLM cannot take costs nothing more
-                entry = treedraft_entry(kind, checkpoint, k)
-                folder = serving_folder(kind, checkpoint, target, k, model, scratch)
+            try:  # before decoding: a draft that cannot be compared costs nothing more
+                ready[kind] = prepared(kind, checkpoint, target, k, model, scratch)
             except (ValueError, OSError) as error:
-                rows.append({"draft": kind, "status": f"not run: {error}"})
-                continue
-            ours = treedraft_rows(cfg, target, prompts, [entry], f"treedraft {kind}",
-                                  plain=False)[f"treedraft/{parse_compare(entry).name}"]
-            engine = OmegaConf.create({"options": {"memory_fraction": cfg.memory_fraction,
-                                                   "llm_options": spec.llm_options}})
-            request = engine_request(cfg, model, target, prompts, spec.method,
-                                     {"model": folder, "num_speculative_tokens": k},
-                                     engine, scratch)
-            theirs = run_engine_method("vllm", python, request, cfg.timeout_s, scratch)
-            if "error" in theirs:
-                rows.append({"draft": kind, "status": f"not run: {theirs['error']}"})
-                continue
-            rows.append(served_row(kind, ours, theirs, reference, eos, k))
-            shutil.rmtree(scratch / f"export-{kind}", ignore_errors=True)
-    return rows
+                rows[kind] = {"draft": kind, "status": f"not run: {error}"}
+        if ready:
+            plain = treedraft_rows(cfg, target, prompts, [], "treedraft plain")
+            reference = [r["tokens"] for r in plain["treedraft/plain_loop"]]
+        for kind, (entry, folder) in ready.items():
+            rows[kind] = served_draft(cfg, kind, entry, folder, target, prompts, model,
+                                      python, scratch, reference, eos)
+    return [rows[kind] for kind in drafts]
+
+
+def served_draft(cfg: DictConfig, kind: str, entry: str, folder: str, target: Target,
+                 prompts: list[Prompt], model: str, python: Path, scratch: Path,
+                 reference: list[list[int]], eos: set[int]) -> dict:
+    """One draft decoded by treedraft and served by vLLM on the same prompts: its row."""
+    spec, k = KINDS[kind], cfg.speculative_tokens
+    ours = treedraft_rows(cfg, target, prompts, [entry], f"treedraft {kind}",
+                          plain=False)[f"treedraft/{parse_compare(entry).name}"]
+    engine = OmegaConf.create({"options": {"memory_fraction": cfg.memory_fraction,
+                                           "llm_options": spec.llm_options}})
+    request = engine_request(cfg, model, target, prompts, spec.method,
+                             {"model": folder, "num_speculative_tokens": k}, engine, scratch)
+    theirs = run_engine_method("vllm", python, request, cfg.timeout_s, scratch)
+    if "error" in theirs:
+        return {"draft": kind, "status": f"not run: {theirs['error']}"}
+    return served_row(kind, ours, theirs, reference, eos, k)
 
 
 def format_table(rows: list[dict]) -> str:

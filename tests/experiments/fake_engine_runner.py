@@ -2,10 +2,10 @@
 engine's runner (a separate process, request and result files). It decodes with Hugging Face
 `generate` on the model folder it is given, so its greedy output is a real, independent
 decoding of the same target; method "broken" fails as an engine refusing a method does, and
-"slow" never finishes; "garbled" and "no_rows" exit 0 with a result that is not JSON or has
-no rows. A counter per method stands in for vLLM's spec-decode counters (for a served draft,
-tests/experiments/test_served.py: 4 drafting steps, accepting 3, 2, 1 at positions 1, 2,
-3)."""
+"slow" never finishes; "garbled", "no_rows" and "zero_seconds" exit 0 with a result that is
+not JSON, has no rows, or times its prompts at 0 seconds. A counter per method stands in for
+vLLM's spec-decode counters (for a served draft, tests/experiments/test_served.py: 4 drafting
+steps, accepting 3, 2, 1 at positions 1, 2, 3)."""
 
 import json
 import os
@@ -26,6 +26,10 @@ def main() -> None:
         time.sleep(600)
     if method["name"] in ("garbled", "no_rows"):  # exits 0 having written nonsense
         open(sys.argv[2], "w").write("{rows: [" if method["name"] == "garbled" else "{}")
+        return
+    if method["name"] == "zero_seconds":  # a clock read wrong: tokens in no time at all
+        rows = [{"tokens": [1], "seconds": 0} for _ in request["prompts"]]
+        json.dump({"engine": "fake", "rows": rows}, open(sys.argv[2], "w"))
         return
     model = AutoModelForCausalLM.from_pretrained(request["model"]).eval()
     rows = []

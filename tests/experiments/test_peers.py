@@ -126,6 +126,13 @@ def test_tokens_are_compared_up_to_the_first_eos():
     assert peers.until_eos([5, 6], {2}) == [5, 6]
 
 
+def test_an_engine_whose_plain_decoding_generated_nothing_has_no_speedup_over_it():
+    rows = [{"method": "fake/plain", "engine": "fake", "tokens_per_s": 0.0},
+            {"method": "fake/ngram", "engine": "fake", "tokens_per_s": 5.0}]
+    peers._speedups_over_engine_plain(rows)
+    assert all("speedup_over_engine_plain" not in row for row in rows)
+
+
 def test_no_counters_means_no_step_figures():
     assert peers.spec_figures({}, 10) == {}
 
@@ -173,7 +180,8 @@ def run_fake(fake_engine, tmp_path, method: dict, timeout_s: float = 60) -> dict
 
 
 @pytest.mark.parametrize("method, reason", [
-    ("garbled", "its result is not JSON"), ("no_rows", "its result holds no `rows`")])
+    ("garbled", "its result is not JSON"), ("no_rows", "its result holds no `rows`"),
+    ("zero_seconds", "its result times prompt 0 at 0 seconds")])
 def test_a_runner_that_exits_0_with_a_bad_result_is_a_row_saying_so(tmp_path, fake_engine,
                                                                      method, reason):
     result = run_fake(fake_engine, tmp_path, {"name": method})

@@ -1,10 +1,19 @@
 """experiments.processes: a process started for an engine runs in a group of its own, and a
 timeout kills the group, the workers it started included."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from experiments.processes import run_group, start_group, stop_group
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def alive(pid: int) -> bool:
@@ -54,3 +63,56 @@ def test_stopping_a_server_stops_its_workers(tmp_path):
     worker = worker_pid(pid_file)
     stop_group(server)
     assert server.returncode is not None and ends(worker)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The running processes (not zombies) of process group `pgid`."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended while listed
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            members.append(int(stat.parent.name))
+    return members
+
+
+# The command that runs an engine's runner (experiments.peers: run_engine_method -> run_group),
+# the runner spawning a worker into its group as vLLM does; both write their pids. The module
+# is loaded from its file: importing the experiments package takes seconds (its schemas).
+PARENT = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("processes", "experiments/processes.py")
+processes = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(processes)
+runner = "import subprocess, sys, time, os; w = subprocess.Popen(['sleep', '600']); " \\
+         "open(sys.argv[1], 'w').write(f'{os.getpid()} {w.pid}'); time.sleep(600)"
+processes.run_group([sys.executable, "-c", runner, sys.argv[1]], timeout_s=600)
+"""
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, -signal.SIGINT),
+                                            (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_an_interrupted_command_stops_its_runners_group(tmp_path, signum, status):
+    """Ctrl-C (SIGINT) or a kill (SIGTERM) of the command while a runner runs: the command
+    ends with the signal's status and no process of the runner's group survives it."""
+    pids = tmp_path / "pids"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pids)], cwd=REPO)
+    group = None
+    try:
+        for _ in range(200):  # the runner starts within a second or two
+            if pids.is_file() and len(pids.read_text().split()) == 2:
+                break
+            time.sleep(0.05)
+        group, worker = map(int, pids.read_text().split())
+        parent.send_signal(signum)
+        assert parent.wait(timeout=10) == status
+        assert ends(group) and ends(worker)
+        assert group_members(group) == []
+    finally:  # on failure too: nothing left behind by the test itself
+        parent.kill()
+        parent.wait()
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)

@@ -17,10 +17,11 @@ import experiments.served as served
 from drafters import dflash
 from drafters.draft_model import VOCAB_FILE, save_draft_model, truncated_copy
 from drafters.eagle import EagleDraft, save_draft
+from drafters.kinds import DESCRIPTIONS
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.common import CONF_DIR
 from verify.features import eagle3_layers
-from verify.target import load_target_from_config
+from verify.target import build_tiny_model, load_target_from_config
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"
@@ -90,18 +91,83 @@ def test_every_draft_gets_its_row_beside_treedrafts_decoding_of_it(tmp_path, fak
     assert "| medusa |" in served.format_table(list(rows.values()))
 
 
-def test_an_engine_missing_or_a_draft_it_cannot_take_is_a_row(tmp_path):
-    cfg = compose_served(*BASE)
-    cfg = compose_served(*BASE, *checkpoints(tmp_path, cfg), f"venv={tmp_path / 'none'}")
+def test_a_draft_vllm_cannot_take_is_a_row_and_the_others_go_on(tmp_path, fake_vllm):
+    cfg = compose_served(*BASE, fake_vllm)
+    cfg = compose_served(*BASE, fake_vllm, *checkpoints(tmp_path, cfg))
     # heads with their own projections over a draft vocabulary have no vLLM layout
     target = load_target_from_config(cfg.target)
     save_heads(MedusaHeads(target.model.get_output_embeddings(), 3, 1, share_lm_head=False,
                            vocab_ids=torch.arange(0, 256, 2)), tmp_path / "medusa", target)
     rows = {r["draft"]: r for r in served.compare(cfg)}
+    assert list(rows) == ["eagle3", "medusa", "draft_model", "dflash"]  # as given
     assert rows["medusa"]["status"].startswith("not run: export failed: vLLM's Medusa holds")
-    assert rows["eagle3"]["status"].startswith("not run: vllm not installed")
-    assert rows["draft_model"]["status"].startswith("not run: vllm not installed")
-    assert rows["dflash"]["status"].startswith("not run: vllm not installed")
+    assert rows["eagle3"]["vllm_acceptance"] == pytest.approx([0.75, 0.5, 0.25])
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """The target may not load (the inputs are checked before)."""
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target loaded before the inputs were checked")
+
+    monkeypatch.setattr(served, "load_target_from_config", no_target)
+
+
+def test_vllm_not_installed_is_refused_before_the_target_loads(tmp_path, no_loading):
+    (tmp_path / "dm").mkdir()
+    (tmp_path / "dm" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=rf"vLLM is not installed: {tmp_path}/none/bin/python "
+                                         r"missing .*make peers"):
+        served.compare(compose_served(*BASE, f"drafts.draft_model={tmp_path}/dm",
+                                      f"venv={tmp_path / 'none'}"))
+
+
+@pytest.mark.parametrize("given, holds, found, fix", [
+    ("dflash", "eagle3", "an EAGLE-3 draft", "give it as drafts.eagle3="),
+    ("eagle3", "dflash", "a DFlash draft", "give it as drafts.dflash="),
+    ("medusa", "draft_model", "a Hugging Face causal LM folder", "give it as drafts.draft_model"),
+    ("draft_model", "medusa", "Medusa heads", "give it as drafts.medusa="),
+])
+def test_a_draft_of_another_kind_is_refused_naming_both_before_the_target_loads(
+        tmp_path, fake_vllm, given, holds, found, fix, request):
+    drafts = dict(d.split("=", 1) for d in checkpoints(tmp_path, compose_served(*BASE)))
+    request.getfixturevalue("no_loading")
+    expected = DESCRIPTIONS[served.KINDS[given].drafter]
+    with pytest.raises(ValueError) as refused:
+        served.compare(compose_served(*BASE, fake_vllm,
+                                      f"drafts.{given}={drafts[f'drafts.{holds}']}"))
+    message = str(refused.value)
+    assert message.startswith(f"drafts.{given}={tmp_path / holds} holds {found}")
+    assert f"not {expected}" in message and fix in message
+
+
+def test_a_run_folder_or_an_export_given_for_a_checkpoint_is_refused_naming_the_fix(
+        tmp_path, fake_vllm, no_loading):
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "config.json").write_text('{"drafter": "dflash"}')
+    with pytest.raises(ValueError, match=r"holds a training run's folder .*not a DFlash draft"
+                                         rf".*drafts.dflash={tmp_path}/run/checkpoint"):
+        served.compare(compose_served(*BASE, fake_vllm, f"drafts.dflash={tmp_path}/run"))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"speculators_model_type": "eagle3"}')
+    with pytest.raises(ValueError, match=r"holds a speculators export .*give the checkpoint it "
+                                         "was exported from"):
+        served.compare(compose_served(*BASE, fake_vllm, f"drafts.eagle3={tmp_path}/export"))
+
+
+def test_a_draft_model_with_another_vocabulary_is_a_row_before_any_decoding(
+        tmp_path, fake_vllm, monkeypatch):
+    build_tiny_model("llama", vocab_size=512).save_pretrained(tmp_path / "other")
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded before the draft was checked against the target")
+
+    monkeypatch.setattr(served, "treedraft_rows", no_decoding)
+    rows = served.compare(compose_served(*BASE, fake_vllm,
+                                         f"drafts.draft_model={tmp_path}/other"))
+    assert rows == [{"draft": "draft_model", "status": (
+        f"not run: drafts.draft_model={tmp_path}/other cannot draft for tiny-llama: "
+        "vocabulary sizes differ: target 256 vs draft 512")}]
 
 
 def test_a_dflash_draft_vllm_refuses_is_a_row_with_its_reason(tmp_path, fake_vllm, monkeypatch):
@@ -173,6 +239,7 @@ def test_a_missing_draft_folder_or_a_chain_without_a_tree_is_refused_before_the_
     monkeypatch.setattr(served, "load_target_from_config", no_target)
     with pytest.raises(ValueError, match=rf"drafts.draft_model={tmp_path}/gone: no such folder"):
         served.compare(compose_served(*BASE, f"drafts.draft_model={tmp_path}/gone"))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a model folder
     with pytest.raises(ValueError,
                        match=r"speculative_tokens=5: choose from \[1, 2, 3, 4, 6, 7, 8\]"):
         served.compare(compose_served(*BASE, f"drafts.draft_model={tmp_path}",
