@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -43,7 +44,14 @@ from safetensors.torch import save_file
 from drafters.checkpoint import check_target, target_record
 from drafters.eagle import EagleDraft
 from drafters.medusa import MedusaHeads
-from verify.files import check_tensors, load_tensors, read_json, write_atomically
+from verify.files import (
+    UnreadableFileError,
+    check_tensors,
+    load_tensors,
+    read_json,
+    write_atomically,
+    write_json,
+)
 from verify.target import Target
 
 VLLM_WEIGHTS = "model.safetensors"
@@ -275,18 +283,68 @@ def check_embedding(state: dict, target: Target, folder: Path) -> None:
                              "another target (or another fine-tune of it)")
 
 
+# What every export writes beside its files: the files it wrote. A folder holding it and
+# nothing else is an earlier export, which a new one may replace; any other folder is not
+# the export's to delete (a checkpoint, a run's folder, a folder of the user's files).
+EXPORT_MANIFEST = "treedraft_export.json"
+
+
 def write_folder(folder: str | Path, tensors: dict[str, torch.Tensor], config: dict,
                  pickled: dict[str, object] | None = None) -> Path:
     """`folder` with model.safetensors, config.json and `pickled` (file name -> object,
-    torch.save'd: what an engine reads beside the weights), written atomically (replaced)."""
+    torch.save'd: what an engine reads beside the weights) and EXPORT_MANIFEST, written
+    atomically: it replaces an earlier export there, and nothing else (check_export_folder).
+    Returns the folder, resolved."""
+    dest = check_export_folder(folder)
+    files = [VLLM_WEIGHTS, "config.json", *(pickled or {})]
+
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / VLLM_WEIGHTS))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, value in (pickled or {}).items():
             torch.save(value, tmp / name)
+        write_json(tmp / EXPORT_MANIFEST, {"written_by": "treedraft export", "files": files})
 
-    write_atomically(Path(folder), write, overwrite=True)
-    return Path(folder)
+    write_atomically(dest, write, overwrite=True)
+    return dest
+
+
+def check_export_folder(folder: str | Path, reads: Sequence[str | Path] = ()) -> Path:
+    """The folder an export may write, resolved (`out=.` is the folder this runs in, not a
+    name: a temporary folder beside it would be `..tmp-*`): one that does not exist, an
+    empty one, or an earlier export (its EXPORT_MANIFEST, and no other files). ValueError,
+    before anything is written, naming the folder and why, when it is the current folder or
+    one above it, is or holds a folder the export reads (`reads`: the checkpoint), or holds
+    anything else."""
+    dest = Path(folder).expanduser().resolve()
+    for source in map(lambda p: Path(p).expanduser().resolve(), reads):
+        if dest == source or dest in source.parents:
+            raise ValueError(f"out={folder} {'is' if dest == source else 'holds'} the "
+                             f"checkpoint it exports ({source}): an export replaces its out "
+                             "folder; give a new folder, e.g. out=<run>/export")
+    if dest == Path.cwd().resolve() or dest in Path.cwd().resolve().parents:
+        raise ValueError(f"out={folder} is the folder this command runs in or one above it: "
+                         "an export replaces its out folder; give a new folder's name")
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"out={folder} is a file: give a folder's name")
+    others = sorted(p.name for p in dest.iterdir()) if dest.is_dir() else []
+    if others and set(others) - _earlier_export(dest):
+        raise ValueError(f"out={folder} holds files that are no earlier export of this command "
+                         f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}): an "
+                         "export replaces its out folder; give a new or empty folder")
+    return dest
+
+
+def _earlier_export(folder: Path) -> set[str]:
+    """The files an earlier export wrote in `folder`, as its manifest lists them, the
+    manifest included; empty when there is no readable manifest."""
+    try:
+        files = read_json(folder / EXPORT_MANIFEST, "export manifest").get("files")
+    except UnreadableFileError:
+        return set()
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return set()
+    return {*files, EXPORT_MANIFEST}
 
 
 def own_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

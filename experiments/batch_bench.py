@@ -246,7 +246,7 @@ def plot(summary: dict, path: Path) -> Path:
 @hydra.main(config_path="../conf", config_name="batch_bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     stem = report_stem(cfg, "batch")
-    check_report(cfg.out_dir, stem)
+    check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(cfg.seed)
     with single_thread() if cfg.target.tiny else nullcontext():
         summary = run_batches(cfg)

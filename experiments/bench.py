@@ -391,14 +391,25 @@ def _warm_files(drafter_cfg: DictConfig) -> list:
 
 def report_stem(cfg: DictConfig, *kind: str) -> str:
     """The result files' name (common.report_name): the target and every drafter's method
-    name, then `kind` (batch_bench's "batch": its report is not the bench's)."""
-    return report_name(cfg.target, "+".join(c.name for c in contenders(cfg)), *kind)
+    name with its acceptance rule, then `kind` (batch_bench's "batch": its report is not the
+    bench's), then the settings that change the figures (temperature, the target's step and
+    dtype) where they are not the defaults."""
+    return report_name(cfg, "+".join(map(_method_part, contenders(cfg))), *kind)
+
+
+def _method_part(contender: Contender) -> str:
+    """A method in the report's name: its name, and its rule where an entry names one (two
+    entries of one drafter and tree with other rules measure other things)."""
+    name, settings = rule_parts(contender.rule)
+    if name is None:
+        return contender.name
+    return "-".join([contender.name, name, *(f"{k}={v}" for k, v in settings.items())])
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     stem = report_stem(cfg)
-    check_report(cfg.out_dir, stem)
+    check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(cfg.seed)
     summary = run_benchmark(cfg)
     print(format_tables(summary))  # before any file: a failed write loses no measurement

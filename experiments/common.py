@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,13 +44,58 @@ def pick_questions(data_root: str | None, num_prompts: int,
 
 MAX_STEM = 120  # file systems refuse names over 255 bytes; the JSON and PNG add suffixes
 
+# The settings that change a report's figures besides what a command names itself (its
+# target, methods, drafter and tree), by their key in the config, with the value a report's
+# name leaves unsaid and how it says any other: a name carries each one that differs. Every
+# report committed before these were named was made at these values, so it keeps its name.
+NAMED_SETTINGS: dict[str, tuple[object, str]] = {
+    "target.step": ("eager", "{}"),
+    "target.dtype": ("float32", "{}"),
+    "temperature": (0.0, "t{}"),
+    "distribution.temperature": (1.0, "distribution-t{}"),  # experiments.correctness
+    "distribution.rules": (None, "rules-{}"),
+}
 
-def report_name(target: Mapping, *parts: str) -> str:
-    """A report's file name, suffix aside: the name of the target that `target` (a conf
-    target: path, tiny) loads, its fingerprint's (verify.target.target_name: a folder or hub
-    id as given, never conf's `name`, which stays the default's whatever target.path says),
-    then `parts`, joined by "-" (`file_stem`)."""
-    return file_stem("-".join([target_name(target.get("path"), target.get("tiny")), *parts]))
+
+def report_name(cfg: Mapping, *parts: str, lead: Sequence[str] = ()) -> str:
+    """A report's file name, suffix aside, from its config `cfg` (one holding `target`):
+    `lead`, the name of the target that cfg.target (path, tiny) loads, its fingerprint's
+    (verify.target.target_name: a folder or hub id as given, never conf's `name`, which stays
+    the default's whatever target.path says), then `parts` (what the command measures), then
+    each of NAMED_SETTINGS that cfg sets otherwise than its default and `parts` do not
+    already say, joined by "-" (`file_stem`). Two configs that differ in any of these get two
+    names: a bench at temperature 1 does not overwrite one at 0."""
+    target = cfg["target"]
+    said = [*lead, target_name(target.get("path"), target.get("tiny")), *parts]
+    tags = [tag for tag in setting_tags(cfg).values() if tag not in said]
+    return file_stem("-".join([*said, *tags]))
+
+
+def setting_tags(cfg: Mapping) -> dict[str, str]:
+    """Setting key -> how a report's name says it, for each of NAMED_SETTINGS that `cfg`
+    holds with another value than its default."""
+    tags = {}
+    for key, (default, form) in NAMED_SETTINGS.items():
+        value = _setting(cfg, key)
+        if value is _ABSENT or value == default:
+            continue
+        if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
+            value = "+".join(map(str, value))
+        tags[key] = form.format(f"{value:g}" if isinstance(value, float) else value)
+    return tags
+
+
+_ABSENT = object()  # a key this command's config does not have
+
+
+def _setting(cfg: Mapping, key: str) -> object:
+    """cfg's value at dotted `key`, or _ABSENT."""
+    value: object = cfg
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
 
 
 def file_stem(text: str) -> str:
@@ -64,12 +109,14 @@ def file_stem(text: str) -> str:
     return f"{stem[:MAX_STEM - len(digest) - 1]}-{digest}"
 
 
-def check_report(out_dir: str | Path, stem: str) -> Path:
+def check_report(out_dir: str | Path, stem: str, cfg: Mapping | None = None) -> Path:
     """What every command that writes a report checks first, before any work: that `out_dir`
     is (or can be made) a folder it can write in, and that `<stem>.json` there is not
     another command's report (a second command would overwrite it: two benches given one
-    out_dir and the same methods). ValueError naming the folder or file; returns the
-    report's path."""
+    out_dir and the same methods), nor, given this run's config `cfg`, a report of this
+    command made with other NAMED_SETTINGS (one named before names said them: a rerun with
+    the same settings replaces its report, one with others would lose it). ValueError
+    naming the folder or file, and the settings; returns the report's path."""
     folder = Path(out_dir).expanduser()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -83,7 +130,37 @@ def check_report(out_dir: str | Path, stem: str) -> Path:
     if written_by is not None and _command(written_by) != _command(running):
         raise ValueError(f"{path} is {written_by}'s report; {running} would overwrite it: use "
                          "another out_dir")
+    if written_by is not None and cfg is not None:
+        _check_same_settings(path, read_json(path, "report").get("config"), cfg)
     return path
+
+
+def _check_same_settings(path: Path, saved: object, cfg: Mapping) -> None:
+    """Refuse to replace report `path`, made with config `saved`, by a run with config `cfg`
+    that differs in a setting that changes its figures (the target or NAMED_SETTINGS)."""
+    if not isinstance(saved, Mapping):
+        return  # a report that recorded no config: nothing to compare
+    theirs, ours = figure_settings(saved), figure_settings(cfg)
+    differ = [key for key in ours if key in theirs and theirs[key] != ours[key]]
+    if differ:
+        made = ", ".join(f"{key}={theirs[key]}" for key in differ)
+        now = ", ".join(f"{key}={ours[key]}" for key in differ)
+        raise ValueError(f"{path} is a report made with {made}; this run ({now}) would "
+                         "overwrite it: use another out_dir, or delete the file to replace it")
+
+
+def figure_settings(cfg: Mapping) -> dict[str, object]:
+    """The settings of `cfg` that change a report's figures and its name (`report_name`):
+    the target's name and each of NAMED_SETTINGS that cfg holds."""
+    found: dict[str, object] = {}
+    target = _setting(cfg, "target")
+    if isinstance(target, Mapping):
+        found["target"] = target_name(target.get("path"), target.get("tiny"))
+    for key in NAMED_SETTINGS:
+        value = _setting(cfg, key)
+        if value is not _ABSENT:
+            found[key] = list(value) if OmegaConf.is_list(value) else value
+    return found
 
 
 def _writer(path: Path) -> str | None:

@@ -166,8 +166,8 @@ def plot(rows: list[dict], path: Path, baseline: str) -> Path:
 
 @hydra.main(config_path="../conf", config_name="context_sweep", version_base=None)
 def main(cfg: DictConfig) -> None:
-    stem = report_name(cfg.target, "context", cfg.drafter.name, cfg.tree.name)
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, "context", cfg.drafter.name, cfg.tree.name)
+    check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(cfg.seed)
     rows, source = sweep(cfg)
     print(f"Prompts: {source}.\n")

@@ -32,7 +32,13 @@ from tqdm import tqdm
 
 from drafters import build_drafter, proposes_chains, rule_refusal
 from experiments.chain import chain_rows
-from experiments.common import check_report, file_stem, pick_questions, single_thread, write_report
+from experiments.common import (
+    check_report,
+    pick_questions,
+    report_name,
+    single_thread,
+    write_report,
+)
 from experiments.stats import chi_square_test, sequence_distribution, total_variation
 from experiments.table import markdown_table
 from verify.accept import RuleRefusal, SpeculativeSamplingRule
@@ -296,8 +302,9 @@ def format_table(rows: list[dict]) -> str:
 
 @hydra.main(config_path="../conf", config_name="correctness", version_base=None)
 def main(cfg: DictConfig) -> None:
-    stem = file_stem(f"{cfg.drafter.name}-{cfg.tree.name}")
-    check_report(cfg.out_dir, stem)
+    # drafter and tree lead (readers glob `<drafter>-*`), then the target and the settings
+    stem = report_name(cfg, lead=(cfg.drafter.name, cfg.tree.name))
+    check_report(cfg.out_dir, stem, cfg)
     rows = evaluate(cfg)
     table = format_table(rows)
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)

@@ -80,8 +80,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(config_path=CONF_DIR, config_name="distill_speed", version_base=None)
 def main(cfg: DictConfig) -> None:
-    stem = report_name(cfg.target, cfg.target.dtype, "distill-speed")
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, cfg.target.dtype, "distill-speed")
+    check_report(cfg.out_dir, stem, cfg)
     rows = evaluate(cfg)
     print(format_table(rows))
     path = write_report(Path(cfg.out_dir), stem, rows, cfg)

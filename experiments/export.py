@@ -25,6 +25,7 @@ from drafters.dflash import DFlashDraft, block_inputs
 from drafters.dflash import load_draft as load_dflash
 from drafters.eagle import EagleDraft, load_draft
 from drafters.export import (
+    check_export_folder,
     export_speculators_eagle3,
     export_vllm_medusa,
     load_speculators_eagle3,
@@ -46,6 +47,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
     drafts block_size - 1 tokens (its block), whatever `speculative_tokens` says."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
+    out = check_export_folder(out, reads=[checkpoint])  # before any loading or writing
     saved = read_config(checkpoint)
     is_dflash = saved.get("drafter") == "dflash"
     if fmt == "speculators_dflash":
@@ -132,6 +134,7 @@ def logit_gap(a: torch.Tensor, b: torch.Tensor) -> float:
 def main(cfg: DictConfig) -> None:
     if cfg.checkpoint is None or cfg.out is None:
         raise SystemExit("give checkpoint=<run>/checkpoint and out=<folder>")
+    check_export_folder(cfg.out, reads=[cfg.checkpoint])  # before the target loads
     target = load_target_from_config(cfg.target)
     gap = export(cfg.checkpoint, cfg.format, cfg.out, target, cfg.speculative_tokens,
                  cfg.verifier, cfg.embedding, cfg.mask_token_id)

@@ -374,8 +374,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="peers", version_base=None)
 def main(cfg: DictConfig) -> None:
-    stem = report_name(cfg.target, cfg.target.dtype, "peers")
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, cfg.target.dtype, "peers")
+    check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(0)
     rows = compare(cfg)
     publish(cfg, stem, rows, format_table, plot)

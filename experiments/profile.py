@@ -360,8 +360,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="profile", version_base=None)
 def main(cfg: DictConfig) -> None:
-    stem = report_name(cfg.target, "profile", cfg.target.dtype)
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, "profile", cfg.target.dtype)
+    check_report(cfg.out_dir, stem, cfg)
     rows = profile(cfg)
     print(format_table(rows))
     if cfg.products:

@@ -66,6 +66,7 @@ def run(cfg: DictConfig) -> dict:
                          "be at least 1")
     if regen.engine not in ENGINES:
         raise ValueError(f"regen.engine={regen.engine!r}: choose from {list(ENGINES)}")
+    theirs = comparison_folder(cfg.compare_to)  # before anything loads or is answered
     env = init_distributed(cfg.device)
     try:
         if regen.engine != "builtin" and env.world_size > 1:
@@ -87,10 +88,11 @@ def run(cfg: DictConfig) -> dict:
     finally:
         close_distributed()
     if env.is_main:
-        if cfg.compare_to:
-            account = {**account, "compared_to": compare_folders(
-                folder, Path(cfg.compare_to).expanduser(), target, records)}
-        write_account_report(folder, target, regen, account)
+        write_account_report(folder, target, regen, account)  # a failed comparison loses none
+        if theirs is not None:
+            account = {**account, "compared_to": compare_folders(folder, theirs, target,
+                                                                 records)}
+            write_account_report(folder, target, regen, account)
         print(format_account(account))
         print(f"conversations: {folder / CONVERSATIONS_FILE}\ntrain on them: python train.py "
               f"drafter=eagle3 data=regenerated data.conversations={folder}")
@@ -180,6 +182,19 @@ class VllmAnswers:
         stop_group(self.server)
         self.log.close()
         self.scratch.cleanup()
+
+
+def comparison_folder(compare_to: str | None) -> Path | None:
+    """The regeneration folder `compare_to` names (None: no comparison asked for);
+    ValueError naming it when it holds no conversations.jsonl (a typo'd path, a folder
+    still being written), checked before any conversation is answered."""
+    if not compare_to:
+        return None
+    folder = Path(compare_to).expanduser()
+    if not (folder / CONVERSATIONS_FILE).is_file():
+        raise ValueError(f"compare_to={compare_to}: {folder / CONVERSATIONS_FILE} missing; "
+                         "compare_to names a finished regeneration's folder of the same input")
+    return folder
 
 
 def compare_folders(ours: Path, theirs: Path, target: Target, records: list) -> dict:

@@ -175,7 +175,7 @@ def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="runs_table", version_base=None)
 def main(cfg: DictConfig) -> None:
-    check_report(cfg.out_dir, file_stem(cfg.name))
+    check_report(cfg.out_dir, file_stem(cfg.name), cfg)
     runs = [r for r in find_runs(list(cfg.runs))
             if matches(fill_absent(r, list(cfg.absent)), list(cfg.where))]
     if not runs:

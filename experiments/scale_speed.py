@@ -151,8 +151,8 @@ def format_table(rows: list[dict]) -> str:
 def main(cfg: DictConfig) -> None:
     # the subprocesses get the target by its conf/target option, as this command got it
     cfg.target_option = HydraConfig.get().runtime.choices["target"]
-    stem = report_name(cfg.target, "scale-speed")
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, "scale-speed")
+    check_report(cfg.out_dir, stem, cfg)
     with tempfile.TemporaryDirectory(prefix="scale-speed-") as scratch:
         rows = evaluate(cfg, Path(scratch))
     print(format_table(rows))

@@ -213,7 +213,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="simulate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    check_report(cfg.out_dir, file_stem(cfg.name))
+    check_report(cfg.out_dir, file_stem(cfg.name), cfg)
     rows = simulate(cfg)
     print(format_table(rows))
     out = Path(cfg.out_dir)

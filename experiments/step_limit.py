@@ -221,8 +221,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     if 1 not in cfg.sizes:
         raise ValueError(f"sizes must include 1, the step the limit bounds; got {cfg.sizes}")
-    stem = report_name(cfg.target, "step-limit")
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, "step-limit")
+    check_report(cfg.out_dir, stem, cfg)
     bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats,
                                cfg.target.get("device") or "cpu")
     rows = [limit_row(cfg, dtype, step, bandwidth) for dtype in cfg.dtypes for step in cfg.steps]

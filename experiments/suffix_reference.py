@@ -553,8 +553,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="suffix_reference", version_base=None)
 def main(cfg: DictConfig) -> None:
-    stem = report_name(cfg.target, "suffix-reference")
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, "suffix-reference")
+    check_report(cfg.out_dir, stem, cfg)
     requests = decode_outputs(cfg)
     rows = replay_rows(cfg, requests)
     publish(cfg, stem, rows, format_table, plot)

@@ -208,7 +208,7 @@ def _measured_table(cfg: DictConfig, target: Target) -> list[list[float]]:
     # Saved as a file accuracies= reads, so later searches (another size list, another draft
     # cost) need not decode again.
     table, steps = measure_rank_accuracy(cfg, target)
-    path = Path(cfg.out_dir) / f"{report_name(cfg.target, cfg.name)}{RANK_ACCURACY}"
+    path = Path(cfg.out_dir) / f"{report_name(cfg, cfg.name)}{RANK_ACCURACY}"
     write_json(path, {"rank_accuracy": table, "steps": steps, "drafter": cfg.drafter.name,
                       "measure_depth": cfg.measure_depth, "measure_top_k": cfg.measure_top_k,
                       "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens})
@@ -298,8 +298,8 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"mode must be static (a Medusa tree from an accuracy table), sequoia "
                          f"(Sequoia's tree from the same table) or dynamic (an EAGLE-2 budget "
                          f"from decoding), got {cfg.mode!r}")
-    stem = report_name(cfg.target, cfg.name)
-    check_report(cfg.out_dir, stem)
+    stem = report_name(cfg, cfg.name)
+    check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     if cfg.mode in TABLE_MODES:

@@ -2,8 +2,11 @@
 uses the group."""
 
 import importlib.util
+import logging
+import sys
 from pathlib import Path
 
+import hydra
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -60,7 +63,7 @@ def compose_with(command, *overrides):
 def test_every_group_is_used_and_every_config_file_is_a_command_or_an_option():
     assert set(GROUPS) == {g for groups in COMMANDS.values() for g in groups}
     top_level = {p.stem for p in Path(CONF_DIR).glob("*.yaml")}
-    assert top_level == set(COMMANDS)
+    assert top_level == set(COMMANDS) | {"hydra_files"}  # the one every command's list holds
 
 
 @pytest.mark.parametrize("command, group, option", CASES)
@@ -245,3 +248,25 @@ def test_the_reproduce_preset_is_the_run_the_write_ups_read():
                      "draft_model/chain4", "draft_model/chain6", "eagle/tree8",
                      "eagle/eagle2 (budget 8)", "medusa/chain4", "medusa/medusa_sparse4"]
     assert report_stem(cfg).startswith("smollm2-135m-instruct-draft_model-chain1+")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_hydra_writes_no_file_of_its_own(command, tmp_path, monkeypatch):
+    """Run through Hydra's own runner, as `python -m experiments.<command>` is: no
+    outputs/<date>/ in the current folder (no .hydra/ configs, no <job>.log), and the
+    command runs where it was started."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [command])
+    ran = []
+
+    @hydra.main(config_path=CONF_DIR, config_name=command, version_base=None)
+    def task(cfg):
+        ran.append(Path.cwd())
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        task()
+    finally:  # Hydra configured this process's logging for the job: put it back
+        root.handlers[:], root.level = handlers, level
+    assert ran == [tmp_path] and list(tmp_path.iterdir()) == []

@@ -7,6 +7,9 @@ at the end. Only rank 0 of a distributed run logs.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -55,8 +58,9 @@ class WandbLogger:
         import wandb  # imported here: `logger=none` runs never pay for it
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=cfg.project, mode=cfg.mode, group=cfg.group or group,
-                               dir=str(run_dir), config=run_config, name=run_dir.name)
+        with _cache_dir(run_dir):
+            self._run = wandb.init(project=cfg.project, mode=cfg.mode, group=cfg.group or group,
+                                   dir=str(run_dir), config=run_config, name=run_dir.name)
         self.location = (f"W&B run {self._run.dir} ({cfg.mode}; "
                          f"`wandb sync {Path(self._run.dir).parent}` uploads it)"
                          if cfg.mode == "offline" else f"W&B run ({cfg.mode})")
@@ -79,6 +83,21 @@ class WandbLogger:
 
     def finish(self) -> None:
         self._run.finish()
+
+
+@contextmanager
+def _cache_dir(run_dir: Path) -> Iterator[None]:
+    """W&B's service (wandb-core, started by the first `wandb.init` of a process) writes its
+    debug logs under $WANDB_CACHE_DIR, by default ~/.cache/wandb/logs, outside the run's
+    folder: point it at `run_dir` while init starts it (a value the user set is kept)."""
+    if "WANDB_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["WANDB_CACHE_DIR"] = str(run_dir.resolve())
+    try:
+        yield
+    finally:
+        os.environ.pop("WANDB_CACHE_DIR", None)
 
 
 def build_logger(cfg: DictConfig, run_cfg: DictConfig, out_dir: Path, rank: int = 0,

@@ -89,6 +89,21 @@ def claim_folder(folder: Path, made: dict, env: DistEnv) -> None:
                          "target and settings to continue it")
 
 
+def check_input_outside(folder: Path, input_key: object) -> None:
+    """Refuse a regeneration folder that is, or holds, the input file its answers come from
+    (`input_key`: train.regenerate.input_key, a file's resolved path): the folder is the
+    regeneration's, its conversations.jsonl would replace an input of that name with the
+    answers. ValueError naming both."""
+    if not isinstance(input_key, dict) or "path" not in input_key:
+        return  # the ShareGPT wheel: outside any folder a run writes
+    source, dest = Path(input_key["path"]), folder.expanduser().resolve()
+    if source == dest or dest in source.parents:
+        raise ValueError(f"regen.out_dir={folder} {'is' if source == dest else 'holds'} the "
+                         f"input regen.input={source}: a regeneration writes "
+                         f"{CONVERSATIONS_FILE} and its other files there, over what it "
+                         "reads; choose a regen.out_dir outside the input's folder")
+
+
 def read_outcomes(path: Path, repair: bool = False) -> list[Outcome]:
     """The outcomes in a rank log; with `repair`, a last line cut short is removed from it."""
     if not path.exists():

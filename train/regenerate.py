@@ -38,7 +38,14 @@ from tqdm import tqdm
 from train.conversations import Record, chat_messages, read_records
 from train.distributed import DistEnv, all_reduce_sum
 from train.lock import run_lock
-from train.regen_folder import Message, Outcome, RankLog, claim_folder, write_results
+from train.regen_folder import (
+    Message,
+    Outcome,
+    RankLog,
+    check_input_outside,
+    claim_folder,
+    write_results,
+)
 from verify.fingerprint import identity
 from verify.loop import generate_batch, until_eos
 from verify.target import Target, cache_root
@@ -84,6 +91,7 @@ def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, fo
     if target.tokenizer is None or not target.tokenizer.chat_template:
         raise ValueError(f"regeneration needs a target with a chat template; {target.name!r} "
                          "has none")
+    check_input_outside(folder, input_key(regen.input))  # before the lock makes the folder
     with run_lock(folder, env, "regen.out_dir"):
         return _regenerate_held(target, records, regen, folder, env,
                                 answer or builtin_answer(target, regen))
@@ -241,9 +249,12 @@ class _Job:
 
 
 def regeneration_folder(regen: RegenConfig, target: Target, input_key: Any) -> Path:
-    """regen.out_dir, else a cache folder named by what makes its answers (`made_by`)."""
+    """regen.out_dir, else a cache folder named by what makes its answers (`made_by`);
+    ValueError when regen.out_dir is or holds the input (`check_input_outside`)."""
     if regen.out_dir:
-        return Path(regen.out_dir).expanduser()
+        folder = Path(regen.out_dir).expanduser()
+        check_input_outside(folder, input_key)
+        return folder
     key = hashlib.sha256(json.dumps(made_by(target.fingerprint(), asdict(regen), input_key),
                                     sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "regenerated" / target.name.replace("/", "--") / key

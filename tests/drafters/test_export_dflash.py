@@ -140,3 +140,37 @@ def test_the_command_refuses_another_target_and_other_drafts_by_name(tiny, tmp_p
     with pytest.raises(ValueError, match="holds a DFlash draft.*set format=speculators_dflash"):
         export(tmp_path / "dflash", "speculators", tmp_path / "z", llama)
     assert not any((tmp_path / name).exists() for name in "xyz")
+
+
+def _files(folder):
+    """Every file under `folder` with its bytes: what a refused export must leave alone."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_an_export_replaces_only_an_earlier_export_of_its_own(tiny, tmp_path, monkeypatch):
+    """out= naming the checkpoint, the run folder above it, a folder of the user's files or
+    the folder the command runs in (out=.) is refused before anything is written, and
+    leaves every file (and no `..tmp-*` folder); an earlier export is replaced."""
+    llama = tiny("llama")
+    run, mine, here = tmp_path / "run", tmp_path / "mine", tmp_path / "here"
+    save_draft(dflash_draft(llama), run / "checkpoint", llama)
+    (run / "train_state.pt").write_bytes(b"state")
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    here.mkdir()
+    monkeypatch.chdir(here)
+    before = _files(tmp_path)
+    for out, why in [(run / "checkpoint", "is the checkpoint it exports"),
+                     (run, "holds the checkpoint it exports"),
+                     (mine, "holds files that are no earlier export of this command"),
+                     (".", "is the folder this command runs in")]:
+        with pytest.raises(ValueError, match=why):
+            export(run / "checkpoint", "speculators_dflash", out, llama)
+    assert _files(tmp_path) == before and not list(here.iterdir())
+    out = tmp_path / "out"
+    assert export(run / "checkpoint", "speculators_dflash", out, llama) == 0.0
+    assert export(run / "checkpoint", "speculators_dflash", out, llama) == 0.0  # replaced
+    (out / "README.md").write_text("mine now")
+    with pytest.raises(ValueError, match="holds files that are no earlier export"):
+        export(run / "checkpoint", "speculators_dflash", out, llama)
+    assert (out / "README.md").read_text() == "mine now"

@@ -214,6 +214,21 @@ def test_a_report_is_named_by_the_target_loaded_and_a_batch_bench_apart():
     assert report_stem(cfg, "batch") == "models-B-draft_model-tree8-batch"
 
 
+def test_every_setting_that_changes_the_figures_names_the_report_apart():
+    """The bench at temperature 0, then 1, then on the OpenVINO step, in bfloat16, or with
+    an entry's rule changed, into one out_dir: one report each. A default is left unsaid,
+    so the reports made at the defaults keep their names."""
+    runs = [[], ["temperature=1"], ["target.step=openvino"], ["target.dtype=bfloat16"],
+            ["compare=[draft_model:chain4]"], ["compare=['draft_model:chain4:rule=block']"],
+            ["temperature=1", "compare=['draft_model:chain4:rule=traversal']"]]
+    stems = [report_stem(bench_config(*run)) for run in runs]
+    assert len(set(stems)) == len(stems)
+    assert stems[:4] == ["tiny-llama-draft_model-tree8", "tiny-llama-draft_model-tree8-t1",
+                         "tiny-llama-draft_model-tree8-openvino",
+                         "tiny-llama-draft_model-tree8-bfloat16"]
+    assert stems[5] == "tiny-llama-draft_model-tree8+draft_model-chain4-block"
+
+
 def test_a_long_comparison_gets_a_short_distinct_file_name(tmp_path):
     entries = [f"'draft_model:chain4:label=a rather long label number {i}'" for i in range(8)]
     stems = {report_stem(bench_config(f"compare=[{','.join(entries[:n])}]"))

@@ -81,20 +81,22 @@ def test_a_report_is_named_by_the_target_that_loads_not_confs_name(tmp_path, mon
     """target.path=B keeps conf's name (the default's): the report says B, as one file name
     inside out_dir, and the name is the loaded target's fingerprint name."""
     default = {"name": "smollm2-135m-instruct", "path": None, "tiny": None}
-    assert report_name(default, "float32", "peers") == "smollm2-135m-instruct-float32-peers"
+    assert report_name({"target": default}, "float32", "peers") == (
+        "smollm2-135m-instruct-float32-peers")
     other = {**default, "path": "/models/B"}
-    assert report_name(other, "float32", "peers") == "models-B-float32-peers"
-    assert report_name({**default, "path": "org/Model-7B"}, "suffix-reference") == (
+    assert report_name({"target": other}, "float32", "peers") == "models-B-float32-peers"
+    assert report_name({"target": {**default, "path": "org/Model-7B"}}, "suffix-reference") == (
         "org-Model-7B-suffix-reference")
     load_target(tiny="llama").model.save_pretrained(tmp_path / "model")
     monkeypatch.setattr(verify.target.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
     loaded = load_target(str(tmp_path / "model"))
     assert target_name(str(tmp_path / "model")) == loaded.fingerprint()["name"]
-    assert report_name({"path": str(tmp_path / "model")}, "x") == file_stem(
+    assert report_name({"target": {"path": str(tmp_path / "model")}}, "x") == file_stem(
         f"{loaded.fingerprint()['name']}-x")
     assert target_name(tiny="qwen2") == load_target(tiny="qwen2").fingerprint()["name"]
-    long = report_name({"path": "/m/" + "a" * 300}, "peers")
-    assert len(long) <= 120 and long != report_name({"path": "/m/" + "a" * 301}, "peers")
+    long = report_name({"target": {"path": "/m/" + "a" * 300}}, "peers")
+    assert len(long) <= 120 and long != report_name({"target": {"path": "/m/" + "a" * 301}},
+                                                    "peers")
 
 
 def test_a_report_stays_inside_out_dir(tmp_path):
@@ -127,6 +129,26 @@ def test_another_commands_report_is_not_overwritten(tmp_path, monkeypatch):
                                          r"experiments.bench's report; experiments.batch_bench "
                                          r"would overwrite it"):
         check_report(tmp_path, "tiny-llama-prompt_lookup-tree8")
+
+
+def test_a_setting_a_name_leaves_unsaid_is_not_overwritten(tmp_path, monkeypatch):
+    """A report named before names said the temperature and the step (one made at
+    temperature 1 on the OpenVINO step has the default's name): a run at the defaults is
+    refused, naming both; the same settings replace it; the name says what is not default,
+    once (peers says its dtype itself)."""
+    running(monkeypatch, "experiments.bench")
+    target = {"path": None, "tiny": "llama", "step": "openvino", "dtype": "float32"}
+    write_report(tmp_path, "tiny-llama-x", [], {"target": target, "temperature": 1.0})
+    default = {"target": {**target, "step": "eager"}, "temperature": 0.0}
+    with pytest.raises(ValueError, match=r"tiny-llama-x.json is a report made with "
+                                         r"target.step=openvino, temperature=1.0; this run "
+                                         r"\(target.step=eager, temperature=0.0\) would "
+                                         "overwrite it"):
+        check_report(tmp_path, "tiny-llama-x", default)
+    assert check_report(tmp_path, "tiny-llama-x", {"target": target, "temperature": 1})
+    assert report_name({"target": target, "temperature": 1.0}, "x") == "tiny-llama-x-openvino-t1"
+    bf16 = {"target": {**target, "step": "eager", "dtype": "bfloat16"}}
+    assert report_name(bf16, "bfloat16", "peers") == "tiny-llama-bfloat16-peers"
 
 
 COMMANDS = ["bench", "batch_bench", "context_sweep", "correctness", "distill_speed", "peers",

@@ -320,3 +320,16 @@ def test_a_distribution_test_that_cannot_count_is_refused_before_anything_loads(
     # off, it is not checked
     with pytest.raises(pytest.fail.Exception, match="the target was loaded"):
         evaluate(correctness_cfg(*overrides, "distribution.enabled=false"))
+
+
+def test_two_targets_into_one_out_dir_leave_two_reports(tmp_path, monkeypatch):
+    """The target is in a correctness report's name (after drafter and tree, which readers
+    glob): the second target's report does not replace the first's."""
+    import experiments.correctness as correctness
+
+    monkeypatch.setattr(correctness, "evaluate", lambda cfg: [])
+    for target in ("tiny_llama", "tiny_qwen2"):
+        cfg = correctness_cfg(f"target={target}", f"out_dir={tmp_path}", "distribution.rules=null")
+        correctness.main.__wrapped__(cfg)
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [
+        "draft_model-chain4-tiny-llama.json", "draft_model-chain4-tiny-qwen2.json"]

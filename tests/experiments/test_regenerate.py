@@ -152,3 +152,17 @@ def test_a_server_that_never_answers_or_writes_no_json_is_stopped_with_a_clear_e
             regenerate(target, [conversation(0)], regen, tmp_path,
                        FakeRanks(0, 1, torch.device("cpu")), answer)
     assert engine.server.poll() is not None  # not left running
+
+
+def test_a_missing_comparison_folder_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the target loaded before compare_to was checked")
+
+    monkeypatch.setattr(regenerate_command, "load_target_from_config", no_work)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("regenerate", [f"regen.out_dir={tmp_path / 'out'}",
+                                     f"compare_to={tmp_path / 'no' / 'such'}"])
+    with pytest.raises(ValueError, match=r"compare_to=.*no/such: .*conversations.jsonl "
+                                         "missing"):
+        regenerate_command.run(cfg)
+    assert not (tmp_path / "out").exists()

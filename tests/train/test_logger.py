@@ -1,6 +1,9 @@
 """The logger interface: none logs nothing, W&B runs (disabled in tests) take the resolved
 config, metrics and a summary; only rank 0 logs."""
 
+import os
+import types
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -28,3 +31,24 @@ def test_none_and_other_ranks_do_not_log(tmp_path):
     assert isinstance(build_logger(logger_cfg(), run_cfg, tmp_path, rank=1), NullLogger)
     with pytest.raises(ValueError, match="unknown logger"):
         build_logger(logger_cfg(name="tensorboard"), run_cfg, tmp_path)
+
+
+def test_wandbs_own_debug_logs_go_under_the_run_folder_not_home(tmp_path, monkeypatch):
+    """wandb-core, started by init, writes its debug logs under $WANDB_CACHE_DIR (else
+    ~/.cache/wandb/logs): init sees the run's folder there, and the variable is put back
+    after it; one the user set is kept."""
+    import wandb
+
+    seen = []
+
+    def init(**kwargs):
+        seen.append(os.environ.get("WANDB_CACHE_DIR"))
+        return types.SimpleNamespace(dir=str(tmp_path))
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
+    build_logger(logger_cfg(), OmegaConf.create({}), tmp_path / "run")
+    assert seen == [str((tmp_path / "run").resolve())] and "WANDB_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("WANDB_CACHE_DIR", "/users/choice")
+    build_logger(logger_cfg(), OmegaConf.create({}), tmp_path / "run")
+    assert seen[-1] == "/users/choice"

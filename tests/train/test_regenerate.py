@@ -230,3 +230,26 @@ def test_a_fast_run_reports_its_rate_from_unrounded_seconds(tmp_path, monkeypatc
     account = run(chat_target(), [], tmp_path)
     assert account["this_run"]["tokens_per_s"] == pytest.approx(800, rel=1e-6)
     assert account["this_run"]["seconds"] == 0.0
+
+
+def test_a_folder_that_is_or_holds_the_input_is_refused_and_the_input_kept(tmp_path):
+    """regen.out_dir = the folder of an input named conversations.jsonl would replace the
+    source conversations with the answers; the input file itself as out_dir is refused too,
+    naming the input, before anything is written."""
+    records = [conversation(i) for i in range(4)]
+    source = tmp_path / "data" / "conversations.jsonl"
+    source.parent.mkdir()
+    source.write_text("".join(json.dumps({"id": i, "conversations": turns}) + "\n"
+                              for i, turns in records))
+    before = source.read_bytes()
+    target = chat_target()
+    for out, verb in [(source.parent, "holds"), (source, "is")]:
+        regen = RegenConfig(**REGEN, input=str(source), out_dir=str(out))
+        with pytest.raises(ValueError, match=f"regen.out_dir={out} {verb} the input"):
+            train.regenerate.regeneration_folder(regen, target,
+                                                 train.regenerate.input_key(regen.input))
+        with pytest.raises(ValueError, match=f"regen.out_dir={out} {verb} the input"):
+            run(target, records, out, input=str(source))
+    assert source.read_bytes() == before and sorted(source.parent.iterdir()) == [source]
+    run(target, records, tmp_path / "answers", input=str(source))  # elsewhere: answered
+    assert len(written(tmp_path / "answers")) == 4
