@@ -29,10 +29,9 @@ from verify.openvino_graph import (
     mlp,
     named,
     rms_norm,
-    rotary_tables,
     rotate,
 )
-from verify.openvino_step import OpenVINOStep
+from verify.openvino_step import OpenVINOStep, RotaryTables
 from verify.protocol import DraftContext
 
 
@@ -120,6 +119,7 @@ class OpenVINODFlashDrafter(DFlashDrafter):
         super().__init__(draft, tree, name)
         self.request = step.compile(dflash_graph(draft)).create_infer_request()
         self.mask_id = len(draft._embed[0].weight)
+        self.rotary = RotaryTables(draft.rotary)
         self.begin(torch.empty(0, dtype=torch.long))
 
     def begin(self, prompt: torch.Tensor) -> None:
@@ -143,7 +143,7 @@ class OpenVINODFlashDrafter(DFlashDrafter):
         count, b = len(ctx.features), self.draft.block_size
         block = torch.full((b,), self.mask_id, dtype=torch.long)
         block[0] = ctx.tokens[-1]
-        cos, sin = rotary_tables(self.draft.rotary, torch.arange(start, start + count + b))
+        cos, sin = self.rotary(torch.arange(start, start + count + b))
         feeds = {"input_ids": block.numpy(), "draft_states": ctx.features.float().numpy(),
                  "rope_cos_context": cos[:count], "rope_sin_context": sin[:count],
                  "rope_cos_block": cos[count:], "rope_sin_block": sin[count:]}
