@@ -108,6 +108,37 @@ def test_peer_rows_in_the_readme_block_are_over_treedrafts_plain_loop(tmp_path):
         generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)
 
 
+def test_the_headline_is_one_peers_run_over_its_plain_loop_and_its_fastest_engine(tmp_path):
+    rows = [{"method": "treedraft/plain_loop", "engine": "treedraft", "tokens_per_s": 10.0,
+             "tokens_per_step": 1.0, "identical": 1.0},
+            {"method": "treedraft/eagle/eagle2", "engine": "treedraft", "tokens_per_s": 14.0,
+             "tokens_per_step": 1.8, "identical": 1.0},
+            {"method": "openvino/prompt_lookup", "engine": "openvino", "tokens_per_s": 20.0,
+             "identical": 1.0},
+            {"method": "vllm/plain", "engine": "vllm", "tokens_per_s": 8.0, "identical": 0.5},
+            {"method": "vllm/suffix", "engine": "vllm", "status": "not run: no"}]
+    _report(tmp_path / "reports", "peers/p.json", rows)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "page.md").write_text("# Page\n\nAbout.\n")
+    (src / "_headline.md").write_text("<!-- headline: peers/*.json -->\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results: begin -->\n<!-- results: end -->\n")
+    text = generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)[readme]
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[0] == ("| method | tokens/s | x treedraft plain | x openvino/prompt_lookup | "
+                        "tau | identical |")
+    assert [line.split(" | ")[0] for line in table[1:]] == [  # fastest first, not-run left out
+        "| openvino/prompt_lookup", "| treedraft/eagle/eagle2", "| treedraft/plain_loop",
+        "| vllm/plain"]
+    assert "| treedraft/eagle/eagle2 | 14.0 | 1.40x | 0.70x | 1.80 | 100% |" in text
+    assert "| vllm/plain | 8.0 | 0.80x | 0.40x | - | 50% |" in text
+    _report(tmp_path / "reports", "bench/b.json", [{"methods": {}}])
+    (src / "_headline.md").write_text("<!-- headline: bench/*.json -->\n")
+    with pytest.raises(ValueError, match="headline is read from an experiments.peers report"):
+        generate(src, tmp_path / "reports", tmp_path / "out", readme=readme)
+
+
 @pytest.mark.parametrize("pattern, error", [("none/*.json", "matches none"),
                                             ("two/*.json", "matches two/a.json, two/b.json")])
 def test_a_directive_must_name_one_file(tmp_path, pattern, error):
