@@ -41,6 +41,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from drafters import build_drafter
+from drafters.draft_model import truncated_copy
 from experiments.bench import Prompt, parse_compare, time_methods, treedraft_method
 from experiments.common import (
     CONF_DIR,
@@ -112,6 +113,22 @@ def model_folder(target: Target, scratch: Path) -> str:
         return loaded_from
     target.model.save_pretrained(scratch / "model")
     return str(scratch / "model")
+
+
+def engine_settings(settings: dict, target: Target, scratch: Path) -> dict:
+    """A method's settings as its runner reads them: `draft_layers: N` becomes `draft: <a
+    folder>` holding the target's first N layers and its tokenizer, the self-draft that
+    treedraft's `draft_model:<tree>:num_layers=N` drafts with, for an engine's draft-model
+    method."""
+    layers = settings.pop("draft_layers", None)
+    if layers is None:
+        return settings
+    folder = scratch / f"draft-{layers}-layers"
+    if not (folder / "config.json").is_file():
+        truncated_copy(target.model, layers).save_pretrained(folder)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(folder)
+    return {**settings, "draft": str(folder)}
 
 
 def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -277,8 +294,10 @@ def compare(cfg: DictConfig) -> list[dict]:
             runner = engine_cfg.runner or engine
             python = (REPO / cfg.venvs / runner / "bin" / "python").absolute()
             for method, settings in engine_cfg.methods.items():
-                request = engine_request(cfg, model, target, prompts, method,
-                                         OmegaConf.to_container(settings), engine_cfg, scratch)
+                request = engine_request(
+                    cfg, model, target, prompts, method,
+                    engine_settings(OmegaConf.to_container(settings), target, scratch),
+                    engine_cfg, scratch)
                 result = run_engine_method(runner, python, request, engine_cfg.timeout_s,
                                            scratch, dict(engine_cfg.env), label=engine)
                 rows.append(engine_row(engine, method, result, reference, eos))

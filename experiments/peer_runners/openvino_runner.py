@@ -5,8 +5,10 @@ own environment (.venv-peers/openvino; this file imports nothing of treedraft).
 
 The request is experiments.peers' (see vllm_runner.py); the model folder is converted to
 OpenVINO IR once per run by optimum-intel (`optimum-cli export openvino`, into the request's
-`work_dir`; its seconds are `convert_s`). Methods: "plain", and "prompt_lookup" (LLMPipeline's
-prompt lookup decoding: `num_assistant_tokens`, `max_ngram_size`). The CPU plugin's inference
+`work_dir`; its seconds are `convert_s`). Methods: "plain", "prompt_lookup" (LLMPipeline's
+prompt lookup decoding: `num_assistant_tokens`, `max_ngram_size`) and "draft_model" (its
+speculative decoding with the model folder `draft`, converted the same way, drafting
+`num_assistant_tokens` a step; it must share the target's vocabulary). The CPU plugin's inference
 and KV-cache precision are pinned to the request's dtype: its defaults (bfloat16 on CPUs that
 have it, a compressed KV cache) would decode another model than the one compared.
 """
@@ -45,17 +47,23 @@ def run(request: dict) -> dict:
 
     method = dict(request["method"])
     name = method.pop("name")
-    if name not in ("plain", "prompt_lookup"):
-        raise ValueError(f"openvino_runner runs plain and prompt_lookup, not {name!r}")
-    ir = Path(request["work_dir"]) / "openvino-ir"
-    convert_s = convert(request["model"], ir)
+    if name not in ("plain", "prompt_lookup", "draft_model"):
+        raise ValueError(f"openvino_runner runs plain, prompt_lookup and draft_model, not "
+                         f"{name!r}")
+    work = Path(request["work_dir"])
+    convert_s = convert(request["model"], work / "openvino-ir")
     precision = PRECISION[request["dtype"]]
     properties = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
-    start = time.perf_counter()
+    options = dict(properties)
     if name == "prompt_lookup":
-        pipe = ov_genai.LLMPipeline(str(ir), "CPU", prompt_lookup=True, **properties)
-    else:
-        pipe = ov_genai.LLMPipeline(str(ir), "CPU", **properties)
+        options["prompt_lookup"] = True
+    elif name == "draft_model":
+        draft = Path(method.pop("draft"))
+        draft_ir = work / f"openvino-draft-{draft.name}"
+        convert_s += convert(str(draft), draft_ir)
+        options["draft_model"] = ov_genai.draft_model(str(draft_ir), "CPU", **properties)
+    start = time.perf_counter()
+    pipe = ov_genai.LLMPipeline(str(work / "openvino-ir"), "CPU", **options)
     startup_s = time.perf_counter() - start
 
     def config(max_new_tokens: int):

@@ -205,3 +205,18 @@ def test_a_runner_past_its_timeout_is_killed_with_the_workers_it_started(tmp_pat
                                      tmp_path)
     assert result == {"error": "no result within timeout_s=3"}
     assert not alive(worker_pid(pid_file))
+
+
+def test_an_engines_draft_model_method_gets_the_targets_first_layers_as_a_folder(tmp_path):
+    from transformers import AutoConfig
+
+    from verify.target import load_target
+
+    target = load_target(tiny="llama")
+    settings = peers.engine_settings({"num_assistant_tokens": 4, "draft_layers": 1},
+                                     target, tmp_path)
+    assert settings["num_assistant_tokens"] == 4 and "draft_layers" not in settings
+    config = AutoConfig.from_pretrained(settings["draft"])
+    assert config.num_hidden_layers == 1 and config.vocab_size == target.model.config.vocab_size
+    # a method without one is passed on as it is
+    assert peers.engine_settings({"max_ngram_size": 3}, target, tmp_path) == {"max_ngram_size": 3}
