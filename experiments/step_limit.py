@@ -101,15 +101,19 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
     cost = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats)
+    fixed = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats,
+                                interleave=False)
     operators = None
     if cfg.operators:
         timer = operator_times if step in TORCH_STEPS else openvino_operator_times
         operators = timer(target.step, cfg.context_len, cfg.repeats, cfg.operators)
     limit_ms = 1000 * (weights + cache) / bandwidth
     t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
+    fixed_ms = {n: 1000 * seconds for n, seconds in fixed.items()}
     compiled = target.step if isinstance(target.step, CompiledStep) else None
     return {"dtype": dtype, "step": step, "weight_bytes": weights, "kv_bytes": cache,
             "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
+            "t_fixed_ms": fixed_ms,
             "t1_over_limit": t_ms[1] / limit_ms,
             "t8_over_t1": t_ms[8] / t_ms[1] if 8 in t_ms else None,
             "compile_s": sum(compiled.compile_s.values()) if compiled else None,
@@ -161,16 +165,20 @@ def format_table(rows: list[dict]) -> str:
     """Markdown: one line per dtype and step option, t(n) beside the limit."""
     sizes = sorted({n for r in rows for n in _t_ms(r)})
     header = ["dtype", "step", "weights MB", "KV MB", "bandwidth GB/s", "limit ms",
-              *[f"t({n}) ms" for n in sizes], "t(1) / limit", "t(8) / t(1)", "compile s"]
+              *[f"t({n}) ms" for n in sizes], "t(1) fixed ms", "t(1) / limit", "t(8) / t(1)",
+              "compile s"]
     table = [[r["dtype"], r["step"], f"{r['weight_bytes'] / 1e6:.0f}",
               f"{r['kv_bytes'] / 1e6:.1f}", f"{r['bandwidth_gb_s']:.1f}", f"{r['limit_ms']:.1f}",
               *[cell(_t_ms(r).get(n), ".1f") for n in sizes],
+              cell(_t_ms(r, "t_fixed_ms").get(1), ".1f"),
               f"{r['t1_over_limit']:.2f}", cell(r["t8_over_t1"], ".2f"),
               cell(r.get("compile_s"), ".0f")] for r in rows]
     text = markdown_table(header, table) + (
         "\n\nlimit = (weights + KV cache at the context length) / the measured read "
         "bandwidth: the least a one-token step can cost here. t(n): one verification step of "
-        "n tokens, medians. compile s: a compiled step's graphs, compiled (or loaded from "
+        "n tokens, medians, each after a step of another size (as decoding alternates sizes); "
+        "t(1) fixed: one-token steps back to back (the difference is what a change of size "
+        "costs the next step). compile s: a compiled step's graphs, compiled (or loaded from "
         "inductor's disk cache) on first use.")
     operators = format_operators(rows)
     return text + ("\n\n" + operators if operators else "")
@@ -191,9 +199,9 @@ def format_operators(rows: list[dict]) -> str:
     return "\n".join(lines).rstrip()
 
 
-def _t_ms(row: dict) -> dict[int, float]:
-    # a saved JSON's keys are strings
-    return {int(n): ms for n, ms in row["t_ms"].items()}
+def _t_ms(row: dict, key: str = "t_ms") -> dict[int, float]:
+    # a saved JSON's keys are strings; reports saved before t_fixed_ms have none
+    return {int(n): ms for n, ms in (row.get(key) or {}).items()}
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -23,13 +23,17 @@ from verify.verifier import TreeVerifier, context_window
 @torch.no_grad()
 def measure_verify_cost(model: PreTrainedModel | TargetStep, sizes: Sequence[int],
                         context_len: int = 256, repeats: int = 5,
-                        draft_cost_s: float = 0.0) -> dict[int, float]:
+                        draft_cost_s: float = 0.0, interleave: bool = True
+                        ) -> dict[int, float]:
     """{n: median seconds of one TreeVerifier step verifying n tokens, the root included}, on
     the target's step (`Target.step`) or a bare model's eager one.
 
     The tokens form a chain (one shape is enough: the step's cost depends on n, not on where
     the branches are) after `context_len` cached tokens drawn from the global RNG. n = 1 is a
     plain decoding step; draft_cost_s is added to every n > 1, where a drafter has to run.
+    interleave: sizes take turns, so every step follows one of another size, as in decoding
+    whose trees vary (a step that re-prepares for a new shape pays it: OpenVINO's dynamic
+    graphs); False: each size's steps back to back, the cost at a fixed size.
     """
     if not sizes or min(sizes) < 1 or repeats < 1:
         raise ValueError(f"need token counts >= 1 and repeats >= 1, got sizes {list(sizes)}, "
@@ -46,12 +50,14 @@ def measure_verify_cost(model: PreTrainedModel | TargetStep, sizes: Sequence[int
                                        [i % vocab for i in range(1, n)])
              for n in sorted(set(sizes))}
     times: dict[int, list[float]] = {n: [] for n in trees}
-    for i in range(repeats + 1):
-        # Sizes take turns, so machine noise (other processes, clock changes) hits all alike.
-        for n, tree in trees.items():
-            seconds = time_step(verifier, tree)
-            if i:  # the first round pays one-off costs (allocations, kernel selection)
-                times[n].append(seconds)
+    # Interleaved, sizes take turns, so machine noise (other processes, clock changes) hits
+    # all alike; the first round pays one-off costs (allocations, kernel selection).
+    rounds = [(i, n) for i in range(repeats + 1) for n in trees] if interleave else \
+        [(i, n) for n in trees for i in range(repeats + 1)]
+    for i, n in rounds:
+        seconds = time_step(verifier, trees[n])
+        if i:
+            times[n].append(seconds)
     return {n: statistics.median(t) + (draft_cost_s if n > 1 else 0.0) for n, t in times.items()}
 
 

@@ -51,11 +51,12 @@ def test_a_row_puts_t_n_beside_the_limit(tmp_path):
                                      "repeats=2"])
     row = limit_row(cfg, "float32", "eager", bandwidth=1e10)
     assert set(row["t_ms"]) == {1, 2, 8} and all(t > 0 for t in row["t_ms"].values())
+    assert set(row["t_fixed_ms"]) == {1, 2, 8}  # sizes back to back: no change of size
     assert row["limit_ms"] == pytest.approx(1000 * (row["weight_bytes"] + row["kv_bytes"]) / 1e10)
     assert row["t1_over_limit"] == pytest.approx(row["t_ms"][1] / row["limit_ms"])
     saved = json.loads(json.dumps([row]))  # as read back from its JSON: string keys
     table = format_table(saved)
-    assert "| float32 | eager |" in table and "t(8) ms" in table
+    assert "| float32 | eager |" in table and "t(8) ms" in table and "t(1) fixed ms" in table
     assert plot(saved, tmp_path / "limit.png").stat().st_size > 0
     cfg.operators = 3
     compiled = limit_row(cfg, "float32", "compiled", bandwidth=1e10)
@@ -75,3 +76,16 @@ def test_a_row_puts_t_n_beside_the_limit(tmp_path):
         limit_row(cfg, "float32", "fused", bandwidth=1e10)
     with pytest.raises(ValueError, match="no packed step for float16"):
         limit_row(cfg, "float16", "packed", bandwidth=1e10)
+
+
+@pytest.mark.parametrize("interleave, order", [(True, [1, 8, 1, 8, 1, 8]),
+                                               (False, [1, 1, 1, 8, 8, 8])])
+def test_sizes_take_turns_or_run_back_to_back(interleave, order, monkeypatch):
+    import verify.costs as costs
+    from verify.target import load_target
+
+    seen = []
+    monkeypatch.setattr(costs, "time_step", lambda verifier, tree: seen.append(len(tree)) or 1.0)
+    cost = costs.measure_verify_cost(load_target(tiny="llama").step, [1, 8], 8, repeats=2,
+                                     interleave=interleave)
+    assert seen == order and cost == {1: 1.0, 8: 1.0}
