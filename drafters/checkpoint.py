@@ -1,10 +1,12 @@
 """A trained drafter's folder: its weights (safetensors) and config.json, which records the
-target it was trained on; loading refuses another target (`check_target`)."""
+target it was trained on; loading refuses another target (`check_target`). What any folder
+holds (a drafter's checkpoint, an export, a run's folder, a model) is read here alone
+(`checkpoint_kind`), so that a folder of another kind is refused naming both (`check_kind`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -72,68 +74,108 @@ def check_target(saved: Mapping, target: Target, folder: str | Path, what: str,
                          "know they compute the same")
 
 
-# The checkpoint kind each trained drafter loads (and its training resumes from), and the
-# drafter that loads each kind: named in a refusal, so that a folder given to the wrong
-# drafter says what it is and where it belongs
-KIND_OF_DRAFTER = {"dflash": "DFlash", "eagle": "EAGLE", "eagle3": "EAGLE", "medusa": "Medusa",
-                   "draft_model": "draft model", "pard": "PARD"}
-DRAFTERS_OF_KIND = {"DFlash": "drafter=dflash", "EAGLE": "drafter=eagle or eagle3",
-                    "Medusa": "drafter=medusa", "draft model": "drafter=draft_model drafter.path=",
-                    "PARD": "drafter=pard drafter.path=",
-                    "Hugging Face model": "drafter=draft_model drafter.path="}
+# What a folder may hold, each kind a key: its name in a message and where one comes from.
+# One vocabulary for every command that takes a folder: each reads the kind first
+# (checkpoint_kind) and refuses another kind naming both, before its files are read as the
+# wrong kind's (a KeyError, or transformers' "Unrecognized model").
+FOLDER_KINDS: dict[str, tuple[str, str]] = {
+    "eagle1": ("an EAGLE-1 draft", "python train.py drafter=eagle"),
+    "eagle3": ("an EAGLE-3 draft", "python train.py drafter=eagle3"),
+    "medusa": ("Medusa heads", "python train.py drafter=medusa"),
+    "dflash": ("a DFlash draft", "python train.py drafter=dflash"),
+    "pard": ("a PARD draft", "python train.py drafter=pard"),
+    "draft_model": ("a distilled draft model", "python train.py drafter=draft_model"),
+    "hf_model": ("a Hugging Face model folder",
+                 "any causal LM with the target's vocabulary drafts as drafter=draft_model"),
+    "speculators": ("a speculators export", "python -m experiments.export format=speculators "
+                                            "or speculators_dflash"),
+    "vllm_medusa": ("a vLLM Medusa export", "python -m experiments.export format=vllm_medusa"),
+    "run": ("a training run's folder", "its checkpoint/ subfolder holds the drafter"),
+    "unknown": ("nothing treedraft recognises", "no config.json naming a drafter or a model"),
+}
+RUN_CHECKPOINT = "checkpoint"  # a run's checkpoint subfolder (train.recipes.common.checkpoint_dir)
+# drafter=eagle and eagle3 differ only in their defaults: either trains either variant
+# (drafter.variant), and eagle.from_config names a checkpoint of the other variant itself
+EAGLE_KINDS = ("eagle1", "eagle3")
+MODEL_KINDS = ("draft_model", "pard", "hf_model")  # whole causal LMs a draft model loads
+# The kinds each drafter's training writes, and so resumes from (train.checkpoint)
+KINDS_OF_DRAFTER = {"eagle": EAGLE_KINDS, "eagle3": EAGLE_KINDS, "medusa": ("medusa",),
+                    "dflash": ("dflash",), "draft_model": ("draft_model",), "pard": ("pard",)}
+# The setting that loads each kind, named when a folder is given to another drafter
+DRAFTER_OF_KIND = {"eagle1": "drafter=eagle", "eagle3": "drafter=eagle3",
+                   "medusa": "drafter=medusa", "dflash": "drafter=dflash",
+                   "pard": "drafter=pard drafter.path=",
+                   "draft_model": "drafter=draft_model drafter.path=",
+                   "hf_model": "drafter=draft_model drafter.path="}
 
 
-def checkpoint_kind(folder: str | Path) -> str | None:
-    """What `folder` holds, by the files each kind writes (the one place that tells them
-    apart): "PARD" (pard_mask.json), "draft model" (a distilled draft's treedraft.json),
-    "DFlash" (its config.json names the drafter), "Medusa" (heads.safetensors), "EAGLE"
-    (draft.safetensors with feature layers), "Hugging Face model" (a config.json with a
-    model_type); None for anything else (each loader then says what it misses)."""
+def describe(kind: str) -> str:
+    """A kind in words, for the folder a message names: what it is and where one comes from."""
+    name, origin = FOLDER_KINDS[kind]
+    return f"{name} ({origin})"
+
+
+def name_any(kinds: Sequence[str]) -> str:
+    """The kinds a command takes, for a refusal: "a, b or c"."""
+    names = [FOLDER_KINDS[kind][0] for kind in kinds]
+    return " or ".join(part for part in (", ".join(names[:-1]), names[-1]) if part)
+
+
+def checkpoint_kind(folder: str | Path) -> str:
+    """The kind of what `folder` holds, a key of FOLDER_KINDS, from its files alone (no weights
+    loaded, no target needed): PARD's mask file or a distilled draft's treedraft.json beside a
+    model's config.json, else the keys each drafter's save (drafters.*.save_*) or each export
+    writes in config.json. A config.json that is no JSON object raises UnreadableFileError
+    naming it."""
     # the file names live with their drafters, which import this module
-    from drafters import dflash, draft_model, eagle, medusa, pard
+    from drafters import draft_model, pard
 
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
+    folder = Path(folder).expanduser()
+    if not (folder / CONFIG_FILE).is_file():
+        return "run" if (folder / RUN_CHECKPOINT / CONFIG_FILE).is_file() else "unknown"
+    config = read_json(folder / CONFIG_FILE, "config")
     if (folder / pard.MASK_FILE).is_file():
-        return "PARD"
+        return "pard"
     if (folder / draft_model.INFO_FILE).is_file():
-        return "draft model"
-    config = _json_or_empty(folder / CONFIG_FILE)
-    if config.get("drafter") == "dflash" and (folder / dflash.WEIGHTS_FILE).is_file():
-        return "DFlash"
-    if (folder / medusa.WEIGHTS_FILE).is_file():
-        return "Medusa"
-    if (folder / eagle.WEIGHTS_FILE).is_file() and "feature_layers" in config:
-        return "EAGLE"
-    return "Hugging Face model" if "model_type" in config else None
+        return "draft_model"
+    return _kind_of_config(config)
 
 
-def check_kind(folder: str | Path, who: str, needed: str, also: tuple[str, ...] = (),
+def _kind_of_config(config: Mapping) -> str:
+    """The kind a config.json names: an export's format first (a speculators export of a
+    DFlash draft keeps its feature layers), then each drafter's own keys."""
+    from drafters.eagle import eagle_variant  # drafters.eagle imports this module
+
+    if "speculators_model_type" in config:
+        return "speculators"
+    if config.get("model_type") == "medusa":
+        return "vllm_medusa"
+    if config.get("drafter") == "dflash":
+        return "dflash"
+    if "num_heads" in config and "target" in config:
+        return "medusa"
+    if "feature_layers" in config:  # older EAGLE checkpoints name no layout: fused_input
+        return eagle_variant(config["feature_layers"], config.get("layout", "fused_input"))
+    return "hf_model" if "model_type" in config else "unknown"
+
+
+def check_kind(folder: str | Path, who: str, needed: Sequence[str],
                way_out: str | None = None) -> None:
-    """Refuse a folder that holds a checkpoint of another kind than `needed` (or `also`)
-    before its files are read as `needed`'s (a KeyError, or transformers' "Unrecognized
-    model"): "<folder> holds a <kind> checkpoint, but <who> needs a <needed> one", then
-    `way_out`, by default the drafter that loads it. A folder of no known kind is left to
-    the caller's own checks."""
+    """Refuse a folder that holds another kind than `needed` before its files are read as
+    theirs: "<folder> holds <its kind>, but <who> needs <needed>: <way_out>", by default where
+    the folder belongs. A folder of no known kind is left to the caller's own checks, which
+    say what it misses."""
     kind = checkpoint_kind(folder)
-    if kind is None or kind in (needed, *also):
+    if kind in (*needed, "unknown"):
         return
-    if way_out is None:
-        use = DRAFTERS_OF_KIND[kind]
-        way_out = "load it with " + use + (str(folder) if use.endswith("=") else "")
-    raise ValueError(f"{folder} holds {_a(kind)} checkpoint, but {who} needs {_a(needed)} "
-                     f"one: {way_out}")
+    raise ValueError(f"{folder} holds {describe(kind)}, but {who} needs {name_any(needed)}: "
+                     f"{way_out or _where_it_belongs(kind, Path(folder))}")
 
 
-def _a(kind: str) -> str:
-    return f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}"
-
-
-def _json_or_empty(path: Path) -> dict:
-    """A JSON object file's contents; {} when it is missing or holds something else."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+def _where_it_belongs(kind: str, folder: Path) -> str:
+    if kind == "run":
+        return f"give its checkpoint, {folder / RUN_CHECKPOINT}"
+    if kind not in DRAFTER_OF_KIND:  # an export: the engine's, not a drafter's
+        return "give the checkpoint it was exported from"
+    use = DRAFTER_OF_KIND[kind]
+    return "load it with " + use + (str(folder) if use.endswith("=") else "")

@@ -322,7 +322,7 @@ def load_draft(folder: str | Path, target: Target, allow_other_target: bool = Fa
                ) -> DFlashDraft:
     """A draft saved by `save_draft`, on `target`; ValueError for another target's."""
     folder = Path(folder)
-    check_kind(folder, "the DFlash drafter", "DFlash")
+    check_kind(folder, "the DFlash drafter", ("dflash",))
     config = read_config(folder)
     if config.get("drafter") != "dflash":
         raise ValueError(f"{folder} does not hold a DFlash draft (its config.json names "

@@ -23,7 +23,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from drafters.checkpoint import check_kind, check_target, read_config, target_record
+from drafters.checkpoint import (
+    MODEL_KINDS,
+    check_kind,
+    check_target,
+    read_config,
+    target_record,
+)
 from drafters.config import shallow_config, typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
@@ -41,8 +47,6 @@ from verify.verifier import context_window
 # *.safetensors file of a model folder as weights and refuse one that holds no parameter.
 VOCAB_FILE = "draft_vocab.json"
 LEGACY_VOCAB_FILE = "draft_vocab.safetensors"  # drafts distilled before: read, never written
-# Checkpoint kinds (drafters.checkpoint) that are whole causal LMs a draft model can load
-ALSO_A_MODEL = ("PARD", "Hugging Face model")
 INFO_FILE = "treedraft.json"  # a distilled draft's settings and the target it was distilled from
 
 
@@ -292,7 +296,7 @@ def load_draft_model(path: str | Path, target: Target, allow_other_target: bool 
     its draft vocabulary (V',) when the folder has one (its LM head is then cut to those rows).
     """
     path = pretrained_source(path, "draft model")  # a missing local path: refused here
-    check_kind(path, "a draft model", "draft model", ALSO_A_MODEL)  # not a head's weights
+    check_kind(path, "a draft model", MODEL_KINDS)  # not a head's weights
     distilled_here = (Path(path) / INFO_FILE).is_file()
     if distilled_here:
         saved = read_config(path, INFO_FILE)["target"]

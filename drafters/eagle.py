@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from drafters.checkpoint import (
+    EAGLE_KINDS,
     check_kind,
     check_target,
     read_config,
@@ -342,7 +343,7 @@ def load_draft(folder: str | Path, target: Target, allow_other_target: bool = Fa
     target (drafters.checkpoint.check_target) or its file does not hold exactly the draft's
     tensors."""
     folder = Path(folder)
-    check_kind(folder, "the EAGLE drafter", "EAGLE")
+    check_kind(folder, "the EAGLE drafter", EAGLE_KINDS)
     config = read_config(folder)
     check_target(config["target"], target, folder, "EAGLE draft", allow_other_target)
     device = str(target.model.get_output_embeddings().weight.device)

@@ -256,7 +256,7 @@ def load_heads(folder: str | Path, target: Target, allow_other_target: bool = Fa
     made for another target (drafters.checkpoint.check_target, as EAGLE's and the draft model's)
     or does not hold exactly the heads' tensors."""
     folder = Path(folder)
-    check_kind(folder, "the Medusa drafter", "Medusa")
+    check_kind(folder, "the Medusa drafter", ("medusa",))
     config = read_config(folder)
     lm_head = target.model.get_output_embeddings()
     check_target(config["target"], target, folder, "Medusa heads", allow_other_target)

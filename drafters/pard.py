@@ -178,7 +178,8 @@ def load_pard(path: str | Path, target: Target, block_size: int,
     """A PARD draft folder (trained with `python train.py drafter=pard`) on `target`, refused
     unless its tokenizer and vocabulary match the target's (draft_model.load_draft_model), it
     is a PARD draft, and it was trained for `block_size`."""
-    check_kind(path, "the PARD drafter", "PARD", ("draft model", "Hugging Face model"))
+    # a model's folder passes, to be refused below with the way to adapt it to PARD
+    check_kind(path, "the PARD drafter", ("pard", "draft_model", "hf_model"))
     saved = read_mask(path)
     if saved is None:
         raise ValueError(f"{path} holds no PARD draft ({MASK_FILE} missing): adapt a draft to "

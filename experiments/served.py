@@ -24,8 +24,9 @@ convention broken in the export (aux-layer ids, d2t/t2d, norms, head order, proj
 shows as acceptance near zero in vLLM, which is the point of the check. `noise` is the
 binomial standard error of the depth-1 difference (both runs' variances).
 
-Before the target loads, each folder's kind is read from its files (a DFlash checkpoint
-given as drafts.eagle3 is refused, naming both kinds) and vLLM's environment is looked for.
+Before the target loads, each folder's kind is read from its files (drafters.checkpoint.
+checkpoint_kind: a DFlash checkpoint given as drafts.eagle3 is refused, naming both kinds)
+and vLLM's environment is looked for.
 Before any decoding, each draft is exported or loaded on the target: one that does not fit
 it (another target, another vocabulary) is a "not run: <reason>" row, as is one that fails
 to serve; the others go on.
@@ -42,9 +43,15 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.checkpoint import read_config
+from drafters.checkpoint import (
+    MODEL_KINDS,
+    RUN_CHECKPOINT,
+    checkpoint_kind,
+    describe,
+    name_any,
+    read_config,
+)
 from drafters.draft_model import LEGACY_VOCAB_FILE, VOCAB_FILE, load_draft_model
-from drafters.kinds import DESCRIPTIONS, RUN_CHECKPOINT, checkpoint_kind
 from experiments.bench import Prompt, parse_compare
 from experiments.common import (
     CONF_DIR,
@@ -71,24 +78,27 @@ from verify.target import Target, load_target_from_config
 
 @dataclass(frozen=True)
 class Kind:
-    """A kind of draft: treedraft's drafter (also the checkpoint_kind of its folder) and its
-    key naming the checkpoint, vLLM's method, the experiments.export format (None: the
-    checkpoint is served as it is) and what vLLM's `LLM` needs besides."""
+    """A kind of draft: treedraft's drafter, the folder kinds it is given as
+    (drafters.checkpoint.checkpoint_kind) and its key naming the checkpoint, vLLM's method,
+    the experiments.export format (None: the checkpoint is served as it is) and what vLLM's
+    `LLM` needs besides."""
 
     drafter: str
+    holds: tuple[str, ...]
     key: str
     method: str
     fmt: str | None
     llm_options: dict = field(default_factory=dict)
 
 
-KINDS = {"eagle3": Kind("eagle3", "checkpoint", "eagle3", "speculators"),
+# vLLM serves only EAGLE-3's layout; any causal LM (a PARD draft's too) is a draft model
+KINDS = {"eagle3": Kind("eagle3", ("eagle3",), "checkpoint", "eagle3", "speculators"),
          # vLLM 0.32's Medusa loader creates `token_map` while loading and then reports it as
          # a weight it did not load (its strict check refuses the folder): the check is off
-         "medusa": Kind("medusa", "checkpoint", "medusa", "vllm_medusa",
+         "medusa": Kind("medusa", ("medusa",), "checkpoint", "medusa", "vllm_medusa",
                         {"model_loader_extra_config": {"enable_weights_track": False}}),
-         "draft_model": Kind("draft_model", "path", "draft_model", None),
-         "dflash": Kind("dflash", "checkpoint", "dflash", "speculators_dflash")}
+         "draft_model": Kind("draft_model", MODEL_KINDS, "path", "draft_model", None),
+         "dflash": Kind("dflash", ("dflash",), "checkpoint", "dflash", "speculators_dflash")}
 
 
 def position_acceptance(steps: list[dict], positions: int) -> list[float]:
@@ -205,18 +215,22 @@ def vllm_python(cfg: DictConfig) -> Path:
 def check_kind(kind: str, path: str) -> None:
     """Refuse a folder that does not hold a draft of `kind` (ValueError naming the kind found
     and the kind expected, and where it belongs), from its files alone."""
-    found, expected = checkpoint_kind(path), KINDS[kind].drafter
-    if found == expected:
+    found, expected = checkpoint_kind(path), KINDS[kind].holds
+    if found in expected:
         return
-    fix = {"run": f"give its checkpoint: drafts.{kind}={Path(path) / RUN_CHECKPOINT}",
-           "speculators": "give the checkpoint it was exported from (experiments.served "
-                          "exports it itself)",
-           "vllm_medusa": "give the checkpoint it was exported from (experiments.served "
-                          "exports it itself)"}.get(found)
-    if fix is None and found in KINDS:
-        fix = f"give it as drafts.{found}={path}"
-    raise ValueError(f"drafts.{kind}={path} holds {DESCRIPTIONS[found]}, not "
-                     f"{DESCRIPTIONS[expected]}" + (f": {fix}" if fix else ""))
+    fix = served_fix(found, kind, path)
+    raise ValueError(f"drafts.{kind}={path} holds {describe(found)}, not {name_any(expected)}"
+                     + (f": {fix}" if fix else ""))
+
+
+def served_fix(found: str, kind: str, path: str) -> str | None:
+    """Where a folder of kind `found`, given as drafts.<kind>, belongs here (None: nowhere)."""
+    if found == "run":
+        return f"give its checkpoint: drafts.{kind}={Path(path) / RUN_CHECKPOINT}"
+    if found in ("speculators", "vllm_medusa"):
+        return "give the checkpoint it was exported from (experiments.served exports it itself)"
+    other = next((name for name, spec in KINDS.items() if found in spec.holds), None)
+    return None if other is None else f"give it as drafts.{other}={path}"
 
 
 def checked_drafts(cfg: DictConfig) -> dict[str, str]:

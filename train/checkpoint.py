@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.checkpoint import CONFIG_FILE, KIND_OF_DRAFTER, check_kind, read_config
+from drafters.checkpoint import CONFIG_FILE, KINDS_OF_DRAFTER, check_kind, read_config
 from drafters.medusa import ADAPTER_DIR
 from train.sharding import load_full_optimizer_state, load_full_state_dict
 from verify.files import load_tensors, read_json, readable_folder
@@ -65,7 +65,7 @@ def check_resumable(found: Path, target: Target, hyperparameters: dict, cfg: Dic
     drafter shape (as its `config_file` records them), or with other training settings than
     `cfg` asks (its RUN_FILE; checkpoints from before it have none)."""
     drafter = cfg.drafter.name
-    check_kind(found, f"drafter={drafter}", KIND_OF_DRAFTER[drafter], way_out=WAYS_OUT)
+    check_kind(found, f"drafter={drafter}", KINDS_OF_DRAFTER[drafter], way_out=WAYS_OUT)
     saved = read_config(found, config_file)
     _check_same_target(found, saved["target"], target)
     differing = {k: (saved.get(k), v) for k, v in hyperparameters.items() if saved.get(k) != v}

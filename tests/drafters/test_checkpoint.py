@@ -1,7 +1,10 @@
-"""A trained drafter's folder names its kind (drafters.checkpoint.checkpoint_kind): a folder
-given to a drafter of another kind is refused naming both, before its files are read as the
-wrong kind's (a KeyError, transformers' "Unrecognized model")."""
+"""What a folder holds (drafters.checkpoint.checkpoint_kind), read from its files alone (no
+weights, no target): a folder given to a drafter of another kind is refused naming both,
+before its files are read as the wrong kind's (a KeyError, transformers' "Unrecognized
+model")."""
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
-from drafters.checkpoint import checkpoint_kind
+from drafters.checkpoint import FOLDER_KINDS, checkpoint_kind, describe
 from drafters.dflash import DFlashDraft
 from drafters.dflash import save_draft as save_dflash
 from drafters.draft_model import load_draft_model, save_draft_model, truncated_copy
@@ -18,6 +21,7 @@ from drafters.eagle import save_draft as save_eagle
 from drafters.medusa import MedusaHeads, save_heads
 from drafters.pard import PardDraft, mean_embedding, write_mask
 from verify.features import eagle3_layers, num_layers
+from verify.files import UnreadableFileError
 
 
 @pytest.fixture(scope="module")
@@ -41,31 +45,32 @@ def folders(tmp_path_factory, tiny) -> dict[str, Path]:
 
 def test_each_folder_names_its_kind(folders, tmp_path):
     assert {name: checkpoint_kind(folder) for name, folder in folders.items()} == {
-        "dflash": "DFlash", "eagle": "EAGLE", "medusa": "Medusa", "draft_model": "draft model",
-        "pard": "PARD", "hf": "Hugging Face model"}
-    assert checkpoint_kind(tmp_path) is None and checkpoint_kind(tmp_path / "absent") is None
+        "dflash": "dflash", "eagle": "eagle1", "medusa": "medusa", "draft_model": "draft_model",
+        "pard": "pard", "hf": "hf_model"}
+    assert checkpoint_kind(tmp_path) == checkpoint_kind(tmp_path / "absent") == "unknown"
 
 
 @pytest.mark.parametrize("drafter, key, kind, needs, use", [
-    ("eagle", "checkpoint", "dflash", "the EAGLE drafter needs an EAGLE one", "drafter=dflash"),
-    ("eagle3", "checkpoint", "dflash", "the EAGLE drafter needs an EAGLE one",
-     "drafter=dflash"),
-    ("medusa", "checkpoint", "eagle", "the Medusa drafter needs a Medusa one",
-     "drafter=eagle or eagle3"),
-    ("dflash", "checkpoint", "medusa", "the DFlash drafter needs a DFlash one",
+    ("eagle", "checkpoint", "dflash", "the EAGLE drafter needs an EAGLE-1 draft or an EAGLE-3 "
+     "draft", "drafter=dflash"),
+    ("eagle3", "checkpoint", "dflash", "the EAGLE drafter needs an EAGLE-1 draft or an EAGLE-3 "
+     "draft", "drafter=dflash"),
+    ("medusa", "checkpoint", "eagle", "the Medusa drafter needs Medusa heads", "drafter=eagle"),
+    ("dflash", "checkpoint", "medusa", "the DFlash drafter needs a DFlash draft",
      "drafter=medusa"),
-    ("draft_model", "path", "dflash", "a draft model needs a draft model one",
-     "drafter=dflash"),
-    ("pard", "path", "eagle", "the PARD drafter needs a PARD one", "drafter=eagle or eagle3"),
-    ("eagle", "checkpoint", "pard", "the EAGLE drafter needs an EAGLE one",
-     "drafter=pard drafter.path=")])
+    ("draft_model", "path", "dflash", "a draft model needs a distilled draft model, a PARD "
+     "draft or a Hugging Face model folder", "drafter=dflash"),
+    ("pard", "path", "eagle", "the PARD drafter needs a PARD draft, a distilled draft model or "
+     "a Hugging Face model folder", "drafter=eagle"),
+    ("eagle", "checkpoint", "pard", "the EAGLE drafter needs an EAGLE-1 draft or an EAGLE-3 "
+     "draft", "drafter=pard drafter.path=")])
 def test_a_checkpoint_of_another_kind_is_refused_naming_both(
         folders, tiny, conf, drafter, key, kind, needs, use):
-    kinds = {"dflash": "a DFlash", "eagle": "an EAGLE", "medusa": "a Medusa", "pard": "a PARD"}
+    found = describe(checkpoint_kind(folders[kind]))
     cfg = OmegaConf.merge(conf("drafter", drafter), {key: str(folders[kind])})
     tree = conf("tree", "chain3")
-    with pytest.raises(ValueError, match=f"holds {kinds[kind]} checkpoint, but {needs}: "
-                                         f"load it with {use}"):
+    with pytest.raises(ValueError, match=re.escape(f"holds {found}, but {needs}: load it with "
+                                                   f"{use}")):
         build_drafter(cfg, tree, tiny("llama"))
 
 
@@ -75,5 +80,32 @@ def test_pard_adapts_from_a_draft_model_or_a_models_folder_not_from_a_heads(fold
     for kind in ("draft_model", "pard", "hf"):
         model, _ = load_draft_model(folders[kind], target)
         assert isinstance(model, torch.nn.Module)
-    with pytest.raises(ValueError, match="holds a DFlash checkpoint, but a draft model needs"):
+    with pytest.raises(ValueError, match=r"holds a DFlash draft \(.*\), but a draft model needs"):
         load_draft_model(folders["dflash"], target)
+
+
+@pytest.mark.parametrize("config, kind", [
+    ({"drafter": "dflash", "feature_layers": [1, 2, 3], "target": {}}, "dflash"),
+    ({"feature_layers": [1, 2, 3], "target": {}}, "eagle3"),
+    ({"feature_layers": [1], "layout": "eagle3", "target": {}}, "eagle3"),
+    ({"feature_layers": [1], "target": {}}, "eagle1"),  # older ones name no layout
+    ({"num_heads": 3, "num_layers": 1, "target": {}}, "medusa"),
+    ({"model_type": "llama", "vocab_size": 256}, "hf_model"),
+    ({"model_type": "medusa", "num_heads": 3}, "vllm_medusa"),
+    ({"speculators_model_type": "dflash"}, "speculators"),
+    ({"something": "else"}, "unknown"),
+])
+def test_a_folder_s_kind_comes_from_its_config(tmp_path, config, kind):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert checkpoint_kind(tmp_path) == kind
+    assert kind in FOLDER_KINDS
+
+
+def test_a_run_folder_an_empty_one_and_a_broken_config(tmp_path):
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "config.json").write_text('{"num_heads": 2, "target": {}}')
+    assert checkpoint_kind(tmp_path / "run") == "run"
+    assert checkpoint_kind(tmp_path) == "unknown"
+    (tmp_path / "config.json").write_text("[1, 2")
+    with pytest.raises(UnreadableFileError, match="config.json"):
+        checkpoint_kind(tmp_path)

@@ -15,9 +15,9 @@ from hydra import compose, initialize_config_dir
 import experiments.peers as peers
 import experiments.served as served
 from drafters import dflash
+from drafters.checkpoint import name_any
 from drafters.draft_model import VOCAB_FILE, save_draft_model, truncated_copy
 from drafters.eagle import EagleDraft, save_draft
-from drafters.kinds import DESCRIPTIONS
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.common import CONF_DIR
 from verify.features import eagle3_layers
@@ -125,14 +125,14 @@ def test_vllm_not_installed_is_refused_before_the_target_loads(tmp_path, no_load
 @pytest.mark.parametrize("given, holds, found, fix", [
     ("dflash", "eagle3", "an EAGLE-3 draft", "give it as drafts.eagle3="),
     ("eagle3", "dflash", "a DFlash draft", "give it as drafts.dflash="),
-    ("medusa", "draft_model", "a Hugging Face causal LM folder", "give it as drafts.draft_model"),
+    ("medusa", "draft_model", "a distilled draft model", "give it as drafts.draft_model"),
     ("draft_model", "medusa", "Medusa heads", "give it as drafts.medusa="),
 ])
 def test_a_draft_of_another_kind_is_refused_naming_both_before_the_target_loads(
         tmp_path, fake_vllm, given, holds, found, fix, request):
     drafts = dict(d.split("=", 1) for d in checkpoints(tmp_path, compose_served(*BASE)))
     request.getfixturevalue("no_loading")
-    expected = DESCRIPTIONS[served.KINDS[given].drafter]
+    expected = name_any(served.KINDS[given].holds)
     with pytest.raises(ValueError) as refused:
         served.compare(compose_served(*BASE, fake_vllm,
                                       f"drafts.{given}={drafts[f'drafts.{holds}']}"))

@@ -1,6 +1,8 @@
 """Resuming (train.checkpoint.check_resumable) refuses a run folder whose checkpoint is another
 drafter's, naming its kind, before reading it as the asked drafter's."""
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -10,9 +12,9 @@ from train.checkpoint import check_resumable
 from verify.target import load_target
 
 
-@pytest.mark.parametrize("drafter, kind", [("dflash", "a DFlash"), ("medusa", "a Medusa"),
-                                           ("eagle3", "an EAGLE"),
-                                           ("draft_model", "a draft model")])
+@pytest.mark.parametrize("drafter, kind", [("dflash", "a DFlash draft"), ("medusa", "Medusa heads"),
+                                           ("eagle3", "an EAGLE-1 draft or an EAGLE-3 draft"),
+                                           ("draft_model", "a distilled draft model")])
 def test_resuming_a_pard_runs_folder_as_another_drafter_names_both_kinds(
         drafter, kind, tmp_path):
     target = load_target(tiny="llama")
@@ -22,7 +24,7 @@ def test_resuming_a_pard_runs_folder_as_another_drafter_names_both_kinds(
     save_draft_model(draft, None, found, target, {"num_layers": 1},
                      extra=lambda tmp: write_mask(tmp, pard))
     cfg = OmegaConf.create({"drafter": {"name": drafter}})
-    with pytest.raises(ValueError, match=f"{found} holds a PARD checkpoint, but drafter="
-                                         f"{drafter} needs {kind} one: use another out_dir, "
-                                         "or resume=false to start over"):
+    with pytest.raises(ValueError, match=re.escape(
+            f"{found} holds a PARD draft (python train.py drafter=pard), but drafter={drafter} "
+            f"needs {kind}: use another out_dir, or resume=false to start over")):
         check_resumable(found, target, {}, cfg)

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import build_drafter
+from drafters.checkpoint import RUN_CHECKPOINT
 from train.checkpoint import find_checkpoint, training_state
 from train.distill import distilled_data
 from train.distributed import DistEnv
@@ -31,7 +32,6 @@ from verify.files import read_json, write_json
 from verify.protocol import Drafter
 from verify.target import Target, load_target_from_config
 
-CHECKPOINT_DIR = "checkpoint"
 EVAL_FILE = "eval.json"
 SPEED_FILE = "speed.json"  # the last invocation's training throughput (train.loop.speed)
 
@@ -43,7 +43,7 @@ SaveCheckpoint = Callable[[Path, dict, Callable[[Path], None]], None]
 
 def checkpoint_dir(cfg: DictConfig) -> Path:
     """Where a run's checkpoint lives: loadable by the drafter, and resumed from."""
-    return Path(cfg.out_dir) / CHECKPOINT_DIR
+    return Path(cfg.out_dir) / RUN_CHECKPOINT
 
 
 def feature_sets(cfg: DictConfig, target: Target, layers: tuple[int, ...], env: DistEnv
