@@ -22,7 +22,7 @@ from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.rules import RuleConfig, rule_from_config
 from verify.sampling import SamplingParams, sample, warp
-from verify.step import TargetStep, as_step
+from verify.step import TargetStep, as_step, host_threads
 from verify.timing import Clock, device_clock
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier, context_window
@@ -138,41 +138,43 @@ def generate_batch(model: PreTrainedModel | TargetStep,
     stop = _eos_set(eos_token_id)
     features = _Features(drafter.feature_layers if drafter is not None else (), keep_states,
                          model.config.hidden_size)
-    verifier = TreeVerifier(step, features.layers)
-    verifier.compile_graphs(len(rows))  # a compiled step's graphs, once, before the clock
-    clock = device_clock(model.device)  # synchronises an accelerator before each reading
-    start = clock()
-    logits, prompt_features = verifier.prefill_batch(rows)
-    first = _first_tokens(logits, params, generator)
-    prefill_s = clock() - start
-    # a batch drafter drafts every row in step; any other drafter drafts row by row, one fork each
-    batch_drafter = drafter if isinstance(drafter, BatchDrafter) else None
-    row_drafters = [None] * len(rows) if batch_drafter else _fork(drafter, len(rows))
-    sequences = []
-    for b, (prompt, row_drafter) in enumerate(zip(rows, row_drafters)):
-        sequence = _Sequence(prompt, [first[b]], row_drafter, None,
-                             GenerationResult(torch.empty(0, dtype=torch.long),
-                                              prefill_s=prefill_s))
-        # the prompt's last state predicted the first new token
-        features.take(sequence, None if prompt_features is None else prompt_features[b], last=1)
-        sequences.append(sequence)
-    if batch_drafter is not None:
-        batch_drafter.begin_batch(rows)
-    for sequence in sequences:
-        if sequence.drafter is not None:
-            sequence.drafter.begin(sequence.prompt)
-    active = _drop_finished(verifier, batch_drafter, sequences, max_new_tokens, stop)
-    target_top_k = drafter.target_top_k if drafter is not None else 0
-    while active:
-        drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
-        _step(verifier, batch_drafter if drafting else None, active, rule, params, generator,
-              features, clock, pad_rows, drafting, target_top_k)
-        active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
-    for sequence in sequences:
-        sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
-        if keep_states:
-            sequence.result.states = torch.cat(sequence.states)[:len(sequence.result.tokens)]
-    return [sequence.result for sequence in sequences]
+    with host_threads(step):  # torch's own work beside the step's kernels
+        verifier = TreeVerifier(step, features.layers)
+        verifier.compile_graphs(len(rows))  # a compiled step's graphs, once, before the clock
+        clock = device_clock(model.device)  # synchronises an accelerator before each reading
+        start = clock()
+        logits, prompt_features = verifier.prefill_batch(rows)
+        first = _first_tokens(logits, params, generator)
+        prefill_s = clock() - start
+        # a batch drafter drafts every row in step; any other drafter drafts row by row, one
+        # fork each
+        batch_drafter = drafter if isinstance(drafter, BatchDrafter) else None
+        row_drafters = [None] * len(rows) if batch_drafter else _fork(drafter, len(rows))
+        sequences = []
+        for b, (prompt, row_drafter) in enumerate(zip(rows, row_drafters)):
+            sequence = _Sequence(prompt, [first[b]], row_drafter, None,
+                                 GenerationResult(torch.empty(0, dtype=torch.long),
+                                                  prefill_s=prefill_s))
+            # the prompt's last state predicted the first new token
+            features.take(sequence, None if prompt_features is None else prompt_features[b], last=1)
+            sequences.append(sequence)
+        if batch_drafter is not None:
+            batch_drafter.begin_batch(rows)
+        for sequence in sequences:
+            if sequence.drafter is not None:
+                sequence.drafter.begin(sequence.prompt)
+        active = _drop_finished(verifier, batch_drafter, sequences, max_new_tokens, stop)
+        target_top_k = drafter.target_top_k if drafter is not None else 0
+        while active:
+            drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
+            _step(verifier, batch_drafter if drafting else None, active, rule, params, generator,
+                  features, clock, pad_rows, drafting, target_top_k)
+            active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
+        for sequence in sequences:
+            sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)
+            if keep_states:
+                sequence.result.states = torch.cat(sequence.states)[:len(sequence.result.tokens)]
+        return [sequence.result for sequence in sequences]
 
 
 def _first_tokens(logits: torch.Tensor, params: SamplingParams,

@@ -41,6 +41,11 @@ class OpenVINOStep:
     embeddings and head; its weights are shared with the graph, not copied."""
 
     extends_prompts = True  # a paged cache takes a prompt after cached tokens
+    # torch's threads while decoding on this step (verify.step.host_threads): one. The loop's
+    # own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's OpenMP
+    # workers spinning beside the plugin's on 2 cores starved both: an EAGLE-2 decode took
+    # 5.96 s with torch on 2 threads, 3.64 s on 1 (log_softmax 2.5 ms -> 0.04 ms a call).
+    host_threads = 1
 
     def __init__(self, model: PreTrainedModel, threads: int | None = None,
                  profiling: bool = False):
@@ -51,7 +56,9 @@ class OpenVINOStep:
                              "or bfloat16 and leave target.device unset")
         self.model = model
         self.precision = PRECISIONS[model.dtype]
-        self.threads = threads  # None: torch's thread count, as the other steps use
+        # None: torch's thread count now, as the other steps use (read here, not at compile:
+        # graphs compiled while decoding, under host_threads, would get torch's one)
+        self.threads = threads or torch.get_num_threads()
         self.profiling = profiling  # the plugin counts each operator's time (operator_times)
         self._compiled: dict[tuple[int, ...], ov.CompiledModel] = {}
 
@@ -79,7 +86,7 @@ class OpenVINOStep:
             "INFERENCE_PRECISION_HINT": self.precision,
             "KV_CACHE_PRECISION": self.precision,
             "PERFORMANCE_HINT": "LATENCY",
-            "INFERENCE_NUM_THREADS": self.threads or torch.get_num_threads(),
+            "INFERENCE_NUM_THREADS": self.threads,
             "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # no int8 activations: exact f32
             "PERF_COUNT": self.profiling,
         })

@@ -22,7 +22,8 @@ PagedAttention and a tree mask, over cache blocks it owns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -185,3 +186,17 @@ def _openvino_step(model: PreTrainedModel, **options) -> TargetStep:
         raise ImportError(f"target.step=openvino needs the `openvino` package ({error}); "
                           "`make setup` installs it") from error
     return OpenVINOStep(model, **options)
+
+
+@contextmanager
+def host_threads(step: TargetStep) -> Iterator[None]:
+    """torch's thread count while decoding on `step`: its `host_threads` where it names one
+    (a step whose kernels run their own thread pool), else left as it is; restored after."""
+    wanted = getattr(step, "host_threads", None)
+    before = torch.get_num_threads()
+    if wanted is not None:
+        torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -150,3 +150,24 @@ def test_rotary_embedding_fuses_into_the_plugins_rope_kernel(arch, targets):
     layers = paged.model.config.num_hidden_layers
     assert kinds.count("RoPE") == 2 * layers
     assert "Split" not in kinds
+
+
+def test_decoding_on_the_step_runs_torch_on_one_thread_and_restores_it(targets, monkeypatch):
+    # the plugin's thread pool and torch's, both spinning on the same cores, starve each other
+    import verify.loop as loop
+
+    _, paged = targets["llama"]
+    seen, original = [], loop._step
+    monkeypatch.setattr(loop, "_step", lambda *args: seen.append(torch.get_num_threads())
+                        or original(*args))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loop.generate(paged.step, PROMPT, 4)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        eager, _ = targets["llama"]
+        seen.clear()
+        loop.generate(eager.step, PROMPT, 4)  # a step naming none leaves torch's count alone
+        assert set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)
