@@ -210,7 +210,8 @@ class PagedState:
             self._reserve(row, length + n)
             self.used[row] = length + n
         inputs = self._inputs(rows, tokens, past, sizes, offsets, masks, logit_rows)
-        self.request.infer({**inputs, **(extra or {})})
+        # share_inputs: the arrays are read in place, not copied into new tensors
+        self.request.infer({**inputs, **(extra or {})}, share_inputs=True)
 
     def _inputs(self, rows, tokens, past, sizes, depths, masks, logit_rows
                 ) -> dict[str, np.ndarray]:
