@@ -5,8 +5,9 @@ PYTHON := .venv/bin/python
 setup:
 	bash scripts/setup.sh
 
-# .venv-engines: the speculators library (pinned to an older transformers), for the test that
-# loads exported EAGLE-3 drafts with it; without it that test is skipped.
+# .venv-engines: the speculators library (pinned to an older transformers), for the tests that
+# load exported EAGLE-3 drafts with it and check our EAGLE-3 and DFlash training losses and
+# gradients against its own (tests/train/test_against_speculators.py); without it they are skipped.
 engines:
 	bash scripts/engine_env.sh
 

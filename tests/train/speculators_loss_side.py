@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 import transformers
-
 from speculators.losses import resolve_loss_config
 from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import CollateFn
