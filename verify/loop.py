@@ -165,10 +165,14 @@ def generate_batch(model: PreTrainedModel | TargetStep,
                 sequence.drafter.begin(sequence.prompt)
         active = _drop_finished(verifier, batch_drafter, sequences, max_new_tokens, stop)
         target_top_k = drafter.target_top_k if drafter is not None else 0
+        # a step that pads trees to a few shapes pads a drafting decode's root-only steps too
+        tree_width = (max(pad_rows, getattr(step, "drafting_width", 1)) if drafter is not None
+                      else pad_rows)
         while active:
             drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
             _step(verifier, batch_drafter if drafting else None, active, rule, params, generator,
-                  features, clock, pad_rows, drafting, target_top_k)
+                  features, clock, tree_width if drafting else pad_rows, drafting,
+                  target_top_k)
             active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
         for sequence in sequences:
             sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)

@@ -32,6 +32,12 @@ from verify.openvino_graph import build_graph, check_supported, rotary_tables
 from verify.tree import TreeBatch
 
 PRECISIONS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Tree widths a drafting decode's forwards are padded up to (padding nodes see only themselves
+# and are discarded): every change of a forward's shape makes the plugin re-prepare its dynamic
+# graph, which cost the next step 2.8 ms in float32 and 8.8 ms in bfloat16 here (t(1) 27.2
+# against 24.4 ms back to back; 26.1 against 17.3), while 4 nodes cost what 1 does (24.7,
+# 16.6 ms): experiments/reports/openvino-step-shapes. Plain decoding stays at one node.
+WIDTHS = (4, 8, 16, 32, 64)
 MIN_BLOCKS = 16  # blocks the pool starts with; it doubles when full
 
 
@@ -48,7 +54,7 @@ class OpenVINOStep:
     host_threads = 1
 
     def __init__(self, model: PreTrainedModel, threads: int | None = None,
-                 profiling: bool = False):
+                 profiling: bool = False, widths: Sequence[int] = WIDTHS):
         check_supported(model)
         if model.dtype not in PRECISIONS or model.device.type != "cpu":
             raise ValueError(f"target.step=openvino runs float32 or bfloat16 on the CPU, not "
@@ -60,17 +66,24 @@ class OpenVINOStep:
         # graphs compiled while decoding, under host_threads, would get torch's one)
         self.threads = threads or torch.get_num_threads()
         self.profiling = profiling  # the plugin counts each operator's time (operator_times)
+        self.widths = tuple(sorted(widths))
+        # the least width a drafting decode's steps run at, root-only ones too (verify.loop)
+        self.drafting_width = self.widths[0] if self.widths else 1
         self._compiled: dict[tuple[int, ...], ov.CompiledModel] = {}
 
     def width_for(self, rows: int, width: int) -> int:
-        return width  # rows run unpadded: no width to round up to
+        """A tree's width rounded up to WIDTHS (a plain step's one node and wider trees
+        as they are)."""
+        if width == 1:
+            return width
+        return min((w for w in self.widths if w >= width), default=width)
 
     def has_graphs(self, rows: int, features: bool) -> bool:
         return True  # a state compiles its graph when made, before any decode is timed
 
     def new_state(self, feature_layers: tuple[int, ...]) -> PagedState:
         return PagedState(self.compiled(feature_layers), self.model.model.rotary_emb,
-                          self.model.dtype, feature_layers)
+                          self.model.dtype, feature_layers, self.widths)
 
     def compiled(self, feature_layers: tuple[int, ...]) -> ov.CompiledModel:
         """The graph with these hidden states as outputs, compiled once (about a second for
@@ -117,8 +130,9 @@ class PagedState:
     whose inverse frequencies give the positions' tables; `dtype`: the features'."""
 
     def __init__(self, compiled: ov.CompiledModel, rotary: torch.nn.Module, dtype: torch.dtype,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), widths: tuple[int, ...] = ()):
         self.rotary, self.dtype = RotaryTables(rotary), dtype
+        self.widths = widths  # trees this wide run with their padding (OpenVINOStep.width_for)
         self.feature_layers = feature_layers
         self.request = compiled.create_infer_request()
         self.cache_names = [port.get_any_name() for port in compiled.inputs
@@ -172,8 +186,10 @@ class PagedState:
 
     def run_trees(self, batch: TreeBatch, lengths: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each row's real nodes only (no padding run); the outputs padded back to (B, N)."""
-        sizes = batch.sizes.tolist()
+        """Each row's real nodes only, the outputs padded back to (B, N); at one of `widths`,
+        every row's N nodes, padding too (one shape, step after step)."""
+        sizes = [batch.width] * len(batch.sizes) if batch.width in self.widths else \
+            batch.sizes.tolist()
         tokens = torch.cat([batch.tokens[b, :n] for b, n in enumerate(sizes)])
         masks = [batch.ancestors[b, :n, :n].numpy().astype(np.uint8)
                  for b, n in enumerate(sizes)]
