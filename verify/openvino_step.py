@@ -36,8 +36,12 @@ PRECISIONS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # and are discarded): every change of a forward's shape makes the plugin re-prepare its dynamic
 # graph, which cost the next step 2.8 ms in float32 and 8.8 ms in bfloat16 here (t(1) 27.2
 # against 24.4 ms back to back; 26.1 against 17.3), while 4 nodes cost what 1 does (24.7,
-# 16.6 ms): experiments/reports/openvino-step-shapes. Plain decoding stays at one node.
-WIDTHS = (4, 8, 16, 32, 64)
+# 16.6 ms): experiments/reports/openvino-step-shapes. So root-only steps and trees of 2-4
+# nodes run at 4; a larger tree runs as it is (padded to 8, EAGLE-2's fixed 5 nodes cost
+# 25.0 ms a step against ~22: experiments/reports/draft-step), since drafters whose trees
+# vary mostly propose 1-4 nodes (suffix, prompt lookup, the hybrid: 85-97% of steps) and the
+# others propose one fixed size. Plain decoding stays at one node.
+WIDTHS = (4,)
 MIN_BLOCKS = 16  # blocks the pool starts with; it doubles when full
 
 
