@@ -110,12 +110,13 @@ def test_peer_rows_in_the_readme_block_are_over_treedrafts_plain_loop(tmp_path):
 
 def test_the_headline_is_one_peers_run_over_its_plain_loop_and_its_fastest_engine(tmp_path):
     rows = [{"method": "treedraft/plain_loop", "engine": "treedraft", "tokens_per_s": 10.0,
-             "tokens_per_step": 1.0, "identical": 1.0},
+             "tokens_per_step": 1.0, "identical": 1.0, "speedup_over_treedraft_plain": 1.0},
             {"method": "treedraft/eagle/eagle2", "engine": "treedraft", "tokens_per_s": 14.0,
-             "tokens_per_step": 1.8, "identical": 1.0},
+             "tokens_per_step": 1.8, "identical": 1.0, "speedup_over_treedraft_plain": 1.4},
             {"method": "openvino/prompt_lookup", "engine": "openvino", "tokens_per_s": 20.0,
-             "identical": 1.0},
-            {"method": "vllm/plain", "engine": "vllm", "tokens_per_s": 8.0, "identical": 0.5},
+             "identical": 1.0, "speedup_over_treedraft_plain": 2.0},
+            {"method": "vllm/plain", "engine": "vllm", "tokens_per_s": 8.0, "identical": 0.5,
+             "speedup_over_treedraft_plain": 0.8},
             {"method": "vllm/suffix", "engine": "vllm", "status": "not run: no"}]
     _report(tmp_path / "reports", "peers/p.json", rows)
     src = tmp_path / "src"
