@@ -120,7 +120,7 @@ run_step() {
   run_measured_step "$1" "" "${@:2}"
 }
 
-# run_measured_step NAME JSON COMMAND...: as run_step, except that exit status 1 with JSON
+# run_measured_step NAME JSON COMMAND...: as run_step, except that exit status 1 with JSON (a glob)
 # written is a check that failed (recorded, the script goes on), not a crash: the correctness
 # command writes its rows, then exits 1 when one fails.
 run_measured_step() {
@@ -130,7 +130,8 @@ run_measured_step() {
   printf '\n== %s: %s\n' "$name" "$*"
   "$@" 2>&1 | tee "$OUT/logs/$name.log" || status=$?
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$started" "$EPOCHREALTIME" "$*" >> "$STEPS"
-  if (( status != 0 )) && ! [[ $status == 1 && -n "$json" && -f "$json" ]]; then
+  if (( status != 0 )) && ! { [[ $status == 1 && -n "$json" ]] && compgen -G "$json" >/dev/null; }
+  then
     echo "gpu_check: step $name failed (exit $status); its log: $OUT/logs/$name.log" >&2
     exit "$status"
   fi
@@ -172,13 +173,17 @@ EAGLE_CHECKPOINT="$OUT/train/eagle/checkpoint"
 
 # 5. Correctness rows: greedy identity with Hugging Face greedy on the GPU, per dtype.
 correctness_row() {  # correctness_row DRAFTER TREE DTYPE [OVERRIDE...]
-  local drafter=$1 tree=$2 dtype=$3 json="$OUT/correctness/$3/$1-$2.json"
+  # each row in a folder of its own (the report's name carries the target and settings), its
+  # JSON then moved to correctness/<dtype>/<drafter>-<tree>.json, where summary.json reads it
+  local drafter=$1 tree=$2 dtype=$3 dir="$OUT/correctness/$3/$1-$2"
   shift 3
-  rm -f "$json"  # a row left by an earlier run must not pass for this one's
-  run_measured_step "correctness-$drafter-$dtype" "$json" "$PYTHON" -m experiments.correctness \
+  rm -rf "$dir" "$dir.json"  # a row left by an earlier run must not pass for this one's
+  run_measured_step "correctness-$drafter-$dtype" "$dir/*.json" "$PYTHON" \
+    -m experiments.correctness \
     target="$CHECK_TARGET" target.device="$DEVICE" target.dtype="$dtype" \
     drafter="$drafter" tree="$tree" "$@" distribution.enabled=false chain.enabled=false \
-    "${GREEDY[@]}" out_dir="$OUT/correctness/$dtype" "$(hydra "correctness-$drafter-$dtype")"
+    "${GREEDY[@]}" out_dir="$dir" "$(hydra "correctness-$drafter-$dtype")"
+  mv "$dir"/*.json "$dir.json" && rm -rf "$dir"
 }
 for dtype in float32 bfloat16; do
   correctness_row prompt_lookup tree8 "$dtype"
