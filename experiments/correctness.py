@@ -184,6 +184,9 @@ def _distribution_rows(cfg: DictConfig) -> list[dict]:
     # overrides sized for the tiny target, for the keys this drafter has
     overrides = {k: v for k, v in dist.drafter_overrides.items() if k in cfg.drafter}
     drafter_cfg = OmegaConf.merge(cfg.drafter, overrides)
+    # a fresh draft's weights come from torch's global generator: seeded, so that the rows
+    # (and how far a control lands from the target) do not depend on what ran before
+    torch.manual_seed(dist.seed)
     drafter = build_drafter(drafter_cfg, cfg.tree, small)
     params = SamplingParams(dist.temperature, dist.top_k, dist.top_p)
     # a repeating prompt, so that n-gram drafters find matches too
