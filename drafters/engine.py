@@ -48,7 +48,32 @@ from verify.protocol import DraftContext, DraftStats
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 
-class DraftEngine:
+class RowLengths:
+    """What every draft engine keeps per row: `lengths[b]`, its committed entries."""
+
+    lengths: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        """Committed entries of the only row (B = 1)."""
+        if self.rows != 1:
+            raise ValueError(f"`length` is for one sequence; this engine has {self.rows}")
+        return int(self.lengths[0])
+
+    def _cropped(self, lengths: Sequence[int]) -> torch.Tensor:
+        """`lengths` as the rows' new committed counts, refused unless each keeps a prefix."""
+        lengths = torch.as_tensor(list(lengths), dtype=torch.long)
+        if len(lengths) != self.rows or bool((lengths > self.lengths).any()):
+            raise ValueError(f"cannot crop {self.lengths.tolist()} committed entries to "
+                             f"{lengths.tolist()}")
+        return lengths
+
+
+class DraftEngine(RowLengths):
     """A draft KV cache: per row, `lengths[b]` committed entries, then the fed nodes of its
     current tree (`fed[b]`: tree node -> cache slot)."""
 
@@ -70,17 +95,6 @@ class DraftEngine:
         self._block_start = 0  # where the last `chains` block begins
 
     @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def length(self) -> int:
-        """Committed entries of the only row (B = 1)."""
-        if self.rows != 1:
-            raise ValueError(f"`length` is for one sequence; this engine has {self.rows}")
-        return int(self.lengths[0])
-
-    @property
     def size(self) -> int:
         """Cache slots in use (committed, fed and stale)."""
         return self.cache.get_seq_length()
@@ -98,11 +112,7 @@ class DraftEngine:
 
     def crop_rows(self, lengths: Sequence[int]) -> None:
         """Keep row b's first lengths[b] committed entries only (drops every tree too)."""
-        lengths = torch.as_tensor(list(lengths), dtype=torch.long)
-        if len(lengths) != self.rows or bool((lengths > self.lengths).any()):
-            raise ValueError(f"cannot crop {self.lengths.tolist()} committed entries to "
-                             f"{lengths.tolist()}")
-        self.lengths = lengths
+        self.lengths = self._cropped(lengths)
         self._trim()
 
     def rollback(self) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import openvino as ov
 import torch
 
+from drafters.engine import RowLengths
 from verify.openvino_step import PagedState
 
 # A row's level answer: the states its new nodes predict (n, H) or None, and their float
@@ -40,7 +41,7 @@ class FedNode(NamedTuple):
     state: torch.Tensor | None
 
 
-class PagedDraftEngine:
+class PagedDraftEngine(RowLengths):
     """B rows of draft cache on a compiled draft graph: inputs as verify.openvino_graph's, plus
     `draft_states` (rows, H') for a draft that reads states (EAGLE's inputs, DFlash's context
     features); outputs `logits` (R, V') and, for a draft that predicts states, `hidden` (R, H)
@@ -66,17 +67,6 @@ class PagedDraftEngine:
         self.fed: list[list[FedNode]] = [[] for _ in range(rows)]
 
     @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def length(self) -> int:
-        """Committed entries of the only row (B = 1)."""
-        if self.rows != 1:
-            raise ValueError(f"`length` is for one sequence; this engine has {self.rows}")
-        return int(self.lengths[0])
-
-    @property
     def size(self) -> int:
         """Cache slots in use (committed and fed)."""
         return max((int(n) + len(fed) for n, fed in zip(self.lengths, self.fed)), default=0)
@@ -87,11 +77,7 @@ class PagedDraftEngine:
 
     def crop_rows(self, lengths: Sequence[int]) -> None:
         """Keep row b's first lengths[b] committed entries only (drops every tree too)."""
-        lengths = torch.as_tensor(list(lengths), dtype=torch.long)
-        if len(lengths) != self.rows or bool((lengths > self.lengths).any()):
-            raise ValueError(f"cannot crop {self.lengths.tolist()} committed entries to "
-                             f"{lengths.tolist()}")
-        self.lengths = lengths
+        self.lengths = self._cropped(lengths)
         self.rollback()
 
     def rollback(self) -> None:
