@@ -204,18 +204,22 @@ class DraftEngine(RowLengths):
         """Keep, per row, the fed entries of the accepted paths[b] (root first; the root is
         committed already) and drop the rest of the trees; returns how many entries each row
         committed. A path's fed nodes are a prefix of it: a node is fed only after its parent."""
-        sources = []
-        for fed, path in zip(self.fed, paths, strict=True):
-            slots = []
-            for node in path[1:]:
-                if node not in fed:
-                    break
-                slots.append(fed[node])
-            sources.append(slots)
+        sources = [fed_prefix(fed, path) for fed, path in zip(self.fed, paths, strict=True)]
         move_entries(self.cache, self.lengths, sources)
         self.lengths = self.lengths + torch.tensor([len(s) for s in sources], dtype=torch.long)
         self.fed = [{} for _ in range(self.rows)]
         return [len(s) for s in sources]
+
+
+def fed_prefix(slots: dict[int, int], path: Sequence[int]) -> list[int]:
+    """The slots of the fed nodes that begin an accepted `path` (root first, not counted):
+    a node is fed only after its parent, so they end at its first unfed node."""
+    prefix = []
+    for node in path[1:]:
+        if node not in slots:
+            break
+        prefix.append(slots[node])
+    return prefix
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

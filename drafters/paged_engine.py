@@ -23,7 +23,7 @@ import numpy as np
 import openvino as ov
 import torch
 
-from drafters.engine import RowLengths
+from drafters.engine import RowLengths, fed_prefix
 from verify.openvino_step import PagedState
 
 # A row's level answer: the states its new nodes predict (n, H) or None, and their float
@@ -192,15 +192,9 @@ class PagedDraftEngine(RowLengths):
         """Keep, per row, the fed entries of the accepted paths[b] (root first, committed
         already): the path's fed prefix moves down to the committed slots; the rest of the
         trees is dropped. Returns how many entries each row committed."""
-        moves = []
-        for fed, path in zip(self.fed, paths, strict=True):
-            slot = {node.node: offset for offset, node in enumerate(fed) if node.node >= 0}
-            offsets = []
-            for node in path[1:]:
-                if node not in slot:
-                    break
-                offsets.append(slot[node])
-            moves.append(offsets)
+        moves = [fed_prefix({node.node: offset for offset, node in enumerate(fed)
+                             if node.node >= 0}, path)
+                 for fed, path in zip(self.fed, paths, strict=True)]
         self.state.keep_paths(self.lengths, moves)
         counts = [len(offsets) for offsets in moves]
         self.lengths = self.lengths + torch.tensor(counts, dtype=torch.long)
