@@ -2,6 +2,7 @@
 Tests marked `cuda` run on a CUDA GPU and are skipped without one."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,3 +39,20 @@ def pytest_collection_modifyitems(config, items):
 def cuda_device() -> torch.device:
     """The device a `cuda`-marked test runs on: the GPU, or $TREEDRAFT_CUDA_TEST_DEVICE."""
     return cuda_test_device()
+
+
+# The engines' environment (`make engines`: speculators with its own transformers pin), where
+# the tests that check our exports and losses against speculators run their other side
+ENGINE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-engines" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    """.venv-engines' python; the test is skipped without it, or fails where CI requires it
+    (TREEDRAFT_REQUIRE_ENGINES=1)."""
+    if not ENGINE_PYTHON.exists():
+        message = f"{ENGINE_PYTHON} missing: run scripts/engine_env.sh"
+        if os.environ.get("TREEDRAFT_REQUIRE_ENGINES") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return ENGINE_PYTHON

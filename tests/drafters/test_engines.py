@@ -19,19 +19,7 @@ from drafters.export import export_speculators_eagle3
 from experiments.export import logit_gap
 from tests.drafters.test_export import randomize
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
 SIDE = Path(__file__).with_name("speculators_side.py")
-
-
-@pytest.fixture(scope="module")
-def engine_python():
-    if not ENGINE_PYTHON.exists():
-        message = f"{ENGINE_PYTHON} missing: run scripts/engine_env.sh"
-        if os.environ.get("TREEDRAFT_REQUIRE_ENGINES") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return ENGINE_PYTHON
 
 
 def run_speculators(engine_python, folder, inputs, tmp_path):

@@ -98,8 +98,6 @@ from train.dflash import DFlashLoss, block_rows, position_weights
 from train.eagle import EagleLoss
 from verify.target import load_target
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
 SIDE = Path(__file__).with_name("speculators_loss_side.py")
 LAYERS = (0, 1, 2)  # auxiliary states: HF hidden-state indices (the export's convention)
 VOCAB = torch.arange(5, 250, 2)  # a draft vocabulary: d2t / t2d in play
@@ -111,16 +109,6 @@ TOL = 1e-5  # relative, float32
 CONTROL_LOSS, CONTROL_GRAD = 10 * TOL, 0.1
 TTT_STEPS, STEP_DECAY = 3, 0.8
 BLOCK, DFLASH_LAYERS, GAMMA = 4, 2, 4.0
-
-
-@pytest.fixture(scope="module")
-def engine_python():
-    if not ENGINE_PYTHON.exists():
-        message = f"{ENGINE_PYTHON} missing: run scripts/engine_env.sh"
-        if os.environ.get("TREEDRAFT_REQUIRE_ENGINES") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return ENGINE_PYTHON
 
 
 @functools.cache
