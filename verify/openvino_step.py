@@ -53,8 +53,9 @@ class OpenVINOStep:
     extends_prompts = True  # a paged cache takes a prompt after cached tokens
     # torch's threads while decoding on this step (verify.step.host_threads): one. The loop's
     # own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's OpenMP
-    # workers spinning beside the plugin's on 2 cores starved both: an EAGLE-2 decode took
-    # 5.96 s with torch on 2 threads, 3.64 s on 1 (log_softmax 2.5 ms -> 0.04 ms a call).
+    # workers spinning beside the plugin's on 2 cores starved both: in a profile taken while
+    # a training run shared the cores, an EAGLE-2 decode took 5.96 s with torch on 2 threads,
+    # 3.64 s on 1 (log_softmax 2.5 ms -> 0.04 ms a call).
     host_threads = 1
 
     def __init__(self, model: PreTrainedModel, threads: int | None = None,
