@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import experiments.peers as peers
 from experiments.common import CONF_DIR
-from tests.experiments.test_processes import alive, worker_pid
+from tests.experiments.test_processes import ends, worker_pid
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"
@@ -204,7 +204,7 @@ def test_a_runner_past_its_timeout_is_killed_with_the_workers_it_started(tmp_pat
     result = peers.run_engine_method("spawning", python, {"method": {"name": "plain"}}, 3,
                                      tmp_path)
     assert result == {"error": "no result within timeout_s=3"}
-    assert not alive(worker_pid(pid_file))
+    assert ends(worker_pid(pid_file))
 
 
 def test_an_engines_draft_model_method_gets_the_targets_first_layers_as_a_folder(tmp_path):
