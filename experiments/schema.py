@@ -364,6 +364,8 @@ class StepLimitConfig:
     operators: int = MISSING
     bandwidth_gib: float = MISSING
     bandwidth_repeats: int = MISSING
+    venvs: str = MISSING
+    optimum_timeout_s: float = MISSING
     out_dir: str = MISSING
     plot: bool = MISSING
 

@@ -17,7 +17,10 @@ pre-packed (`target.packed_rows=auto` in float32: MKL row counts; `onednn` in bf
 `compiled`, `target.step=compiled` (verify/compiled.py), whose compile time is printed and
 saved (`compile_s`, every graph's first call: compiling, or loading inductor's disk cache);
 `compiled_one_graph`, the same with one-token steps through the tree graph; and `openvino`,
-`target.step=openvino` (verify/openvino_step.py: OpenVINO's CPU kernels, paged attention).
+`target.step=openvino` (verify/openvino_step.py: OpenVINO's CPU kernels, paged attention);
+and `optimum`, the graph optimum-intel exports, timed on the same kernels, threads and
+precision by experiments/peer_runners/openvino_step_runner.py in OpenVINO's own environment
+(`venvs`/openvino, `bash scripts/peers.sh openvino`): the graph the openvino step is held to.
 On a machine where a step streams its weights, t(1) / limit says how much of the step is
 something else (attention over the cache, norms, rotary, Python and dispatch), and
 t(8) / t(1) how far a wider step is from free. Writes JSON (one row per dtype and step
@@ -26,7 +29,9 @@ option) and a PNG under `out_dir`.
 
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -35,11 +40,13 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
 from experiments.common import CONF_DIR, check_report, report_name, save_figure, write_report
+from experiments.peers import REPO, RUNNERS, failure_reason, model_folder
+from experiments.processes import run_group
 from experiments.table import cell, markdown_table
 from verify.compiled import CompiledStep
 from verify.costs import measure_verify_cost, time_step
 from verify.step import TargetStep
-from verify.target import load_target_from_config
+from verify.target import Target, load_target_from_config
 from verify.timing import device_clock
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
@@ -83,8 +90,10 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10, device: torch.device | s
 
 # Step options: eager, the model's own products; packed, its weights pre-packed as
 # target.packed_rows sets per dtype (verify/packed.py); compiled, target.step=compiled.
-# compiled and compiled_one_graph, target.step as named; openvino, OpenVINO's kernels.
-STEPS = ("eager", "packed", "compiled", "compiled_one_graph", "openvino")
+# compiled and compiled_one_graph, target.step as named; openvino, OpenVINO's kernels;
+# optimum, the graph optimum-intel exports, on the same kernels (experiments/peer_runners/
+# openvino_step_runner.py, in OpenVINO's own environment): what target.step=openvino is held to.
+STEPS = ("eager", "packed", "compiled", "compiled_one_graph", "openvino", "optimum")
 TORCH_STEPS = ("eager", "packed", "compiled", "compiled_one_graph")  # torch.profiler sees these
 PACKED = {"float32": "auto", "bfloat16": "onednn"}
 
@@ -97,19 +106,22 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
         raise ValueError(f"no packed step for {dtype}; packed: {sorted(PACKED)}")
     target = load_target_from_config(cfg.target, dtype=dtype,
                                      packed_rows=PACKED[dtype] if step == "packed" else None,
-                                     step="eager" if step == "packed" else step)
+                                     step="eager" if step in ("packed", "optimum") else step)
     weights = weight_bytes(target.model)
     cache = kv_bytes(target.model, cfg.context_len)
-    cost = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats)
-    fixed = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats,
-                                interleave=False)
     operators = None
-    if cfg.operators:
-        timer = operator_times if step in TORCH_STEPS else openvino_operator_times
-        operators = timer(target.step, cfg.context_len, cfg.repeats, cfg.operators)
+    if step == "optimum":
+        t_ms, fixed_ms = optimum_times(cfg, target, dtype)
+    else:
+        cost = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats)
+        fixed = measure_verify_cost(target.step, cfg.sizes, cfg.context_len, cfg.repeats,
+                                    interleave=False)
+        t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
+        fixed_ms = {n: 1000 * seconds for n, seconds in fixed.items()}
+        if cfg.operators:
+            timer = operator_times if step in TORCH_STEPS else openvino_operator_times
+            operators = timer(target.step, cfg.context_len, cfg.repeats, cfg.operators)
     limit_ms = 1000 * (weights + cache) / bandwidth
-    t_ms = {n: 1000 * seconds for n, seconds in cost.items()}
-    fixed_ms = {n: 1000 * seconds for n, seconds in fixed.items()}
     compiled = target.step if isinstance(target.step, CompiledStep) else None
     return {"dtype": dtype, "step": step, "weight_bytes": weights, "kv_bytes": cache,
             "bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "t_ms": t_ms,
@@ -118,6 +130,41 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
             "t8_over_t1": t_ms[8] / t_ms[1] if 8 in t_ms else None,
             "compile_s": sum(compiled.compile_s.values()) if compiled else None,
             "operators_ms": operators}
+
+
+def optimum_python(cfg: DictConfig) -> Path:
+    """OpenVINO's own environment, where the `optimum` row runs; refused by name before
+    anything loads when it is not installed."""
+    python = (REPO / cfg.venvs / "openvino" / "bin" / "python").absolute()
+    if "optimum" in cfg.steps and not python.is_file():
+        raise ValueError(f"the optimum step runs in OpenVINO's own environment, and {python} is "
+                         "missing: install it with `bash scripts/peers.sh openvino`, or leave "
+                         "optimum out of steps")
+    return python
+
+
+def optimum_times(cfg: DictConfig, target: Target, dtype: str
+                  ) -> tuple[dict[int, float], dict[int, float]]:
+    """t(n) ms of optimum-intel's exported graph (sizes taking turns, then back to back), on
+    the threads target.step=openvino would use, timed by its runner in OpenVINO's
+    environment."""
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        request = {"model": model_folder(target, scratch), "work_dir": str(scratch),
+                   "dtype": dtype, "threads": torch.get_num_threads(),
+                   "context_len": cfg.context_len, "sizes": list(cfg.sizes),
+                   "repeats": cfg.repeats}
+        (scratch / "request.json").write_text(json.dumps(request))
+        runner = RUNNERS / "openvino_step_runner.py"
+        done = run_group([str(optimum_python(cfg)), str(runner), str(scratch / "request.json"),
+                          str(scratch / "result.json")], cfg.optimum_timeout_s, cwd=scratch)
+        if done is None or done[0] != 0:
+            reason = (f"no result within optimum_timeout_s={cfg.optimum_timeout_s}"
+                      if done is None else failure_reason(done[1], done[0]))
+            raise RuntimeError(f"the optimum step's runner failed: {reason}")
+        result = json.loads((scratch / "result.json").read_text())
+    return tuple({int(n): ms for n, ms in result[key].items()}
+                 for key in ("t_ms", "t_fixed_ms"))
 
 
 @torch.no_grad()
@@ -229,6 +276,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     if 1 not in cfg.sizes:
         raise ValueError(f"sizes must include 1, the step the limit bounds; got {cfg.sizes}")
+    optimum_python(cfg)  # a missing environment, before anything loads
     stem = report_name(cfg, "step-limit")
     check_report(cfg.out_dir, stem, cfg)
     bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats,

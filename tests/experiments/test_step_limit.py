@@ -89,3 +89,29 @@ def test_sizes_take_turns_or_run_back_to_back(interleave, order, monkeypatch):
     cost = costs.measure_verify_cost(load_target(tiny="llama").step, [1, 8], 8, repeats=2,
                                      interleave=interleave)
     assert seen == order and cost == {1: 1.0, 8: 1.0}
+
+
+def test_the_optimum_row_without_openvinos_environment_is_refused_before_anything_loads(
+        tmp_path):
+    from experiments.step_limit import optimum_python
+
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("step_limit", ["target=tiny_llama", "steps=[openvino,optimum]",
+                                     f"venvs={tmp_path}"])
+    with pytest.raises(ValueError, match=r"optimum step runs in OpenVINO's own environment.*"
+                                         r"scripts/peers.sh openvino"):
+        optimum_python(cfg)
+
+
+def test_the_optimum_row_times_optimums_exported_graph(tmp_path):
+    """The real runner, in the real environment: t(n) for each size, both orders."""
+    from experiments.peers import REPO
+
+    if not (REPO / ".venv-peers" / "openvino" / "bin" / "python").is_file():
+        pytest.skip("OpenVINO's environment is not installed (bash scripts/peers.sh openvino)")
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("step_limit", ["target=tiny_llama", "steps=[optimum]", "sizes=[1,4]",
+                                     "context_len=16", "repeats=2"])
+    row = limit_row(cfg, "float32", "optimum", bandwidth=1e10)
+    assert set(row["t_ms"]) == set(row["t_fixed_ms"]) == {1, 4}
+    assert all(t > 0 for t in [*row["t_ms"].values(), *row["t_fixed_ms"].values()])
