@@ -33,7 +33,7 @@ from drafters.block import DDTree
 from drafters.dynamic_tree import DynamicTree
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts
-from verify.target import Target
+from verify.target.model import Target
 from verify.tree import TreeError, TreeTopology
 
 TreePolicy = TreeTopology | DynamicTree | DDTree

@@ -24,9 +24,9 @@ import torch
 from transformers import PreTrainedModel
 
 from verify.costs import load_costs, measure_verify_cost
-from verify.step import TargetStep, as_step
+from verify.target.model import context_window
+from verify.target.step import TargetStep, as_step
 from verify.tree import TokenTree, TreeError
-from verify.verifier import context_window
 
 
 @dataclass(frozen=True, eq=False)  # t_ms is a dict: hashed by identity

@@ -42,10 +42,10 @@ from drafters.checkpoint import (
 from drafters.config import typed_config
 from drafters.eagle3_layer import eagle3_layer_config
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
-from verify.features import eagle3_layers, num_layers, resolve_layers
-from verify.files import load_tensors
 from verify.protocol import DraftContext
-from verify.target import Target
+from verify.target.features import eagle3_layers, num_layers, resolve_layers
+from verify.target.files import load_tensors
+from verify.target.model import Target
 
 WEIGHTS_FILE = "draft.safetensors"
 MASK = -1  # a block token id meaning "to predict": its input is the learned mask embedding

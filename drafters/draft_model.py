@@ -35,13 +35,12 @@ from drafters.dynamic_tree import DynamicTree
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
 from drafters.vocab import check_vocab_ids, copy_linear
 from verify.accept import Acceptance
-from verify.files import load_tensors, read_json, write_atomically
-from verify.hf_state import batched_forward
-from verify.loading import load_causal_lm, load_tokenizer, pretrained_source
 from verify.protocol import DraftContext
-from verify.target import Target
+from verify.target.files import load_tensors, read_json, write_atomically
+from verify.target.hf_state import batched_forward
+from verify.target.loading import load_causal_lm, load_tokenizer, pretrained_source
+from verify.target.model import Target, context_window
 from verify.tree import TokenTree, TreeError, TreeTopology
-from verify.verifier import context_window
 
 # A distilled draft's vocab_ids (V',). JSON, not safetensors: engines (vLLM) load every
 # *.safetensors file of a model folder as weights and refuse one that holds no parameter.

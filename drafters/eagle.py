@@ -46,12 +46,11 @@ from drafters.dynamic_tree import DynamicTree
 from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
-from verify.features import LAST, eagle3_layers, num_layers, resolve_layers
-from verify.files import load_tensors
 from verify.protocol import DraftContext
-from verify.target import Target
+from verify.target.features import LAST, eagle3_layers, num_layers, resolve_layers
+from verify.target.files import load_tensors
+from verify.target.model import Target, context_window
 from verify.tree import TreeTopology
-from verify.verifier import context_window
 
 VARIANTS = ("eagle1", "eagle3")
 INPUTS = ("both", "tokens", "features")  # what the draft reads; the last two are ablations

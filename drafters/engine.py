@@ -36,7 +36,8 @@ from drafters.dynamic_tree import DynamicTree, draft_log_probs
 from drafters.tree_steps import Steps, check_depth, fill_steps, relay, run_lockstep
 from drafters.vocab import target_ids, to_target_vocab
 from verify.accept import Acceptance
-from verify.cache import (
+from verify.protocol import DraftContext, DraftStats
+from verify.target.cache import (
     allocated_bytes,
     cache_rows_alone,
     check_full_attention,
@@ -44,7 +45,6 @@ from verify.cache import (
     new_cache,
     trim,
 )
-from verify.protocol import DraftContext, DraftStats
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 

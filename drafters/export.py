@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from drafters.checkpoint import check_target, target_record
 from drafters.eagle import EagleDraft
 from drafters.medusa import MedusaHeads
-from verify.files import (
+from verify.target.files import (
     UnreadableFileError,
     check_tensors,
     load_tensors,
@@ -52,7 +52,7 @@ from verify.files import (
     write_atomically,
     write_json,
 )
-from verify.target import Target
+from verify.target.model import Target
 
 VLLM_WEIGHTS = "model.safetensors"
 SPECULATORS_SCHEMA = "0.7.0"  # the speculators release whose eagle3 format this writes

@@ -45,8 +45,8 @@ from drafters.export import (
     read_speculators,
     write_folder,
 )
-from verify.files import check_tensors
-from verify.target import Target
+from verify.target.files import check_tensors
+from verify.target.model import Target
 
 MASK_FILE = "mask_embedding.pt"
 NOT_WEIGHTS = ("vocab_ids", "mask_embedding")  # written as d2t/t2d and MASK_FILE instead

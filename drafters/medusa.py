@@ -35,10 +35,10 @@ from drafters.checkpoint import (
 from drafters.config import typed_config
 from drafters.tree_steps import add_children, check_depth
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
-from verify.features import LAST
-from verify.files import load_tensors
 from verify.protocol import DraftContext
-from verify.target import Target
+from verify.target.features import LAST
+from verify.target.files import load_tensors
+from verify.target.model import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 WEIGHTS_FILE = "heads.safetensors"

@@ -20,7 +20,8 @@ import openvino.opset16 as ops
 import torch
 
 from drafters.dflash import DFlashDraft, DFlashDrafter
-from verify.openvino_graph import (
+from verify.protocol import DraftContext
+from verify.target.openvino_graph import (
     F32,
     I64,
     attention_shape,
@@ -31,8 +32,7 @@ from verify.openvino_graph import (
     rms_norm,
     rotate,
 )
-from verify.openvino_step import OpenVINOStep, RotaryTables
-from verify.protocol import DraftContext
+from verify.target.openvino_step import OpenVINOStep, RotaryTables
 
 
 def _parameter(name: str, kind: ov.Type, shape: list[int]) -> ov.Node:

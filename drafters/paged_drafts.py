@@ -4,7 +4,7 @@
 Why: beside a target step on OpenVINO (~20 ms here), a draft forward in PyTorch eager cost
 7-11 ms (issue 55), so the tree search kept the learned drafts at two nodes. Here the draft's
 forward is a paged graph built from its own weights with the target's graph pieces
-(verify.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention), compiled by
+(verify.target.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention), compiled by
 the target's step (its precision and threads), and run by drafters.paged_engine. Everything
 above the forward (catch-up spans, tree policies, commits) is the PyTorch drafter's own: these
 classes override only the two forwards.
@@ -26,7 +26,9 @@ from drafters.engine import LevelAnswer, LevelRequest
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from drafters.paged_engine import PagedDraftEngine
 from drafters.pard import PardDraft, PardDrafter, common_prefix
-from verify.openvino_graph import (
+from verify.protocol import DraftContext
+from verify.target.model import Target
+from verify.target.openvino_graph import (
     F32,
     attention_shape,
     build_graph,
@@ -39,9 +41,7 @@ from verify.openvino_graph import (
     rms_norm,
     rope_inputs,
 )
-from verify.openvino_step import OpenVINOStep
-from verify.protocol import DraftContext
-from verify.target import Target
+from verify.target.openvino_step import OpenVINOStep
 from verify.tree import TreeTopology
 
 STEPS = ("torch", "openvino")  # drafter.step values; null follows the target's step
@@ -62,7 +62,7 @@ def draft_step(requested: str | None, target: Target, name: str) -> str:
 
 
 def eagle_graph(draft: EagleDraft) -> ov.Model:
-    """EAGLE's draft forward over a paged cache: inputs as verify.openvino_graph's plus
+    """EAGLE's draft forward over a paged cache: inputs as verify.target.openvino_graph's plus
     `draft_states` (T, H), the fused target features or the draft's own outputs; outputs at
     the logit rows `hidden` (R, H), what drafter.eagle's forward returns, and `logits`
     (R, V') over the draft vocabulary."""

@@ -36,9 +36,9 @@ from drafters.checkpoint import check_kind
 from drafters.config import typed_config
 from drafters.draft_model import DraftModelConfig, load_draft_model, truncated_copy
 from drafters.vocab import check_vocab_ids, to_target_vocab
-from verify.files import read_json
 from verify.protocol import DraftContext
-from verify.target import Target
+from verify.target.files import read_json
+from verify.target.model import Target
 
 MASK = -1  # a token id meaning "to predict": its input is the learned mask embedding
 MASK_FILE = "pard_mask.json"  # {"block_size": k, "mask_embedding": [H floats]}

@@ -48,10 +48,10 @@ from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import warm_token_ids
 from verify.accept import Acceptance
-from verify.files import read_json, write_json
 from verify.predictions import TargetPredictions
 from verify.protocol import DraftContext, Resettable
-from verify.target import Target
+from verify.target.files import read_json, write_json
+from verify.target.model import Target
 from verify.tree import TokenTree, TreeError, TreeTopology
 
 # token -> (its K recorded successors, most likely first; their log-probabilities)

@@ -36,9 +36,9 @@ from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix_trie import SuffixTrie
 from verify.accept import Acceptance
-from verify.files import read_json, read_jsonl, write_json
 from verify.protocol import DraftContext, Resettable
-from verify.target import Target
+from verify.target.files import read_json, read_jsonl, write_json
+from verify.target.model import Target
 from verify.tree import TokenTree, TreeError
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from experiments.common import save_figure
 from experiments.report_schema import BatchSummary, BenchReport, BenchSummary, MethodFigures
 from experiments.table import cell, markdown_table
-from verify.files import write_text
 from verify.metrics import acceptance_by_depth, accepted_histogram, tau
+from verify.target.files import write_text
 
 
 def summarise(records: dict[str, list[dict]], baseline: str,

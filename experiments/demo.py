@@ -15,7 +15,7 @@
    cost-sized trees (docs/results/suffix-hybrid.md), and the demo's last lines name the faster
    of the two and its speedup over plain decoding, or say that no tree pays here and why.
 Steps 2-4 run on the fastest exact step built here, OpenVINO's kernels (`STEP`,
-verify/openvino_step.py): tree sizes and speedups measured on a slower step would hold for a
+verify/target/openvino_step.py): tree sizes and speedups measured on a slower step would hold for a
 step nobody runs.
 
     python -m experiments.demo [num_prompts=13 max_new_tokens=64]

@@ -55,7 +55,7 @@ from experiments.processes import run_group
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
 from verify.sampling import SamplingParams
-from verify.target import (
+from verify.target.model import (
     DEFAULT_GGUF,
     DEFAULT_NAME,
     Target,

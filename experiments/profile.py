@@ -15,7 +15,7 @@ turns, medians over `repeats`), and the step is cut into its parts:
 - commit: keeping the accepted entries of the KV cache.
 Then `loop` is the rest of a real plain decoding step (verify.loop.generate, no drafter): its
 wall time per step minus the parts above at n = 1, i.e. the Python around them.
-With several attention implementations or packings (target.packed_rows, verify/packed.py: a
+With several attention implementations or packings (target.packed_rows, verify/target/packed.py: a
 packed target pads each tree to the next packed row count, and the rows show that padded
 step), each gets its own rows. Prints a table, writes JSON
 and a PNG (stacked parts by n).
@@ -23,7 +23,7 @@ and a PNG (stacked parts by n).
 With `products=true` a second table times the target's weight products alone (every linear
 layer's weight times n rows, in model order, outside the model) under each matrix-product
 kernel this torch build has: `F.linear` as the model runs it, MKL's packed GEMM
-(verify/packed.py) and oneDNN's packed linear. The fastest kernel at each n bounds what any
+(verify/target/packed.py) and oneDNN's packed linear. The fastest kernel at each n bounds what any
 choice of kernel can give: a step cannot cost less than t(1) - products(1) + products(n), as
 the rest of the forward (attention, norms) does not get cheaper with n. So `bound` is the
 smallest t(n)/t(1) a better kernel could reach on this machine.
@@ -46,15 +46,15 @@ from transformers import PreTrainedModel
 
 from experiments.common import check_report, report_name, save_figure, single_thread, write_report
 from experiments.table import markdown_table
-from verify.cache import keep_entries
 from verify.costs import measure_verify_cost
 from verify.loop import generate
-from verify.packed import bfloat16_packing_unavailable, packing_unavailable
 from verify.rules import make_rule
 from verify.sampling import SamplingParams
-from verify.step import EagerStep, PackedStep, TargetStep, as_step
-from verify.target import load_target_from_config
-from verify.timing import device_clock
+from verify.target.cache import keep_entries
+from verify.target.model import load_target_from_config
+from verify.target.packed import bfloat16_packing_unavailable, packing_unavailable
+from verify.target.step import EagerStep, PackedStep, TargetStep, as_step
+from verify.target.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import TreeVerifier
 
@@ -66,7 +66,7 @@ PARTS = ("inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy", "acce
 class ModuleTimer:
     """Seconds spent inside the model's embedding, attention, MLP and LM head modules, summed
     per kind over one forward (forward pre/post hooks; an accelerator is synchronised at
-    each, verify.timing)."""
+    each, verify.target.timing)."""
 
     def __init__(self, model: PreTrainedModel):
         self.seconds: dict[str, float] = defaultdict(float)

@@ -50,7 +50,7 @@ from train.regenerate import (
     regeneration_folder,
     settings,
 )
-from verify.target import Target, load_target_from_config
+from verify.target.model import Target, load_target_from_config
 
 REPORT_STEM = "report"  # <folder>/report.json: the account as the results pages read it
 REPO = Path(__file__).resolve().parents[1]

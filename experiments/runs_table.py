@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from experiments.common import check_report, file_stem, save_figure, write_report
 from experiments.table import markdown_table
-from verify.files import read_json
+from verify.target.files import read_json
 
 
 def find_runs(folders: list[str]) -> list[dict]:

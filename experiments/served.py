@@ -73,7 +73,7 @@ from experiments.peers import (
 )
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
-from verify.target import Target, load_target_from_config
+from verify.target.model import Target, load_target_from_config
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ from experiments.table import markdown_table
 from train.distill import encode_until
 from train.prompts import interleave, load_prompt_files
 from train.schema import DataConfig
-from verify.files import write_text
 from verify.loop import GenerationResult, generate
 from verify.protocol import Drafter
-from verify.target import Target, target_name
+from verify.target.files import write_text
+from verify.target.model import Target, target_name
 from verify.tree import TreeError
 
 

@@ -17,7 +17,7 @@ from drafters import tree_policy
 from drafters.adaptive import measured_cost
 from experiments.bench import contenders, parse_compare, report_stem
 from experiments.common import CONF_DIR
-from verify.target import load_target, load_target_from_config
+from verify.target.model import load_target, load_target_from_config
 from verify.tree import TreeTopology
 
 GROUPS = {group: sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))

@@ -15,7 +15,7 @@ from drafters import build_drafter
 from experiments.common import CONF_DIR
 from train import run_training
 from verify.loop import generate, generate_batch
-from verify.target import hf_generate, load_target
+from verify.target.model import hf_generate, load_target
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
 

@@ -22,16 +22,16 @@ from tqdm import tqdm
 from train.distributed import DistEnv
 from train.prompts import interleave, load_prompt_files
 from train.schema import DataConfig
-from verify.files import (
+from verify.loop import generate_batch
+from verify.protocol import Drafter
+from verify.target.files import (
     load_tensors,
     read_or_rebuild,
     remove_orphans,
     save_tensors_atomically,
     shard_path,
 )
-from verify.loop import generate_batch
-from verify.protocol import Drafter
-from verify.target import Target, cache_root
+from verify.target.model import Target, cache_root
 
 
 @dataclass

@@ -4,7 +4,7 @@ EAGLE-1 and Medusa-1 train on the frozen target's hidden states over fixed text:
 teacher-forced forward per sequence, no generation (5-8x cheaper per token than distilling
 answers). Sequences are (input_ids (T,), loss_mask (T,)) pairs from either source: ShareGPT
 conversations (`train.conversations`) or distilled answers (`answer_sequences`). Features go
-through `verify.features.select_features`, so a drafter trains on the rows the verifier hands
+through `verify.target.features.select_features`, so a drafter trains on the rows the verifier hands
 it when decoding. Shards are written atomically: an interrupted extraction keeps the ones it
 finished and the next run computes only the rest.
 """
@@ -28,8 +28,8 @@ from train.distributed import DistEnv, all_reduce_sum
 from train.lock import run_lock
 from train.loop import batch_indices, chunks
 from train.regen_folder import conversation_file
-from verify.features import num_layers, resolve_layers, select_features
-from verify.files import (
+from verify.target.features import num_layers, resolve_layers, select_features
+from verify.target.files import (
     load_tensors,
     read_or_rebuild,
     remove_orphans,
@@ -37,8 +37,8 @@ from verify.files import (
     shard_path,
     write_json,
 )
-from verify.target import Target, cache_root
-from verify.timing import device_clock
+from verify.target.model import Target, cache_root
+from verify.target.timing import device_clock
 
 TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
 MANIFEST_FILE = "manifest.json"  # written when every shard of a cache is there
@@ -59,9 +59,9 @@ class SequenceFeatures:
 class FeatureSet:
     """Features of a list of sequences, indexable in the order they were given.
 
-    layers: absolute hidden-state indices (see verify.features), in the order their states are
-    concatenated along a feature row; folder: the shard cache they were read from (the first
-    source's, for a set joined from several).
+    layers: absolute hidden-state indices (see verify.target.features), in the order their
+    states are concatenated along a feature row; folder: the shard cache they were read from
+    (the first source's, for a set joined from several).
     """
 
     sequences: list[SequenceFeatures]

@@ -18,7 +18,7 @@ from omegaconf import MISSING
 
 @dataclass
 class TargetConfig:
-    """conf/target: what verify.target.load_target takes, plus a name for result tables."""
+    """conf/target: what verify.target.model.load_target takes, plus a name for result tables."""
 
     name: str = MISSING
     path: str | None = None
@@ -31,10 +31,11 @@ class TargetConfig:
     seed: int = 0
     adapter: str | None = None  # a peft LoRA folder merged into the model (Medusa-2 targets)
     device: str | None = None   # where it loads; training then moves it to train.py's device=
-    # "auto", a list of row counts or null (verify/packed.py); training loads the target unpacked
+    # "auto", a list of row counts or null (verify/target/packed.py); training loads the
+    # target unpacked
     packed_rows: Any = None
-    # "eager" or "compiled" (verify/compiled.py): the decoding step that self-distillation runs;
-    # a target that trains (Medusa-2's adapter) always loads eager
+    # "eager" or "compiled" (verify/target/compiled.py): the decoding step that
+    # self-distillation runs; a target that trains (Medusa-2's adapter) always loads eager
     step: str = "eager"
 
 

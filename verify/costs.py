@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from verify.files import read_json
-from verify.step import TargetStep
-from verify.timing import device_clock
+from verify.target.files import read_json
+from verify.target.model import context_window
+from verify.target.step import TargetStep
+from verify.target.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
-from verify.verifier import TreeVerifier, context_window
+from verify.verifier import TreeVerifier
 
 
 @torch.no_grad()

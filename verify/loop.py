@@ -16,16 +16,17 @@ import torch
 from transformers import PreTrainedModel
 
 from verify.accept import AcceptanceRule
-from verify.features import LAST
 from verify.metrics import TokensPerForward
 from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.rules import RuleConfig, rule_from_config
 from verify.sampling import SamplingParams, sample, warp
-from verify.step import TargetStep, as_step, host_threads
-from verify.timing import Clock, device_clock
+from verify.target.features import LAST
+from verify.target.model import context_window
+from verify.target.step import TargetStep, as_step, host_threads
+from verify.target.timing import Clock, device_clock
 from verify.tree import TokenTree, TreeBatch
-from verify.verifier import TreeVerifier, context_window
+from verify.verifier import TreeVerifier
 
 
 @dataclass
@@ -78,7 +79,7 @@ def generate(model: PreTrainedModel | TargetStep, input_ids: torch.Tensor,
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
     model: the target's step (`Target.step`: packed or compiled as the target was loaded), or
-    a bare model, decoded through its eager step (verify/step.py).
+    a bare model, decoded through its eager step (verify/target/step.py).
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. The same warp
     applies to target and draft distributions. The rule defaults to greedy at temperature 0
     and exact tree sampling otherwise ("typical" selects Medusa's lossy rule; a mapping sets
@@ -276,7 +277,7 @@ def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: li
     at each node of their trees too). A batch drafter's time is shared out evenly among the
     rows, so the rows' draft times add up to the step's either way. Without `drafting`, every
     tree is its root alone and no drafter is asked or told anything. `clock` reads the time
-    (verify.timing.device_clock: after the device's queued work)."""
+    (verify.target.timing.device_clock: after the device's queued work)."""
     if drafting:
         trees, draft_s = _propose(verifier, batch_drafter, active, params, generator, clock)
     else:

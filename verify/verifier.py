@@ -1,12 +1,12 @@
 """Tree attention on any Hugging Face causal LM: B growing sequences and the token trees
 appended to them, verified in one forward each step.
 
-The verifier keeps each row's committed length and asks the target's step (verify/step.py)
-for its state (`StepState`): the KV cache and the forwards over it, in the form that step runs.
-On the eager, packed and compiled steps that is the model's own cache and a float 4D mask
-(verify/hf_state.py); on the OpenVINO step, paged cache blocks and each tree's ancestor matrix
-(verify/openvino_step.py). Either way a node sees its row's committed tokens and its own
-ancestors, at position lengths[b] + depth, and after acceptance each row keeps its accepted
+The verifier keeps each row's committed length and asks the target's step
+(verify/target/step.py) for its state (`StepState`): the KV cache and the forwards over it, in
+the form that step runs. On the eager, packed and compiled steps that is the model's own cache
+and a float 4D mask (verify/target/hf_state.py); on the OpenVINO step, paged cache blocks and
+each tree's ancestor matrix (verify/target/openvino_step.py). Either way a node sees its row's
+committed tokens and its own ancestors, at position lengths[b] + depth, and after acceptance each row keeps its accepted
 path only. The step also says the width a forward runs at (a packed target pads trees up to a
 packed row count) and the graphs to compile before a decode.
 """
@@ -18,15 +18,9 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verify.features import num_layers, resolve_layers
-from verify.step import TargetStep, as_step
+from verify.target.features import num_layers, resolve_layers
+from verify.target.step import TargetStep, as_step
 from verify.tree import TokenTree, TreeBatch
-
-
-def context_window(model: PreTrainedModel) -> int | None:
-    """Longest sequence (prompt + generated) the model's positions support, if it says.
-    (GPT-2's config aliases max_position_embeddings to n_positions.)"""
-    return getattr(model.config, "max_position_embeddings", None)
 
 
 class TreeVerifier:
@@ -58,8 +52,8 @@ class TreeVerifier:
 
     @property
     def cache(self):
-        """The model's own cache, on a step that runs the model's forward (verify/hf_state.py):
-        what `experiments.profile` times a bare forward over."""
+        """The model's own cache, on a step that runs the model's forward
+        (verify/target/hf_state.py): what `experiments.profile` times a bare forward over."""
         return self.state.cache
 
     # -- one sequence -------------------------------------------------------------------------
@@ -109,7 +103,7 @@ class TreeVerifier:
         (float, on the model's device) and each row's features (T_b, F * H), or None.
 
         The step's state runs them (each prompt alone on the model's own cache: see
-        verify/hf_state.py `CacheState.prefill_rows`)."""
+        verify/target/hf_state.py `CacheState.prefill_rows`)."""
         if self.cache_size:
             raise ValueError("prefill_batch starts new sequences: this verifier already has some")
         logits, features = self.state.prefill_rows(prompts)

@@ -17,11 +17,11 @@ from drafters.eagle import (
 )
 from drafters.engine import LevelRequest
 from drafters.vocab import coverage
-from verify.features import eagle3_layers
 from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
-from verify.target import Target
+from verify.target.features import eagle3_layers
+from verify.target.model import Target
 from verify.tree import TreeTopology
 
 PROMPT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])

@@ -16,8 +16,8 @@ from drafters.export import (
 )
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.export import eagle_logit_gap, export, medusa_logit_gap
-from verify.features import eagle3_layers
-from verify.files import UnreadableFileError
+from verify.target.features import eagle3_layers
+from verify.target.files import UnreadableFileError
 
 
 def randomize(module, seed=0):

@@ -10,7 +10,7 @@ from drafters import build_drafter
 from drafters.draft_model import save_draft_model, truncated_copy
 from drafters.pard import MASK, PardConfig, PardDraft, mean_embedding, pard_config, write_mask
 from train.pard import block_layout, layout_mask
-from verify.target import load_target
+from verify.target.model import load_target
 from verify.tree import TreeError
 
 CONTEXT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])

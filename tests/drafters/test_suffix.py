@@ -11,9 +11,9 @@ from drafters.adaptive import StepCost
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import SuffixConfig, SuffixDrafter, SuffixMemory, warm_texts
 from drafters.suffix_trie import ROOT, SuffixTrie
-from verify.files import UnreadableFileError
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
+from verify.target.files import UnreadableFileError
 
 GREEDY = SamplingParams(0.0)
 
@@ -236,7 +236,7 @@ def test_a_requests_last_step_reaches_the_shared_memory():
     """The decoding loop's real order: propose, verify, update; after the last update no
     proposal comes, so update must index the step (its accepted path and bonus token)."""
     from verify.loop import generate
-    from verify.target import load_target
+    from verify.target.model import load_target
 
     target = load_target(tiny="llama")
     drafter = SuffixDrafter(DynamicTree(4, 2, 8), SuffixConfig())

@@ -15,7 +15,7 @@ from drafters.base import StatelessDrafter
 from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from verify.protocol import DraftContext
-from verify.target import Target
+from verify.target.model import Target
 from verify.tree import TokenTree, TreeTopology
 
 

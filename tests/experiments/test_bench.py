@@ -24,7 +24,7 @@ from experiments.bench import (
 from experiments.bench_report import TABLE_COLUMNS, format_tables, plot_speedups, summarise
 from experiments.common import CONF_DIR, write_report
 from train.draft_model import initial_draft
-from verify.target import load_target_from_config
+from verify.target.model import load_target_from_config
 from verify.tree import TreeTopology
 
 
@@ -501,7 +501,7 @@ def test_a_method_reads_draft_work_and_proposers_through_the_declared_abilities(
     from tests.drafters.toy_drafter import RepeatDrafter
     from verify.protocol import DraftStats, ProposalCounts, Resettable
     from verify.sampling import SamplingParams
-    from verify.target import load_target
+    from verify.target.model import load_target
 
     class Counted(RepeatDrafter, DraftStats, ProposalCounts):
         """Counts a 'draft forward' and a proposal per step, with no DraftEngine behind it."""

@@ -19,7 +19,7 @@ from experiments.profile import (
     profile,
     profile_sizes,
 )
-from verify.target import load_target
+from verify.target.model import load_target
 
 
 def profile_config(*overrides):
@@ -43,8 +43,8 @@ def test_every_part_is_timed_and_the_forward_is_split_by_module(tmp_path):
 
 
 def test_packings_get_their_own_rows_and_the_packed_step_is_padded():
-    from verify.packed import packing_unavailable
-    from verify.target import load_target
+    from verify.target.model import load_target
+    from verify.target.packed import packing_unavailable
 
     if packing_unavailable(load_target(tiny="llama").model):
         pytest.skip("packing needs a float32 CPU torch build with MKL")

@@ -96,7 +96,7 @@ from train import dflash as dflash_objective
 from train import eagle as eagle_objective
 from train.dflash import DFlashLoss, block_rows, position_weights
 from train.eagle import EagleLoss
-from verify.target import load_target
+from verify.target.model import load_target
 
 SIDE = Path(__file__).with_name("speculators_loss_side.py")
 LAYERS = (0, 1, 2)  # auxiliary states: HF hidden-state indices (the export's convention)

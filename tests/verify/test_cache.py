@@ -4,8 +4,8 @@ the verifier makes, without copying the cache on each update."""
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from verify.cache import GrowingLayer, new_cache, trim
-from verify.target import build_tiny_model
+from verify.target.cache import GrowingLayer, new_cache, trim
+from verify.target.model import build_tiny_model
 
 
 def _states(rows, count, seed):

@@ -25,8 +25,8 @@ from transformers import (
 )
 
 from drafters.draft_model import load_draft_model
-from verify.loading import looks_local
-from verify.target import build_tiny_model, load_target
+from verify.target.loading import looks_local
+from verify.target.model import build_tiny_model, load_target
 
 
 def save_tokenizer(folder: Path) -> None:
@@ -195,7 +195,8 @@ def test_an_integer_dtype_is_refused():
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_a_float8_dtype_is_refused_before_anything_loads(dtype, monkeypatch):
     # a storage format, not one a cast model's matmuls run in (torch: NotImplementedError)
-    monkeypatch.setattr("verify.target.build_tiny_model", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr("verify.target.model.build_tiny_model",
+                        lambda *a, **k: pytest.fail("built"))
     with pytest.raises(ValueError, match=f"target.dtype={dtype} is not a floating-point dtype "
                                          "a model computes in: use float32, bfloat16 or float16"):
         load_target(tiny="llama", dtype=dtype)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from verify.loop import generate
-from verify.target import Target, hf_generate, load_target
+from verify.target.model import Target, hf_generate, load_target
 from verify.tree import TokenTree
 
 

@@ -1,17 +1,17 @@
-"""The target's step (verify/step.py): load_target chooses the kind and the Target carries it;
-every kind answers the same interface with its own width rule and cache, and nothing is set
+"""The target's step (verify/target/step.py): load_target chooses the kind and the Target
+carries it; every kind answers the same interface with its own width rule and cache, and nothing is set
 on the model for the verifier to find."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
-from verify.cache import CAPACITY_STEP, RoomLayer, cache_length
-from verify.compiled import CompiledStep
 from verify.loop import generate
-from verify.packed import packing_unavailable
-from verify.step import EagerStep, PackedStep, as_step, target_step
-from verify.target import Target, build_tiny_model, load_target
+from verify.target.cache import CAPACITY_STEP, RoomLayer, cache_length
+from verify.target.compiled import CompiledStep
+from verify.target.model import Target, build_tiny_model, load_target
+from verify.target.packed import packing_unavailable
+from verify.target.step import EagerStep, PackedStep, as_step, target_step
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
 

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from verify import target as target_mod
-from verify.target import (
+from verify.target.model import (
     DEFAULT_INSTALL,
     TINY_ARCHS,
     Target,

@@ -27,10 +27,10 @@ from train.features import FeatureSet, training_features
 from train.logger import Logger, build_logger
 from train.loop import train_steps
 from train.sharding import full_optimizer_state, full_state_dict, unshard_for_one_rank, wrap
-from verify.features import num_layers
-from verify.files import read_json, write_json
 from verify.protocol import Drafter
-from verify.target import Target, load_target_from_config
+from verify.target.features import num_layers
+from verify.target.files import read_json, write_json
+from verify.target.model import Target, load_target_from_config
 
 EVAL_FILE = "eval.json"
 SPEED_FILE = "speed.json"  # the last invocation's training throughput (train.loop.speed)

@@ -46,9 +46,9 @@ from train.logger import finish_run
 from train.loop import adamw
 from train.recipes import common
 from train.sharding import load_full_state_dict
-from verify.features import LAST, num_layers, resolve_layers
-from verify.files import load_tensors
-from verify.target import Target
+from verify.target.features import LAST, num_layers, resolve_layers
+from verify.target.files import load_tensors
+from verify.target.model import Target
 from verify.tree import TreeTopology
 
 

@@ -34,8 +34,8 @@ from train.logger import finish_run
 from train.loop import adamw
 from train.losses import RowLoss
 from train.recipes import common
-from verify.features import num_layers, resolve_layers
-from verify.target import Target
+from verify.target.features import num_layers, resolve_layers
+from verify.target.model import Target
 
 
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:

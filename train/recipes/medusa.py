@@ -47,8 +47,8 @@ from train.medusa import (
     sequence_batch,
 )
 from train.recipes import common
-from verify.features import num_layers
-from verify.target import Target
+from verify.target.features import num_layers
+from verify.target.model import Target
 
 
 class Rows(NamedTuple):

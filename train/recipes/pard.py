@@ -33,7 +33,7 @@ from train.recipes.draft_model import (
     load_weights,
 )
 from train.recipes.draft_model import hyperparameters as draft_hyperparameters
-from verify.features import LAST, num_layers, resolve_layers
+from verify.target.features import LAST, num_layers, resolve_layers
 
 MODEL_PREFIX = "model."  # PardDraft's causal LM, in the trained module's state dict
 

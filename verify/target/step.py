@@ -5,8 +5,8 @@
 - its width rule: the node count a forward of B trees of N nodes runs at;
 - its state (`new_state`): the KV cache of B rows and the forwards over it, in the form the
   step runs them (`StepState`): the model's own cache and 4D masks on the steps below
-  (verify/hf_state.py), paged blocks and ancestor matrices on OpenVINO's
-  (verify/openvino_step.py); on the model's own cache, what the prefilled cache becomes for
+  (verify/target/hf_state.py), paged blocks and ancestor matrices on OpenVINO's
+  (verify/target/openvino_step.py); on the model's own cache, what the prefilled cache becomes for
   the steps, making room in it, and the columns every step's mask spans;
 - compiling: whether the graphs a decode runs exist yet (TreeVerifier.compile_graphs
   compiles the missing ones before the clock starts);
@@ -14,9 +14,9 @@
   arguments.
 
 The kinds: `EagerStep`, the model's forward as it is; `PackedStep`, the same forward on
-weights pre-packed for some row counts (verify/packed.py), with trees padded up to them;
-`CompiledStep` (verify/compiled.py), the forward through torch.compile over a room cache; and
-`OpenVINOStep` (verify/openvino_step.py), the forward on OpenVINO's CPU kernels with
+weights pre-packed for some row counts (verify/target/packed.py), with trees padded up to them;
+`CompiledStep` (verify/target/compiled.py), the forward through torch.compile over a room cache; and
+`OpenVINOStep` (verify/target/openvino_step.py), the forward on OpenVINO's CPU kernels with
 PagedAttention and a tree mask, over cache blocks it owns.
 """
 
@@ -31,14 +31,14 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
-from verify.cache import check_full_attention
-from verify.compiled import CompiledStep
-from verify.hf_state import CacheState
-from verify.packed import ladder_width, pack_target
+from verify.target.cache import check_full_attention
+from verify.target.compiled import CompiledStep
+from verify.target.hf_state import CacheState
+from verify.target.packed import ladder_width, pack_target
 from verify.tree import TreeBatch
 
 # compiled_one_graph: compiled, and one row's one-token steps run the tree graph in every
-# dtype (as half precision always does: verify/compiled.py, `min_width`)
+# dtype (as half precision always does: verify/target/compiled.py, `min_width`)
 STEPS = ("eager", "compiled", "compiled_one_graph", "openvino")
 
 
@@ -89,7 +89,7 @@ class TargetStep(Protocol):
 
 class ModelForwardStep(TargetStep, Protocol):
     """A step that runs the model's own forward over the model's own cache (its state is
-    verify/hf_state.py's `CacheState`): eager, packed and compiled."""
+    verify/target/hf_state.py's `CacheState`): eager, packed and compiled."""
 
     def steps_cache(self, cache: DynamicCache) -> Cache:
         """The cache the steps run on, holding the prefilled `cache`'s entries."""
@@ -136,7 +136,7 @@ class EagerStep:
 
 
 class PackedStep(EagerStep):
-    """The eager forward on weights packed for the row counts `ladder` (verify/packed.py): a
+    """The eager forward on weights packed for the row counts `ladder` (verify/target/packed.py): a
     forward of B trees runs at the next width whose B * N rows are packed."""
 
     def __init__(self, model: PreTrainedModel, ladder: Sequence[int]):
@@ -181,7 +181,7 @@ def target_step(model: PreTrainedModel, step: str = "eager",
 
 def _openvino_step(model: PreTrainedModel, **options) -> TargetStep:
     try:
-        from verify.openvino_step import OpenVINOStep  # openvino is imported only here
+        from verify.target.openvino_step import OpenVINOStep  # openvino is imported only here
     except ImportError as error:
         raise ImportError(f"target.step=openvino needs the `openvino` package ({error}); "
                           "`make setup` installs it") from error
