@@ -42,10 +42,10 @@ class FedNode(NamedTuple):
 
 
 class PagedDraftEngine(RowLengths):
-    """B rows of draft cache on a compiled draft graph: inputs as
-    verify.target.openvino_graph's, plus `draft_states` (rows, H') for a draft that reads
-    states (EAGLE's inputs, DFlash's context features); outputs `logits` (R, V') and, for a draft that predicts states, `hidden` (R, H)
-    at the logit rows."""
+    """B rows of draft cache on a compiled draft graph: inputs as verify.target.openvino_graph's,
+    plus `draft_states` (rows, H') for a draft that reads states (EAGLE's inputs, DFlash's context
+    features); outputs `logits` (R, V') and, for a draft that predicts states, `hidden` (R, H) at
+    the logit rows."""
 
     def __init__(self, compiled: ov.CompiledModel, rotary: torch.nn.Module, dtype: torch.dtype):
         self.compiled, self.rotary, self.dtype = compiled, rotary, dtype

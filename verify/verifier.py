@@ -1,14 +1,14 @@
 """Tree attention on any Hugging Face causal LM: B growing sequences and the token trees
 appended to them, verified in one forward each step.
 
-The verifier keeps each row's committed length and asks the target's step
-(verify/target/step.py) for its state (`StepState`): the KV cache and the forwards over it, in
-the form that step runs. On the eager, packed and compiled steps that is the model's own cache
-and a float 4D mask (verify/target/hf_state.py); on the OpenVINO step, paged cache blocks and
-each tree's ancestor matrix (verify/target/openvino_step.py). Either way a node sees its row's
-committed tokens and its own ancestors, at position lengths[b] + depth, and after acceptance each row keeps its accepted
-path only. The step also says the width a forward runs at (a packed target pads trees up to a
-packed row count) and the graphs to compile before a decode.
+The verifier keeps each row's committed length and asks the target's step (verify/target/step.py)
+for its state (`StepState`): the KV cache and the forwards over it, in the form that step runs. On
+the eager, packed and compiled steps that is the model's own cache and a float 4D mask
+(verify/target/hf_state.py); on the OpenVINO step, paged cache blocks and each tree's ancestor
+matrix (verify/target/openvino_step.py). Either way a node sees its row's committed tokens and its
+own ancestors, at position lengths[b] + depth, and after acceptance each row keeps its accepted path
+only. The step also says the width a forward runs at (a packed target pads trees up to a packed row
+count) and the graphs to compile before a decode.
 """
 
 from __future__ import annotations

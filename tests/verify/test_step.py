@@ -1,6 +1,6 @@
-"""The target's step (verify/target/step.py): load_target chooses the kind and the Target
-carries it; every kind answers the same interface with its own width rule and cache, and nothing is set
-on the model for the verifier to find."""
+"""The target's step (verify/target/step.py): load_target chooses the kind and the Target carries
+it; every kind answers the same interface with its own width rule and cache, and nothing is set on
+the model for the verifier to find."""
 
 import pytest
 import torch

@@ -171,9 +171,9 @@ def load_target(
         device: where the weights go ("cuda", "cuda:1"); None leaves them on the CPU.
         packed_rows: row counts whose matrix products get pre-packed weights
             (verify/target/packed.py, float32 on an x86 CPU: cheaper tree steps, each count
-            costs a copy of the weights); "auto" packs 4, 8 and 16 rows where that works (float32), None nothing;
-            "onednn" packs a bfloat16 model's weights once for every row count (faster, but not
-            row-invariant: see verify/target/packed.py).
+            costs a copy of the weights); "auto" packs 4, 8 and 16 rows where that works
+            (float32), None nothing; "onednn" packs a bfloat16 model's weights once for every
+            row count (faster, but not row-invariant: see verify/target/packed.py).
         step: "eager", the model's forward as it is, or "compiled": decoding steps through
             torch.compile over preallocated room (verify/target/compiled.py; its graphs compile
             before the first decode, ~30-40 s each for the default target). A compiled step
