@@ -31,6 +31,7 @@ from drafters import (
 from drafters.adaptive import measured_cost
 from drafters.block import DDTree
 from drafters.dynamic_tree import DynamicTree
+from drafters.paged_drafts import draft_step, on_openvino
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts
 from verify.target.model import Target
@@ -53,6 +54,9 @@ DRAFTERS: dict[str, DrafterBuilder] = {
     "recycling": recycling.from_config,
     "suffix": suffix.from_config,
 }
+# Drafters that run a draft model: `drafter.step` says whether its forwards run in PyTorch or on
+# the OpenVINO target step's kernels (drafters.paged_drafts.on_openvino)
+MODEL_DRAFTERS = ("dflash", "draft_model", "eagle", "eagle3", "medusa", "pard")
 # Combinators build their members through build_drafter, from the raw tree config.
 COMBINATORS = {"hybrid": hybrid.from_config}
 
@@ -76,7 +80,10 @@ def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Dr
         raise TreeError(f"tree {tree_cfg.get('name')!r} is a DDTree, built from a block "
                         f"drafter's per-position marginals: drafter {name!r} has none (block "
                         f"drafters: {list(BLOCK_DRAFTERS)})")
-    return DRAFTERS[name](drafter_cfg, policy, target)
+    openvino = (name in MODEL_DRAFTERS
+                and draft_step(drafter_cfg.get("step"), target, name) == "openvino")
+    drafter = DRAFTERS[name](drafter_cfg, policy, target)
+    return on_openvino(drafter, target.step) if openvino else drafter
 
 
 def tree_policy(tree_cfg: Mapping) -> TreePolicy:

@@ -109,6 +109,18 @@ DRAFTER_OF_KIND = {"eagle1": "drafter=eagle", "eagle3": "drafter=eagle3",
                    "hf_model": "drafter=draft_model drafter.path="}
 
 
+# Files that tell a folder's kind apart from its config.json (drafters.pard and
+# drafters.draft_model write them)
+PARD_MASK_FILE = "pard_mask.json"  # {"block_size": k, "mask_embedding": [H floats]}
+DRAFT_INFO_FILE = "treedraft.json"  # a distilled draft's settings and the target it came from
+
+
+def eagle_variant(feature_layers: Sequence[int], layout: str) -> str:
+    """Which EAGLE a draft is, from what it is built of: EAGLE-3 fuses several target layers
+    or drafts with EAGLE-3's layer; EAGLE-1 reads one layer through its own."""
+    return "eagle3" if len(feature_layers) > 1 or layout == "eagle3" else "eagle1"
+
+
 def describe(kind: str) -> str:
     """A kind in words, for the folder a message names: what it is and where one comes from."""
     name, origin = FOLDER_KINDS[kind]
@@ -127,16 +139,13 @@ def checkpoint_kind(folder: str | Path) -> str:
     model's config.json, else the keys each drafter's save (drafters.*.save_*) or each export
     writes in config.json. A config.json that is no JSON object raises UnreadableFileError
     naming it."""
-    # the file names live with their drafters, which import this module
-    from drafters import draft_model, pard
-
     folder = Path(folder).expanduser()
     if not (folder / CONFIG_FILE).is_file():
         return "run" if (folder / RUN_CHECKPOINT / CONFIG_FILE).is_file() else "unknown"
     config = read_json(folder / CONFIG_FILE, "config")
-    if (folder / pard.MASK_FILE).is_file():
+    if (folder / PARD_MASK_FILE).is_file():
         return "pard"
-    if (folder / draft_model.INFO_FILE).is_file():
+    if (folder / DRAFT_INFO_FILE).is_file():
         return "draft_model"
     return _kind_of_config(config)
 
@@ -144,8 +153,6 @@ def checkpoint_kind(folder: str | Path) -> str:
 def _kind_of_config(config: Mapping) -> str:
     """The kind a config.json names: an export's format first (a speculators export of a
     DFlash draft keeps its feature layers), then each drafter's own keys."""
-    from drafters.eagle import eagle_variant  # drafters.eagle imports this module
-
     if "speculators_model_type" in config:
         return "speculators"
     if config.get("model_type") == "medusa":

@@ -340,10 +340,6 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> DFlashDrafter:
     """conf/drafter/dflash.yaml: a fresh (untrained) draft, or `checkpoint: <folder>`. A
     checkpoint runs at the block size it was trained for: another is refused, by name."""
     config = dflash_config(cfg)
-    # imported here: drafters.openvino_dflash builds on this module's drafter
-    from drafters.openvino_dflash import OpenVINODFlashDrafter
-    from drafters.paged_drafts import draft_step
-    on_openvino = draft_step(config.step, target, config.name) == "openvino"
     if config.checkpoint:
         draft = load_draft(config.checkpoint, target, config.allow_other_target)
         if draft.block_size != config.block_size:
@@ -354,6 +350,4 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> DFlashDrafter:
     else:
         layers = config.feature_layers or eagle3_layers(num_layers(target.model.config))
         draft = DFlashDraft(target.model, tuple(layers), config.block_size, config.num_layers)
-    if on_openvino:
-        return OpenVINODFlashDrafter(draft, tree, config.name, target.step)
     return DFlashDrafter(draft, tree, name=config.name)

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from drafters.checkpoint import (
+    DRAFT_INFO_FILE,
     MODEL_KINDS,
     check_kind,
     check_target,
@@ -46,7 +47,6 @@ from verify.tree import TokenTree, TreeError, TreeTopology
 # *.safetensors file of a model folder as weights and refuse one that holds no parameter.
 VOCAB_FILE = "draft_vocab.json"
 LEGACY_VOCAB_FILE = "draft_vocab.safetensors"  # drafts distilled before: read, never written
-INFO_FILE = "treedraft.json"  # a distilled draft's settings and the target it was distilled from
 
 
 class DraftModelDrafter(EngineDrafter):
@@ -273,18 +273,13 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree,
     to N layers; `path: <folder or hub id>` loads that model (a distilled draft's folder with
     its reduced vocabulary) and checks it is compatible."""
     config = draft_model_config(cfg)
-    # imported here: drafters.paged_drafts builds on this module's drafter
-    from drafters.paged_drafts import PagedDraftModelDrafter, draft_step
-    on_openvino = draft_step(config.step, target, config.name) == "openvino"
     vocab_ids = None
     if config.path is None:
         model = truncated_copy(target.model, config.num_layers)
     else:
         model, vocab_ids = load_draft_model(config.path, target, config.allow_other_target)
-    options = {"vocab_ids": vocab_ids, "iid_siblings": config.iid_siblings}
-    if on_openvino:
-        return PagedDraftModelDrafter(model, tree, config.name, target.step, **options)
-    return DraftModelDrafter(model, tree, name=config.name, **options)
+    return DraftModelDrafter(model, tree, name=config.name, vocab_ids=vocab_ids,
+                             iid_siblings=config.iid_siblings)
 
 
 def load_draft_model(path: str | Path, target: Target, allow_other_target: bool = False
@@ -296,9 +291,9 @@ def load_draft_model(path: str | Path, target: Target, allow_other_target: bool 
     """
     path = pretrained_source(path, "draft model")  # a missing local path: refused here
     check_kind(path, "a draft model", MODEL_KINDS)  # not a head's weights
-    distilled_here = (Path(path) / INFO_FILE).is_file()
+    distilled_here = (Path(path) / DRAFT_INFO_FILE).is_file()
     if distilled_here:
-        saved = read_config(path, INFO_FILE)["target"]
+        saved = read_config(path, DRAFT_INFO_FILE)["target"]
         check_target(saved, target, path, "draft model", allow_other_target)
     # whole and causal, no folder code run
     model = load_causal_lm(path, "draft model", dtype=target.model.dtype,
@@ -373,7 +368,7 @@ def save_draft_model(model: PreTrainedModel, vocab_ids: torch.Tensor | None, fol
             target.tokenizer.save_pretrained(tmp)
         if vocab_ids is not None:
             (tmp / VOCAB_FILE).write_text(json.dumps({"vocab_ids": vocab_ids.tolist()}) + "\n")
-        (tmp / INFO_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        (tmp / DRAFT_INFO_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         if extra is not None:
             extra(tmp)
 

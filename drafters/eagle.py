@@ -25,7 +25,7 @@ ever holds entries built from real features. The target's token embedding is sha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from drafters.checkpoint import (
     EAGLE_KINDS,
     check_kind,
     check_target,
+    eagle_variant,
     read_config,
     save_module,
     target_record,
@@ -92,12 +93,6 @@ def eagle_config(cfg: Mapping) -> EagleConfig:
     if config.layout not in LAYOUTS:
         raise ValueError(f"drafter.layout must be one of {LAYOUTS}, got {config.layout!r}")
     return config
-
-
-def eagle_variant(feature_layers: Sequence[int], layout: str) -> str:
-    """Which EAGLE a draft is, from what it is built of: EAGLE-3 fuses several target layers
-    or drafts with EAGLE-3's layer; EAGLE-1 reads one layer through its own."""
-    return "eagle3" if len(feature_layers) > 1 or layout == "eagle3" else "eagle1"
 
 
 def default_layout(variant: str) -> str:
@@ -370,8 +365,4 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) 
                                                          num_layers(target.model.config))
         draft = EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head,
                            inputs=config.inputs, layout=config.layout)
-    # imported here: drafters.paged_drafts builds on this module's drafter
-    from drafters.paged_drafts import PagedEagleDrafter, draft_step
-    if draft_step(config.step, target, config.name) == "openvino":
-        return PagedEagleDrafter(draft, tree, config.name, target.step)
     return EagleDrafter(draft, tree, name=config.name)

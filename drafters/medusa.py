@@ -282,14 +282,9 @@ def from_config(cfg: Mapping, topology: TreeTopology, target: Target) -> MedusaD
     """conf/drafter/medusa.yaml: fresh heads (`num_heads`, `num_layers`, `share_lm_head`) on the
     target, or `checkpoint: <folder>` to load trained ones (whose own config then applies)."""
     config = medusa_config(cfg)
-    # imported here: drafters.paged_drafts builds on this module's drafter
-    from drafters.paged_drafts import OpenVINOMedusaDrafter, draft_step
-    on_openvino = draft_step(config.step, target, config.name) == "openvino"
     if config.checkpoint:
         heads = load_heads(config.checkpoint, target, config.allow_other_target)
     else:
         heads = MedusaHeads(target.model.get_output_embeddings(), config.num_heads,
                             config.num_layers, config.share_lm_head)
-    if on_openvino:
-        return OpenVINOMedusaDrafter(heads, topology, config.name, target.step)
     return MedusaDrafter(heads, topology, name=config.name)

@@ -19,14 +19,16 @@ import openvino.opset16 as ops
 import torch
 from transformers import PreTrainedModel
 
+from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter
 from drafters.dynamic_tree import DynamicTree
 from drafters.eagle import EagleDraft, EagleDrafter
 from drafters.engine import LevelAnswer, LevelRequest
 from drafters.medusa import MedusaDrafter, MedusaHeads
+from drafters.openvino_dflash import OpenVINODFlashDrafter
 from drafters.paged_engine import PagedDraftEngine
 from drafters.pard import PardDraft, PardDrafter, common_prefix
-from verify.protocol import DraftContext
+from verify.protocol import DraftContext, Drafter
 from verify.target.model import Target
 from verify.target.openvino_graph import (
     F32,
@@ -59,6 +61,24 @@ def draft_step(requested: str | None, target: Target, name: str) -> str:
                          "OpenVINO kernels, precision and threads: set target.step=openvino "
                          "too (or drafter.step=torch)")
     return requested
+
+
+def on_openvino(drafter: Drafter, step: OpenVINOStep) -> Drafter:
+    """`drafter`, a learned PyTorch drafter as its module's `from_config` builds it, with its
+    forwards on `step`'s kernels: the same draft weights, tree and name."""
+    if isinstance(drafter, EagleDrafter):
+        return PagedEagleDrafter(drafter.draft, drafter.tree, drafter.name, step)
+    if isinstance(drafter, DraftModelDrafter):
+        return PagedDraftModelDrafter(drafter.model, drafter.tree, drafter.name, step,
+                                      vocab_ids=drafter.vocab_ids,
+                                      iid_siblings=drafter.iid_siblings)
+    if isinstance(drafter, PardDrafter):
+        return PagedPardDrafter(drafter.draft, drafter.tree, drafter.name, step)
+    if isinstance(drafter, DFlashDrafter):
+        return OpenVINODFlashDrafter(drafter.draft, drafter.tree, drafter.name, step)
+    if isinstance(drafter, MedusaDrafter):
+        return OpenVINOMedusaDrafter(drafter.heads, drafter.topology, drafter.name, step)
+    raise TypeError(f"no OpenVINO draft step for {type(drafter).__name__}")
 
 
 def eagle_graph(draft: EagleDraft) -> ov.Model:

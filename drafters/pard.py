@@ -32,7 +32,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from drafters.block import BlockDrafter, BlockTree
-from drafters.checkpoint import check_kind
+from drafters.checkpoint import PARD_MASK_FILE, check_kind
 from drafters.config import typed_config
 from drafters.draft_model import DraftModelConfig, load_draft_model, truncated_copy
 from drafters.vocab import check_vocab_ids, to_target_vocab
@@ -41,7 +41,6 @@ from verify.target.files import read_json
 from verify.target.model import Target
 
 MASK = -1  # a token id meaning "to predict": its input is the learned mask embedding
-MASK_FILE = "pard_mask.json"  # {"block_size": k, "mask_embedding": [H floats]}
 
 
 @dataclass
@@ -159,14 +158,14 @@ def write_mask(folder: Path, draft: PardDraft, mask_embedding: torch.Tensor | No
                ) -> None:
     """pard_mask.json: the block size and the (H,) mask embedding, as float32 values."""
     vector = draft.mask_embedding if mask_embedding is None else mask_embedding
-    (folder / MASK_FILE).write_text(json.dumps({
+    (folder / PARD_MASK_FILE).write_text(json.dumps({
         "block_size": draft.block_size,
         "mask_embedding": vector.detach().float().cpu().tolist()}) + "\n")
 
 
 def read_mask(folder: str | Path) -> tuple[int, torch.Tensor] | None:
     """A PARD folder's (block_size, mask embedding (H,)), or None for a plain draft folder."""
-    path = Path(folder) / MASK_FILE
+    path = Path(folder) / PARD_MASK_FILE
     if not path.is_file():
         return None
     saved = read_json(path, "PARD mask")
@@ -182,7 +181,7 @@ def load_pard(path: str | Path, target: Target, block_size: int,
     check_kind(path, "the PARD drafter", ("pard", "draft_model", "hf_model"))
     saved = read_mask(path)
     if saved is None:
-        raise ValueError(f"{path} holds no PARD draft ({MASK_FILE} missing): adapt a draft to "
+        raise ValueError(f"{path} holds no PARD draft ({PARD_MASK_FILE} missing): adapt a draft to "
                          f"PARD with python train.py drafter=pard drafter.path={path}")
     if saved[0] != block_size:
         raise ValueError(f"drafter.block_size={block_size}, but {path} was trained with "
@@ -196,14 +195,9 @@ def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> PardDrafter:
     """conf/drafter/pard.yaml: `path: null` drafts with the target cut to num_layers layers
     (its mask untrained: the mean embedding), `path: <folder>` with a trained PARD draft."""
     config = pard_config(cfg)
-    # imported here: drafters.paged_drafts builds on this module's drafter
-    from drafters.paged_drafts import PagedPardDrafter, draft_step
-    on_openvino = draft_step(config.step, target, config.name) == "openvino"
     if config.path is None:
         model = truncated_copy(target.model, config.num_layers)
         draft = PardDraft(model, config.block_size, None, mean_embedding(model))
     else:
         draft = load_pard(config.path, target, config.block_size, config.allow_other_target)
-    if on_openvino:
-        return PagedPardDrafter(draft, tree, config.name, target.step)
     return PardDrafter(draft, tree, name=config.name)

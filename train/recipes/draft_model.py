@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from drafters.checkpoint import DRAFT_INFO_FILE
 from drafters.draft_model import (
-    INFO_FILE,
     DraftModelConfig,
     draft_model_config,
     head_weight_key,
@@ -69,7 +69,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     settings = hyperparameters(config)
 
     def restore(found: Path) -> int:
-        check_resumable(found, target, settings, cfg, config_file=INFO_FILE)
+        check_resumable(found, target, settings, cfg, config_file=DRAFT_INFO_FILE)
         check_same_vocab(found, vocab)
         load_weights(found, draft, vocab)
         return restore_training_state(found, optimizer, scheduler)

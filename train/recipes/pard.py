@@ -17,7 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from drafters.draft_model import INFO_FILE, save_draft_model
+from drafters.checkpoint import DRAFT_INFO_FILE
+from drafters.draft_model import save_draft_model
 from drafters.pard import PardConfig, pard_config, read_mask, write_mask
 from train.checkpoint import check_resumable, restore_training_state
 from train.distributed import DistEnv
@@ -54,7 +55,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     settings = hyperparameters(config)
 
     def restore(found: Path) -> int:
-        check_resumable(found, target, settings, cfg, config_file=INFO_FILE)
+        check_resumable(found, target, settings, cfg, config_file=DRAFT_INFO_FILE)
         check_same_vocab(found, vocab)
         load_weights(found, draft.model, vocab)
         draft.mask_embedding.data.copy_(read_mask(found)[1])
