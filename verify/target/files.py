@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # The repository's own data/ folder: found from this file, so it holds wherever the clone lives.
-REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def default_data_root() -> Path:
