@@ -4,10 +4,14 @@ A new drafter is one module here with a `from_config(cfg, tree, target)` builder
 in DRAFTERS, one YAML in conf/drafter/, and one row in tests/drafters/test_drafter_table.py.
 A model-free drafter subclasses drafters.base.StatelessDrafter and writes `propose` (or
 StatelessBatchDrafter and `propose_batch`); one running a model over the tree with a draft KV
-cache subclasses drafters.engine.EngineDrafter and writes its catch-up and per-level forward.
+cache subclasses drafters.engine.EngineDrafter and writes its catch-up and per-level forward;
+a block drafter (one forward gives every depth's distribution) subclasses
+drafters.block.BlockDrafter, writes `begin`, `block_marginals` and `draft_cache_bytes`, and joins
+BLOCK_DRAFTERS.
 tests/drafters/toy_drafter.py follows the recipe.
-The drafter owns its tree policy: `tree` is a static TreeTopology (conf/tree with `choices`)
-or EAGLE-2's DynamicTree (conf/tree with `depth`, `top_k`, `total_tokens`); a drafter that
+The drafter owns its tree policy (drafters.block.TreePolicy): `tree` is a static TreeTopology
+(conf/tree with `choices`), EAGLE-2's DynamicTree (conf/tree with `depth`, `top_k`,
+`total_tokens`) or, for a block drafter only, a DDTree (`policy: ddtree`); a drafter that
 cannot grow a dynamic tree refuses one with a TreeError. A combinator (COMBINATORS: hybrid)
 builds its member drafters through `build_drafter` itself.
 """
@@ -29,7 +33,7 @@ from drafters import (
     suffix,
 )
 from drafters.adaptive import measured_cost
-from drafters.block import DDTree
+from drafters.block import DDTree, TreePolicy
 from drafters.dynamic_tree import DynamicTree
 from drafters.paged_drafts import draft_step, on_openvino
 from verify.protocol import Drafter
@@ -37,7 +41,6 @@ from verify.rules import RULES, RuleConfig, rule_parts
 from verify.target.model import Target
 from verify.tree import TreeError, TreeTopology
 
-TreePolicy = TreeTopology | DynamicTree | DDTree
 # Drafters whose one forward gives every depth's distribution (drafters.block): the only ones
 # that can fill a DDTree.
 BLOCK_DRAFTERS = ("dflash", "pard")

@@ -19,10 +19,14 @@ parent holds:
   marginals were the target's acceptance probabilities and depths independent (DDTree's
   factorised objective). Its children are chosen (top-k), so the tree carries no draft rows:
   every rule treats them as one-hot proposals, which is exact. Giving them their marginal rows
-  as if drawn would not be (tests/drafters/test_block.py measures the bias).
+  as if drawn would not be (tests/drafters/test_block_trees.py measures the bias).
 
 Shapes: `marginals` is (D, V) draft logits over the target's vocabulary (-inf for tokens the
 draft cannot propose), row d for depth d + 1.
+
+Both block drafters feed the positions to predict as MASK, whose input is a learned mask
+embedding (`embed_with_masks`), not a row of the token table; a graph (the OpenVINO drafts)
+feeds it as one more row of the table (`table_with_mask`).
 """
 
 from __future__ import annotations
@@ -33,14 +37,33 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from drafters.adaptive import StepCost, cut_to_cost, step_cost
 from drafters.dynamic_tree import DynamicTree, draft_log_probs
-from drafters.tree_steps import add_children, check_depth, run_steps
+from drafters.tree_steps import add_children, run_steps
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.tree import TokenTree, TreeBuilder, TreeError, TreeTopology
+
+MASK = -1  # a block token id meaning "to predict": its input is the learned mask embedding
+
+
+def embed_with_masks(embed: nn.Module, tokens: torch.Tensor, mask_embedding: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, n) long ids, MASK where to predict -> (B, n, H) inputs: `embed`'s rows (cast to
+    `dtype` when given), the learned `mask_embedding` (H,) at every MASK."""
+    h = embed(tokens.clamp_min(0))
+    if dtype is not None:
+        h = h.to(dtype)
+    return torch.where((tokens == MASK)[..., None], mask_embedding.to(h.dtype), h)
+
+
+def table_with_mask(table: torch.Tensor, mask_embedding: torch.Tensor) -> torch.Tensor:
+    """The (V, H) token table with the learned mask embedding as row V: a graph (the OpenVINO
+    drafts) feeds MASK as id V = len(table) and gathers its input like any token's."""
+    return torch.cat([table, mask_embedding.detach().to(table)[None]])
 
 
 @dataclass(frozen=True)
@@ -109,20 +132,22 @@ def best_first(root: int, log_probs: torch.Tensor, budget: int) -> TreeBuilder:
     return builder
 
 
-BlockTree = TreeTopology | DynamicTree | DDTree
+# The tree policies a drafter can be given (drafters.tree_policy reads one from conf/tree): a
+# static topology, EAGLE-2's dynamic tree, or DDTree (block drafters only).
+TreePolicy = TreeTopology | DynamicTree | DDTree
 
 
-def check_block_tree(tree: BlockTree, max_depth: int, drafter: str) -> None:
-    """Refuse, at construction, a tree deeper than the block: `max_depth` = block size - 1."""
+def check_block_tree(tree: TreePolicy, max_depth: int, drafter: str, limit: str) -> None:
+    """Refuse, at construction, a tree deeper than the block: `max_depth` is the deepest
+    position the block drafts, `limit` the setting it comes from, as the message names it
+    (DFlash: "drafter.block_size - 1", PARD: "drafter.block_size")."""
     depth = tree.depth if not isinstance(tree, DDTree) else (tree.depth or max_depth)
-    if isinstance(tree, TreeTopology):
-        check_depth(tree, max_depth, drafter)
-    elif depth > max_depth:
+    if depth > max_depth:
         raise TreeError(f"tree depth {depth} exceeds what {drafter} can fill: its block "
-                        f"drafts {max_depth} positions (drafter.block_size - 1)")
+                        f"drafts {max_depth} positions ({limit})")
 
 
-def tree_from_block(tree: BlockTree, root: int, marginals: torch.Tensor,
+def tree_from_block(tree: TreePolicy, root: int, marginals: torch.Tensor,
                     params: SamplingParams, generator: torch.Generator | None = None
                     ) -> TokenTree:
     """The tree `tree` describes below `root`, filled from (D, V) marginal draft logits."""
@@ -132,12 +157,13 @@ def tree_from_block(tree: BlockTree, root: int, marginals: torch.Tensor,
         return tree.grow(root, draft_log_probs(marginals, params))
     if isinstance(tree, DynamicTree):
         return _dynamic(tree, root, draft_log_probs(marginals, params))
-    return fill_topology(tree, root, marginals, params, generator)
+    return fill_from_marginals(tree, root, marginals, params, generator)
 
 
-def fill_topology(topology: TreeTopology, root: int, marginals: torch.Tensor,
-                  params: SamplingParams, generator: torch.Generator | None) -> TokenTree:
-    """A static topology, node by node in order: node u's children from row depth(u)."""
+def fill_from_marginals(topology: TreeTopology, root: int, marginals: torch.Tensor,
+                        params: SamplingParams, generator: torch.Generator | None) -> TokenTree:
+    """A static topology filled from (D, V) marginal draft logits, node by node in order: node
+    u's children from row depth(u) (top-k, or drawn without replacement when sampling)."""
     builder = TreeBuilder(root)
     placed = {0: 0}  # topology node -> tree node
     for node in range(topology.size):
@@ -163,13 +189,14 @@ class BlockDrafter(ABC):
     forks one per row): each proposal is one forward's marginals (`block_marginals`, which
     counts it in `forwards`) turned into `tree` by `tree_from_block`. A subclass writes
     `begin`, `block_marginals` and `draft_cache_bytes`; `max_depth` is the deepest tree its
-    block fills, refused at construction when `tree` is deeper."""
+    block fills and `limit` the setting it comes from (check_block_tree), a deeper `tree`
+    refused at construction."""
 
     feature_layers: tuple[int, ...] = ()
     target_top_k = 0
 
-    def __init__(self, draft, tree: BlockTree, name: str, max_depth: int):
-        check_block_tree(tree, max_depth, name)
+    def __init__(self, draft, tree: TreePolicy, name: str, max_depth: int, limit: str):
+        check_block_tree(tree, max_depth, name, limit)
         self.draft, self.tree, self.name = draft.eval(), tree, name
         self.forwards = 0
 

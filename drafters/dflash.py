@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from drafters.block import BlockDrafter, BlockTree
+from drafters.block import MASK, BlockDrafter, TreePolicy, embed_with_masks
 from drafters.checkpoint import (
     check_kind,
     check_target,
@@ -48,7 +48,6 @@ from verify.target.files import load_tensors
 from verify.target.model import Target
 
 WEIGHTS_FILE = "draft.safetensors"
-MASK = -1  # a block token id meaning "to predict": its input is the learned mask embedding
 
 
 @dataclass
@@ -191,9 +190,7 @@ class DFlashDraft(nn.Module):
         """tokens (B, n) long, MASK (-1) for a position to predict; positions (B, n); context
         from `context` (C entries); mask additive (B or 1, 1, n, C + n), None: every query
         sees everything. Returns the normed outputs (B, n, H)."""
-        embed = self._embed[0]
-        h = embed(tokens.clamp_min(0)).to(self.fc.weight.dtype)
-        h = torch.where((tokens == MASK)[..., None], self.mask_embedding.to(h.dtype), h)
+        h = embed_with_masks(self._embed[0], tokens, self.mask_embedding, self.fc.weight.dtype)
         rotary = self.rotary(h, positions)
         for layer, layer_context in zip(self.layers, context):
             h = layer(h, rotary, layer_context, mask)
@@ -252,8 +249,8 @@ class DFlashDrafter(BlockDrafter):
     a static topology, EAGLE-2's dynamic tree or DDTree, no deeper than block_size - 1.
     """
 
-    def __init__(self, draft: DFlashDraft, tree: BlockTree, name: str = "dflash"):
-        super().__init__(draft, tree, name, draft.block_size - 1)
+    def __init__(self, draft: DFlashDraft, tree: TreePolicy, name: str = "dflash"):
+        super().__init__(draft, tree, name, draft.block_size - 1, "drafter.block_size - 1")
         self.feature_layers = draft.feature_layers
         self._context: ContextKV | None = None
 
@@ -336,7 +333,7 @@ def load_draft(folder: str | Path, target: Target, allow_other_target: bool = Fa
     return draft
 
 
-def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> DFlashDrafter:
+def from_config(cfg: Mapping, tree: TreePolicy, target: Target) -> DFlashDrafter:
     """conf/drafter/dflash.yaml: a fresh (untrained) draft, or `checkpoint: <folder>`. A
     checkpoint runs at the block size it was trained for: another is refused, by name."""
     config = dflash_config(cfg)

@@ -19,6 +19,7 @@ import openvino as ov
 import openvino.opset16 as ops
 import torch
 
+from drafters.block import table_with_mask
 from drafters.dflash import DFlashDraft, DFlashDrafter
 from verify.protocol import DraftContext
 from verify.target.openvino_graph import (
@@ -61,7 +62,7 @@ def dflash_graph(draft: DFlashDraft) -> ov.Model:
                         for kind in ("cos", "sin")) for part in ("context", "block")}
     context = rms_norm(linear(params["draft_states"], draft.fc), draft.hidden_norm)  # (k, H)
     table = draft._embed[0].weight
-    inputs = torch.cat([table, draft.mask_embedding.detach().to(table)[None]])
+    inputs = table_with_mask(table, draft.mask_embedding)  # MASK: id len(table)
     h = ops.gather(constant(inputs), params["input_ids"], 0)  # (b, H)
     outputs = []
     for index, layer in enumerate(layers):

@@ -19,6 +19,7 @@ import openvino.opset16 as ops
 import torch
 from transformers import PreTrainedModel
 
+from drafters.block import table_with_mask
 from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter
 from drafters.dynamic_tree import DynamicTree
@@ -171,7 +172,7 @@ class PagedPardDrafter(PardDrafter):
         model = draft.model
         table = model.get_input_embeddings().weight
         self.mask_id = len(table)
-        inputs = torch.cat([table, draft.mask_embedding.detach().to(table)[None]])
+        inputs = table_with_mask(table, draft.mask_embedding)
         self.engine = PagedDraftEngine(step.compile(build_graph(model, input_table=inputs)),
                                        model.model.rotary_emb, model.dtype)
         self.begin(torch.empty(0, dtype=torch.long))

@@ -31,16 +31,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from drafters.block import BlockDrafter, BlockTree
+from drafters.block import MASK, BlockDrafter, TreePolicy, embed_with_masks
 from drafters.checkpoint import PARD_MASK_FILE, check_kind
 from drafters.config import typed_config
 from drafters.draft_model import DraftModelConfig, load_draft_model, truncated_copy
 from drafters.vocab import check_vocab_ids, to_target_vocab
 from verify.protocol import DraftContext
+from verify.target.cache import allocated_bytes
 from verify.target.files import read_json
 from verify.target.model import Target
-
-MASK = -1  # a token id meaning "to predict": its input is the learned mask embedding
 
 
 @dataclass
@@ -85,9 +84,7 @@ class PardDraft(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, n) long ids, MASK where to predict -> (B, n, H) inputs."""
-        table = self.model.get_input_embeddings()
-        h = table(tokens.clamp_min(0))
-        return torch.where((tokens == MASK)[..., None], self.mask_embedding.to(h.dtype), h)
+        return embed_with_masks(self.model.get_input_embeddings(), tokens, self.mask_embedding)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
@@ -113,8 +110,8 @@ class PardDrafter(BlockDrafter):
     """Proposes trees from one PARD forward per step (drafters.block for the tree); holds one
     sequence's draft cache (fork for another row of a batch)."""
 
-    def __init__(self, draft: PardDraft, tree: BlockTree, name: str = "pard"):
-        super().__init__(draft, tree, name, draft.block_size)
+    def __init__(self, draft: PardDraft, tree: TreePolicy, name: str = "pard"):
+        super().__init__(draft, tree, name, draft.block_size, "drafter.block_size")
         self.begin(torch.empty(0, dtype=torch.long))
 
     def begin(self, prompt: torch.Tensor) -> None:
@@ -122,9 +119,7 @@ class PardDrafter(BlockDrafter):
         self.cached = torch.empty(0, dtype=torch.long)  # (T',) the tokens the cache holds
 
     def draft_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                   if isinstance(t, torch.Tensor))
+        return allocated_bytes(self.cache)
 
     def block_marginals(self, ctx: DraftContext) -> torch.Tensor:
         return self.marginals(ctx.tokens.cpu())
@@ -191,7 +186,7 @@ def load_pard(path: str | Path, target: Target, block_size: int,
     return PardDraft(model, block_size, vocab_ids, saved[1])
 
 
-def from_config(cfg: Mapping, tree: BlockTree, target: Target) -> PardDrafter:
+def from_config(cfg: Mapping, tree: TreePolicy, target: Target) -> PardDrafter:
     """conf/drafter/pard.yaml: `path: null` drafts with the target cut to num_layers layers
     (its mask untrained: the mean embedding), `path: <folder>` with a trained PARD draft."""
     config = pard_config(cfg)

@@ -54,7 +54,7 @@ class PromptLookupDrafter(StatelessDrafter):
     def propose(self, ctx: DraftContext) -> TokenTree:
         tokens = ctx.tokens.cpu()
         starts = self.candidates(tokens)
-        return fill_topology(self.topology, tokens.tolist(), starts)
+        return fill_from_continuations(self.topology, tokens.tolist(), starts)
 
     def candidates(self, tokens: torch.Tensor) -> list[int]:
         """Where each candidate continuation starts in the (T,) context, best first.
@@ -78,8 +78,11 @@ class PromptLookupDrafter(StatelessDrafter):
         return starts
 
 
-def fill_topology(topology: TreeTopology, tokens: list[int], starts: list[int]) -> TokenTree:
-    """The topology filled from continuations tokens[s:] for s in `starts` (best first).
+def fill_from_continuations(topology: TreeTopology, tokens: list[int], starts: list[int]
+                            ) -> TokenTree:
+    """The topology filled from the context's continuations tokens[s:] for s in `starts` (best
+    first): a node of rank r takes the r-th distinct next token among the continuations that
+    agree with its path.
 
     Topology nodes with no r-th distinct continuation are dropped with their subtrees.
     """

@@ -46,7 +46,7 @@ from drafters.adaptive import cut_to_cost
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
-from drafters.suffix import warm_token_ids
+from drafters.suffix import warm_start
 from verify.accept import Acceptance
 from verify.predictions import TargetPredictions
 from verify.protocol import DraftContext, Resettable
@@ -313,11 +313,6 @@ def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target
     """conf/drafter/recycling.yaml; a warm start read by the target from text, or loaded."""
     config: RecyclingConfig = typed_config(RecyclingConfig, cfg, "recycling")
     drafter = RecyclingDrafter(tree, config)
-    vocab_size = target.model.config.vocab_size
-    if config.memory_file:
-        drafter.table.load(config.memory_file, vocab_size)
-    if config.warm_from:
-        warm_table(drafter.table, target, warm_token_ids(config.warm_from, target),
-                   config.warm_max_tokens)
-    drafter.table.mark_warm()
+    warm_start(drafter.table, target, config.memory_file, config.warm_from,
+               lambda texts: warm_table(drafter.table, target, texts, config.warm_max_tokens))
     return drafter

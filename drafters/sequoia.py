@@ -2,12 +2,12 @@
 budget and a depth limit, found by dynamic programming, and the (size, depth) that pays best
 for a measured verification cost t(n) and draft cost per depth level.
 
-The model is drafters.tree_builder's: the rank-r proposal at depth d is right with probability
+The model is drafters.measured_tree's: the rank-r proposal at depth d is right with probability
 accuracies[d][r], a node's value is the product along its path, and a tree's expected tokens
 per target forward are 1 (the bonus token) plus its nodes' values. Ranks fill in order among
 siblings (rank r needs ranks < r of the same parent: a drafter would close the gap).
 
-Best-first (tree_builder.build_tree) is already optimal when every depth's accuracies fall with
+Best-first (measured_tree.build_tree) is already optimal when every depth's accuracies fall with
 rank: a child is worth at most its parent, a sibling at most its better sibling, so the n best
 nodes form a valid tree. It is not when a rank beats a better-ranked one (measured tables of
 recycling or a tokenizer-merged draft vocabulary can do that): greedy cannot see past the weak
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from drafters.tree_builder import _check_table
+from drafters.measured_tree import _check_table
 from verify.tree import TreeTopology
 
 Choice = tuple[int, ...]  # ranks from the root, as in TreeTopology.choices
@@ -124,7 +124,7 @@ class SequoiaTable:
 def sequoia_tree(accuracies: Sequence[Sequence[float]], budget: int,
                  max_depth: int | None = None) -> TreeTopology:
     """The tree of at most `budget` nodes (root not counted) and depth <= max_depth (None: the
-    table's) with the most expected tokens; accuracies[d][r] as in tree_builder.build_tree."""
+    table's) with the most expected tokens; accuracies[d][r] as in measured_tree.build_tree."""
     table = SequoiaTable(accuracies, budget, max_depth)
     return table.tree(budget, table.max_depth)
 

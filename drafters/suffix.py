@@ -24,9 +24,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -290,15 +291,34 @@ def warm_token_ids(path: str | Path, target: Target) -> list[list[int]]:
             for text in warm_texts(path)]
 
 
+class SharedMemory(Protocol):
+    """A drafter's memory shared across requests (SuffixMemory, recycling's RecyclingTable)."""
+
+    def load(self, path: str | Path, vocab_size: int) -> None: ...
+
+    def mark_warm(self) -> None: ...
+
+
+def warm_start(memory: SharedMemory, target: Target, memory_file: str | None,
+               warm_from: str | None, read: Callable[[list[list[int]]], None]) -> None:
+    """Warm a shared memory (the drafter's `memory_file` and `warm_from` settings): load the
+    saved `memory_file`, then hand `read` the token ids of the `warm_from` texts
+    (warm_token_ids); what it holds then is the warm start `forget` goes back to (mark_warm)."""
+    if memory_file:
+        memory.load(memory_file, target.model.config.vocab_size)
+    if warm_from:
+        read(warm_token_ids(warm_from, target))
+    memory.mark_warm()
+
+
 def from_config(cfg: Mapping, tree: DynamicTree, target: Target) -> SuffixDrafter:
     """conf/drafter/suffix.yaml; the target's tokenizer warms the shared trie from text."""
     config: SuffixConfig = typed_config(SuffixConfig, cfg, "suffix")
     drafter = SuffixDrafter(tree, config)
-    vocab_size = target.model.config.vocab_size
-    if config.memory_file:
-        drafter.memory.load(config.memory_file, vocab_size)
-    if config.warm_from:
-        for ids in warm_token_ids(config.warm_from, target):
+
+    def read(texts: list[list[int]]) -> None:
+        for ids in texts:
             drafter.memory.add(ids)
-    drafter.memory.mark_warm()
+
+    warm_start(drafter.memory, target, config.memory_file, config.warm_from, read)
     return drafter

@@ -11,16 +11,16 @@ dynamic-programming tree, or the node budget of EAGLE-2's dynamic tree.
 
 mode=static (the default): the JSON holds {"rank_accuracy": [[...], ...]}: rank_accuracy[d][r]
 is the probability that the drafter's rank-r proposal at depth d is right (see
-drafters.tree_builder). The command times one verification step of n tokens on the target for
+drafters.measured_tree). The command times one verification step of n tokens on the target for
 each size n, picks the node budget whose best tree gives the most expected tokens per unit of
-time (drafters.tree_builder.choose_budget), and writes that tree as a conf/tree YAML.
+time (drafters.measured_tree.choose_budget), and writes that tree as a conf/tree YAML.
 
 mode=sequoia: the same table and timing, but the tree of each size is Sequoia's (Chen et al.
 2024; drafters.sequoia): the most expected tokens within each depth limit up to max_depth, by
 dynamic programming, then the (size, depth) with the most expected tokens per second, the step
 costing t(n) plus draft_depth_cost_s per depth level drafted (one draft forward per level for
 EAGLE or a draft model; 0 for Medusa, whose heads draft every depth at once). The table sets
-it beside today's best-first tree of the same size (drafters.tree_builder), and the Sequoia
+it beside today's best-first tree of the same size (drafters.measured_tree), and the Sequoia
 tree chosen is written as a conf/tree YAML.
 
 Either of those modes takes accuracies=decode for a drafter with no table of its own (EAGLE,
@@ -50,7 +50,7 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.dynamic_tree import DynamicTree
-from drafters.tree_builder import (
+from drafters.measured_tree import (
     build_tree,
     choose_budget,
     expected_tokens,
@@ -287,7 +287,7 @@ def plot_budgets(rows: list[dict], path: Path) -> Path:
 # The modes that build a static tree from an accuracy table: mode -> (search, table, plot,
 # the module named in the written tree's header)
 TABLE_MODES = {
-    "static": (search, format_table, plot_budgets, "drafters.tree_builder"),
+    "static": (search, format_table, plot_budgets, "drafters.measured_tree"),
     "sequoia": (search_sequoia, format_sequoia_table, plot_sequoia, "drafters.sequoia"),
 }
 

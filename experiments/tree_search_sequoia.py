@@ -1,5 +1,5 @@
 """experiments.tree_search mode=sequoia: Sequoia's tree (drafters.sequoia) against today's
-best-first tree (drafters.tree_builder.build_tree) at each measured size, from one accuracy
+best-first tree (drafters.measured_tree.build_tree) at each measured size, from one accuracy
 table and one set of measured costs.
 
 Both trees pay the same step cost at size n: t(n) (with any fixed draft cost the timing added)
@@ -26,8 +26,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from drafters import build_drafter
+from drafters.measured_tree import build_tree, expected_tokens
 from drafters.sequoia import SequoiaTable, best_candidate, candidates
-from drafters.tree_builder import build_tree, expected_tokens
 from experiments.common import save_figure
 from experiments.table import markdown_table
 from experiments.tree_search_dynamic import heldout_prompts, prompt_data

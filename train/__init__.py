@@ -1,7 +1,8 @@
 """Training for the drafters that learn: `python train.py drafter=<name>` lands in `run_training`.
 
-One recipe per learned drafter (train/recipes/); drafters without weights (draft_model,
-prompt_lookup) have nothing to train and say so.
+One recipe per learned drafter (train/recipes/: RECIPES), draft_model included: its recipe
+distils a small causal LM from the target. Drafters without learned weights (prompt_lookup,
+suffix, recycling; the hybrid combinator) have nothing to train and say so.
 """
 
 from __future__ import annotations

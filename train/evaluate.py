@@ -1,7 +1,7 @@
 """End-of-training evaluation on held-out prompts (training prompts never trained on).
 
 - accuracy: per head, how often its top-1 / top-5 holds the token the target wrote, and the
-  rank table (rank r's share) that drafters.tree_builder turns into a tree;
+  rank table (rank r's share) that drafters.measured_tree turns into a tree;
 - decoding: tau (tokens per target forward) with that tree, and whether the output is token for
   token the target's own greedy output (Hugging Face `generate` on the same weights).
 """

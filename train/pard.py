@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 import torch
 
+from drafters.block import MASK
 from drafters.draft_model import load_draft_model
-from drafters.pard import MASK, PardConfig, PardDraft, mean_embedding, read_mask
+from drafters.pard import PardConfig, PardDraft, mean_embedding, read_mask
 from drafters.vocab import most_frequent_tokens
 from train.distributed import global_mean
 from train.draft_model import DistillLoss, divergence, initial_draft

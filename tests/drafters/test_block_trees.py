@@ -13,7 +13,13 @@ from omegaconf import OmegaConf
 
 from drafters import build_drafter
 from drafters.adaptive import StepCost
-from drafters.block import DDTree, best_first, check_block_tree, fill_topology, tree_from_block
+from drafters.block import (
+    DDTree,
+    best_first,
+    check_block_tree,
+    fill_from_marginals,
+    tree_from_block,
+)
 from drafters.dynamic_tree import DynamicTree
 from tests.verify.tree_enumeration import (
     continuations,
@@ -74,23 +80,24 @@ def test_ddtree_depth_limit_and_cost_cut():
 def test_a_filled_topology_draws_each_depths_children_from_its_marginal():
     topology = TreeTopology.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     marginals = marginal_logits(2, 3, 9)
-    tree = fill_topology(topology, 5, marginals, T1, torch.Generator().manual_seed(0))
+    tree = fill_from_marginals(topology, 5, marginals, T1, torch.Generator().manual_seed(0))
     assert len(tree) == topology.size
     for node in range(len(tree)):
         if tree.children(node):  # every parent at depth d holds depth d's warped marginal
             assert bool(tree.sampled[node])
             expected = warp(marginals[int(tree.depths[node])], T1)
             assert torch.allclose(tree.draft_probs[node], expected)
-    greedy = fill_topology(TreeTopology.chain(3), 5, marginals, GREEDY, None)
+    greedy = fill_from_marginals(TreeTopology.chain(3), 5, marginals, GREEDY, None)
     assert greedy.tokens[1:].tolist() == marginals.argmax(-1).tolist()
     assert greedy.draft_probs is None
 
 
 def test_trees_deeper_than_the_block_are_refused():
-    check_block_tree(TreeTopology.chain(7), 7, "dflash")
+    check_block_tree(TreeTopology.chain(7), 7, "dflash", "drafter.block_size - 1")
     for tree in (TreeTopology.chain(8), DynamicTree(8, 2, 8), DDTree(8, depth=9)):
-        with pytest.raises(TreeError, match="exceeds what dflash can fill"):
-            check_block_tree(tree, 7, "dflash")
+        with pytest.raises(TreeError, match=r"exceeds what dflash can fill: its block drafts 7 "
+                           r"positions \(drafter.block_size - 1\)"):
+            check_block_tree(tree, 7, "dflash", "drafter.block_size - 1")
     with pytest.raises(ValueError, match=r"marginals must be \(D, V\)"):
         tree_from_block(DDTree(4), 0, torch.zeros(5), GREEDY)
 

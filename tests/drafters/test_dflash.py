@@ -114,7 +114,8 @@ def test_bad_settings_are_refused_by_name(tiny, conf):
                       target)
     with pytest.raises(ValueError, match="drafter.block_size must be >= 2"):
         build_drafter(OmegaConf.merge(base, {"block_size": 1}), conf("tree", "chain4"), target)
-    with pytest.raises(Exception, match="exceeds what dflash can fill"):
+    with pytest.raises(Exception, match=r"exceeds what dflash can fill: its block drafts 2 "
+                       r"positions \(drafter\.block_size - 1\)"):
         build_drafter(OmegaConf.merge(base, {"block_size": 3}), conf("tree", "chain4"), target)
 
 

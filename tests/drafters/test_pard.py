@@ -7,8 +7,9 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
+from drafters.block import MASK
 from drafters.draft_model import save_draft_model, truncated_copy
-from drafters.pard import MASK, PardConfig, PardDraft, mean_embedding, pard_config, write_mask
+from drafters.pard import PardConfig, PardDraft, mean_embedding, pard_config, write_mask
 from train.pard import block_layout, layout_mask
 from verify.target.model import load_target
 from verify.tree import TreeError
@@ -105,8 +106,13 @@ def test_a_plain_draft_folder_or_another_vocabulary_is_refused(tmp_path):
 
 def test_trees_deeper_than_the_block_and_bad_settings_are_refused():
     target = load_target(tiny="llama")
-    with pytest.raises(TreeError, match="exceeds what pard can fill"):
-        drafter(target, "tree16", block_size=4)  # tree16 is 5 deep
+    # PARD's block drafts block_size positions (the root's next and k - 1 masks'), one more
+    # than DFlash's: the message names that limit, for static and dynamic trees alike
+    assert drafter(target, "chain4", block_size=4).tree.depth == 4
+    limit = r"exceeds what pard can fill: its block drafts 4 positions \(drafter\.block_size\)"
+    for tree in ("tree16", "eagle2"):  # 5 deep
+        with pytest.raises(TreeError, match=limit):
+            drafter(target, tree, block_size=4)
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         pard_config({"block_size": 1})
     with pytest.raises(ValueError, match="no i.i.d. mode"):

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from drafters.measured_tree import build_tree, expected_tokens
 from drafters.sequoia import SequoiaTable, best_candidate, candidates, sequoia_tokens, sequoia_tree
-from drafters.tree_builder import build_tree, expected_tokens
 from verify.tree import TreeTopology
 
 # Rank 2 beats rank 1 at depth 0: best-first takes (0, 0) (.1) and (1,) (.05) after (0,),

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
+from drafters.measured_tree import build_tree, expected_tokens
 from drafters.medusa import (
     ADAPTER_DIR,
     WEIGHTS_FILE,
@@ -28,7 +29,6 @@ from drafters.medusa import (
     medusa_config,
     save_heads,
 )
-from drafters.tree_builder import build_tree, expected_tokens
 from drafters.vocab import most_frequent_tokens
 from train.checkpoint import check_resumable, load_checkpoint
 from train.distill import Answer, distilled_data

@@ -165,7 +165,7 @@ PAPER = Paper(
               REPRODUCE_COMMAND, _sparse_vs_chain,
               "A chain's deeper node counts only when every node above it is right; head 0's "
               "second and third candidates count on their own, so the 4-node tree built from "
-              "the measured accuracies (drafters.tree_builder) spreads at depth 1. Both trees "
+              "the measured accuracies (drafters.measured_tree) spreads at depth 1. Both trees "
               "cost the same to verify; neither pays for itself on this CPU."),
         Claim("More heads help",
               "Each extra head drafts one more token ahead; the paper uses 4-5 heads.",

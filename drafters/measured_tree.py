@@ -74,7 +74,7 @@ def choose_budget(accuracies: Sequence[Sequence[float]], cost: dict[int, float])
 
 
 def write_tree_config(topology: TreeTopology, path: str | Path, name: str,
-                      builder: str = "drafters.tree_builder") -> None:
+                      builder: str = "drafters.measured_tree") -> None:
     """Write `topology` as a conf/tree YAML (`name` and Medusa-style `choices`); the header
     names the module that built it."""
     choices = json.dumps([list(c) for c in topology.choices])

@@ -1,12 +1,12 @@
-"""The tree builder: best-first trees from per-depth rank accuracies, the budget from measured
-costs, and the written config read back as the same topology."""
+"""drafters.measured_tree: best-first trees from per-depth rank accuracies, the budget from
+measured costs, and the written config read back as the same topology."""
 
 import itertools
 
 import pytest
 from omegaconf import OmegaConf
 
-from drafters.tree_builder import build_tree, choose_budget, expected_tokens, write_tree_config
+from drafters.measured_tree import build_tree, choose_budget, expected_tokens, write_tree_config
 from verify.tree import TreeTopology
 
 # accuracies[d][r]: rank r of head d is right. Node values (products along the path):
