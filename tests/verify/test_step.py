@@ -12,7 +12,7 @@ from verify.target.compiled import CompiledStep
 from verify.target.model import Target, build_tiny_model, load_target
 from verify.target.packed import packing_unavailable
 from verify.target.step import EagerStep, PackedStep, as_step, target_step
-from verify.tree import TokenTree
+from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier
 
 INTERFACE = ("model", "extends_prompts", "width_for", "steps_cache", "make_room",
@@ -55,18 +55,21 @@ def test_eager_and_compiled_caches_differ_in_the_step_not_in_the_verifier():
     eager, compiled = TreeVerifier(model), TreeVerifier(CompiledStep(model))
     for verifier in (eager, compiled):
         verifier.prefill(PROMPT)
-    assert eager.step.steps_cache(eager.cache) is eager.cache  # a growing cache, as prefilled
-    assert eager.step.mask_columns(eager.cache) is None and eager.step.has_graphs(1, True)
-    layer = compiled.cache.layers[0]  # room for the prompt and a step
+    eager_cache, compiled_cache = eager.state.cache, compiled.state.cache
+    assert eager.step.steps_cache(eager_cache) is eager_cache  # a growing cache, as prefilled
+    assert eager.step.mask_columns(eager_cache) is None and eager.step.has_graphs(1, True)
+    layer = compiled_cache.layers[0]  # room for the prompt and a step
     assert isinstance(layer, RoomLayer) and layer.max_cache_len == CAPACITY_STEP
-    assert compiled.step.mask_columns(compiled.cache) == CAPACITY_STEP
+    assert compiled.step.mask_columns(compiled_cache) == CAPACITY_STEP
     assert not compiled.step.has_graphs(1, False)  # nothing compiled yet
-    compiled.step.make_room(compiled.cache, CAPACITY_STEP)  # 10 + 256 slots: grows
-    assert compiled.cache.layers[0].max_cache_len == 2 * CAPACITY_STEP
-    assert cache_length(compiled.cache) == len(PROMPT)
-    tree = TokenTree(torch.tensor([5, 6]), torch.tensor([-1, 0]))
-    assert eager.step_inputs(tree)[1].shape[-1] == len(PROMPT) + 2  # S + N columns
-    assert compiled.step_inputs(tree)[1].shape[-1] == 2 * CAPACITY_STEP  # the whole room
+    compiled.step.make_room(compiled_cache, CAPACITY_STEP)  # 10 + 256 slots: grows
+    assert compiled_cache.layers[0].max_cache_len == 2 * CAPACITY_STEP
+    assert cache_length(compiled_cache) == len(PROMPT)
+    batch = TreeBatch.pad([TokenTree(torch.tensor([5, 6]), torch.tensor([-1, 0]))])
+    mask = eager.state.batch_inputs(batch, eager.lengths)[0]
+    assert mask.shape[-1] == len(PROMPT) + 2  # S + N columns
+    mask = compiled.state.batch_inputs(batch, compiled.lengths)[0]
+    assert mask.shape[-1] == 2 * CAPACITY_STEP  # the whole room
 
 
 def test_a_bare_model_gets_the_eager_step_and_a_step_is_kept():
