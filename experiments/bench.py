@@ -109,8 +109,7 @@ def treedraft_method(target: Target, drafter: Drafter | None, params: SamplingPa
         generator = torch.Generator(target.model.device).manual_seed(seed)
         with attention(target.model, attn_implementation):
             result = generate(target.step, ids, max_new_tokens, drafter=drafter,
-                              temperature=params.temperature, top_k=params.top_k,
-                              top_p=params.top_p, eos_token_id=target.eos_token_ids,
+                              sampling=params, eos_token_id=target.eos_token_ids,
                               generator=generator, rule=rule, pad_rows=pad_rows)
         record = {"new_tokens": len(result.tokens), "tokens": result.tokens.tolist(),
                   "steps": [vars(s) for s in result.steps], "prefill_s": result.prefill_s}

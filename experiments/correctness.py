@@ -22,7 +22,6 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 import hydra
@@ -231,7 +230,7 @@ def distribution_row(model, drafter, rule, prompt, expected, params, dist) -> di
     for _ in tqdm(range(dist.samples // dist.batch_size), desc=f"sampling ({rule.name})",
                   leave=False):
         batch = generate_batch(model, [prompt] * dist.batch_size, dist.length, drafter=drafter,
-                               rule=rule, generator=generator, **asdict(params))
+                               sampling=params, rule=rule, generator=generator)
         for out in batch:
             counts[tuple(out.tokens.tolist())] += 1
             drafted += sum(step.tree_size - 1 for step in out.steps)

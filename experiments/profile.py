@@ -7,7 +7,8 @@
 
 For each n, a chain of n tokens is verified after `context_len` cached tokens (sizes take
 turns, medians over `repeats`), and the step is cut into its parts:
-- inputs: the tree's attention mask and position ids (TreeVerifier.tree_mask, position_ids);
+- inputs: the tree's attention mask and position ids (`forward_inputs`: the eager step's
+  state builds them, verify/target/hf_state.py);
 - the model forward, split by forward hooks into the token embedding, attention (every
   layer's attention module), MLP (every layer's MLP), the LM head, and the rest (norms,
   residual adds, rotary tables: the forward's time outside those modules);
@@ -55,7 +56,7 @@ from verify.target.model import load_target_from_config
 from verify.target.packed import bfloat16_packing_unavailable, packing_unavailable
 from verify.target.step import EagerStep, PackedStep, TargetStep, as_step
 from verify.target.timing import device_clock
-from verify.tree import TokenTree, TreeTopology
+from verify.tree import TokenTree, TreeBatch, TreeTopology
 from verify.verifier import TreeVerifier
 
 MODEL_PARTS = ("embedding", "attention", "mlp", "lm_head")
@@ -105,13 +106,25 @@ def _modules(model: PreTrainedModel) -> Iterator[tuple[str, torch.nn.Module]]:
             yield "mlp", module
 
 
+def forward_inputs(verifier: TreeVerifier, tree: TokenTree
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """What `verifier.verify(tree)` feeds the model's forward after the L cached tokens (B = 1),
+    on an eager or packed step (its state is verify/target/hf_state.py's `CacheState`): the
+    (N',) tokens (N' >= N: padded on a packed target), the (1, 1, N', L + N') attention mask
+    (None for a lone root: plain decoding needs none) and the (N',) position ids."""
+    batch = TreeBatch.pad([tree])
+    batch = batch.widen(verifier.step.width_for(1, batch.width))
+    mask, positions = verifier.state.batch_inputs(batch, verifier.lengths)
+    return batch.tokens[0], mask, positions[0]
+
+
 def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) -> dict[str, float]:
     """Seconds of each part of one step verifying `tree`; the cache is left as it was."""
-    model, cached = verifier.model, verifier.length
+    model, cached, cache = verifier.model, verifier.length, verifier.state.cache
     clock = device_clock(model.device)
     times: dict[str, float] = {}
     start = clock()
-    tokens, mask, positions = verifier.step_inputs(tree)
+    tokens, mask, positions = forward_inputs(verifier, tree)
     times["inputs"] = clock() - start
     timer.reset()
     start = clock()
@@ -119,7 +132,7 @@ def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) ->
         out = model(input_ids=tokens[None].to(model.device),
                     position_ids=positions[None].to(model.device),
                     attention_mask=None if mask is None else mask.to(model.device),
-                    cache=verifier.cache, use_cache=True)
+                    cache=cache, use_cache=True)
     forward = clock() - start
     times.update({part: timer.seconds.get(part, 0.0) for part in MODEL_PARTS})
     times["model_rest"] = forward - sum(times[part] for part in MODEL_PARTS)
@@ -132,9 +145,9 @@ def profile_step(verifier: TreeVerifier, tree: TokenTree, timer: ModuleTimer) ->
         rule(tree, logits, params, torch.Generator().manual_seed(0))
         times[f"accept_{rule_name}"] = clock() - start
     start = clock()
-    keep_entries(verifier.cache, cached, list(range(len(tree))))  # the whole chain accepted
+    keep_entries(cache, cached, list(range(len(tree))))  # the whole chain accepted
     times["commit"] = clock() - start
-    keep_entries(verifier.cache, cached, [])  # back to the context alone
+    keep_entries(cache, cached, [])  # back to the context alone
     return times
 
 
@@ -142,9 +155,14 @@ def profile_sizes(step: TargetStep | PreTrainedModel, sizes: list[int], context_
                   repeats: int, seed: int) -> dict[int, dict[str, float]]:
     """{n: {part: median seconds}} over `repeats` rounds in which the sizes take turns, on
     the target's step (its trees at the width it runs them) or a bare model's eager one."""
-    if not isinstance(as_step(step), EagerStep):
-        raise ValueError("the profile times the eager model's parts, which a compiled or an "
-                         "OpenVINO step fuses into one graph: profile target.step=eager, and "
+    step = as_step(step)
+    if not isinstance(step, EagerStep):
+        # the parts are timed by hooks on the model's modules, around a bare forward over the
+        # model's own cache: a step that runs neither has no such forward to time
+        raise ValueError("the profile times the model's own forward, part by part, over its "
+                         f"own cache; a {type(step).__name__} runs neither as it is (a compiled "
+                         "step fuses the parts into one graph, the OpenVINO step runs its own "
+                         "graph over its own cache blocks): profile target.step=eager, and "
                          "time the others with experiments.step_limit (operators=N: their "
                          "operators, as torch.profiler or the OpenVINO plugin counts them)")
     verifier = TreeVerifier(step)

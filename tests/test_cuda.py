@@ -15,6 +15,7 @@ from drafters import build_drafter
 from experiments.common import CONF_DIR
 from train import run_training
 from verify.loop import generate, generate_batch
+from verify.sampling import SamplingParams
 from verify.target.model import hf_generate, load_target
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
@@ -101,8 +102,9 @@ def test_sampling_runs_with_a_generator_on_the_device(target, cuda_device, name,
 
     def sample(seed: int) -> torch.Tensor:
         generator = torch.Generator(cuda_device).manual_seed(seed)
-        return generate(target.model, PROMPT, NEW_TOKENS, temperature=1.0, top_p=0.9,
-                        drafter=drafter, generator=generator).tokens
+        return generate(target.model, PROMPT, NEW_TOKENS,
+                        sampling=SamplingParams(1.0, top_p=0.9), drafter=drafter,
+                        generator=generator).tokens
 
     tokens = sample(0)
     assert len(tokens) == NEW_TOKENS

@@ -47,6 +47,7 @@ from train.regen_folder import (
     write_results,
 )
 from verify.loop import generate_batch, until_eos
+from verify.sampling import SamplingParams
 from verify.target.fingerprint import identity
 from verify.target.model import Target, cache_root
 
@@ -101,7 +102,7 @@ def builtin_answer(target: Target, regen: RegenConfig) -> Answer:
     """The built-in loop's round: one batched greedy or sampled decode on the target."""
     def answer(prompts: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         results = generate_batch(target.step, prompts, regen.max_new_tokens,
-                                 temperature=regen.temperature, top_p=regen.top_p,
+                                 sampling=SamplingParams(regen.temperature, top_p=regen.top_p),
                                  eos_token_id=target.eos_token_ids, generator=generator)
         return [result.tokens for result in results]
     return answer

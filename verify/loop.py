@@ -20,7 +20,7 @@ from verify.metrics import TokensPerForward
 from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.rules import RuleConfig, rule_from_config
-from verify.sampling import SamplingParams, sample, warp
+from verify.sampling import GREEDY, SamplingParams, sample, warp
 from verify.target.features import LAST
 from verify.target.model import context_window
 from verify.target.step import TargetStep, as_step, host_threads
@@ -72,17 +72,18 @@ class GenerationResult:
 
 def generate(model: PreTrainedModel | TargetStep, input_ids: torch.Tensor,
              max_new_tokens: int, *,
-             drafter: Drafter | None = None, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, rule: RuleConfig = None,
+             drafter: Drafter | None = None, sampling: SamplingParams = GREEDY,
+             rule: RuleConfig = None,
              eos_token_id: int | Sequence[int] | None = None,
              generator: torch.Generator | None = None, pad_rows: int = 1) -> GenerationResult:
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
     model: the target's step (`Target.step`: packed or compiled as the target was loaded), or
     a bare model, decoded through its eager step (verify/target/step.py).
-    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. The same warp
-    applies to target and draft distributions. The rule defaults to greedy at temperature 0
-    and exact tree sampling otherwise ("typical" selects Medusa's lossy rule; a mapping sets
+    sampling: temperature, top-k and top-p (verify.sampling.SamplingParams; GREEDY, temperature
+    0, by default); top_k 0 and top_p 1 switch those filters off. The same warp applies to
+    target and draft distributions. The rule defaults to greedy at temperature 0 and exact
+    tree sampling otherwise ("typical" selects Medusa's lossy rule; a mapping sets
     its settings, {name: typical, epsilon: 0.05}: verify.accept.rule_from_config). Generation
     stops at any of the EOS ids (models such as Llama-3-Instruct list several), as Hugging
     Face `generate` does. The one-row case of `generate_batch`.
@@ -92,16 +93,15 @@ def generate(model: PreTrainedModel | TargetStep, input_ids: torch.Tensor,
         raise ValueError(f"generate decodes one prompt, got shape {tuple(input_ids.shape)}: "
                          "use generate_batch for a batch")
     return generate_batch(model, [input_ids.flatten()], max_new_tokens, drafter=drafter,
-                          temperature=temperature, top_k=top_k, top_p=top_p, rule=rule,
-                          eos_token_id=eos_token_id, generator=generator, pad_rows=pad_rows)[0]
+                          sampling=sampling, rule=rule, eos_token_id=eos_token_id,
+                          generator=generator, pad_rows=pad_rows)[0]
 
 
 def generate_batch(model: PreTrainedModel | TargetStep,
                    prompts: Sequence[torch.Tensor] | torch.Tensor,
                    max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
                    pad_token_id: int | None = None, drafter: Drafter | None = None,
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   rule: RuleConfig = None,
+                   sampling: SamplingParams = GREEDY, rule: RuleConfig = None,
                    eos_token_id: int | Sequence[int] | None = None,
                    generator: torch.Generator | None = None,
                    keep_states: bool = False, pad_rows: int = 1,
@@ -132,10 +132,9 @@ def generate_batch(model: PreTrainedModel | TargetStep,
                          f"{max_batch_for_speculation}")
     step = as_step(model)
     model = step.model
-    params = SamplingParams(temperature, top_k, top_p)
     rows = [_check_inputs(model, prompt, max_new_tokens)
             for prompt in _split_prompts(model, prompts, attention_mask, pad_token_id)]
-    rule = rule_from_config(rule, params)
+    rule = rule_from_config(rule, sampling)
     stop = _eos_set(eos_token_id)
     features = _Features(drafter.feature_layers if drafter is not None else (), keep_states,
                          model.config.hidden_size)
@@ -145,7 +144,7 @@ def generate_batch(model: PreTrainedModel | TargetStep,
         clock = device_clock(model.device)  # synchronises an accelerator before each reading
         start = clock()
         logits, prompt_features = verifier.prefill_batch(rows)
-        first = _first_tokens(logits, params, generator)
+        first = _first_tokens(logits, sampling, generator)
         prefill_s = clock() - start
         # a batch drafter drafts every row in step; any other drafter drafts row by row, one
         # fork each
@@ -171,7 +170,7 @@ def generate_batch(model: PreTrainedModel | TargetStep,
                       else pad_rows)
         while active:
             drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
-            _step(verifier, batch_drafter if drafting else None, active, rule, params, generator,
+            _step(verifier, batch_drafter if drafting else None, active, rule, sampling, generator,
                   features, clock, tree_width if drafting else pad_rows, drafting,
                   target_top_k)
             active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)

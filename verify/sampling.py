@@ -32,6 +32,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+GREEDY = SamplingParams()  # the default decoding: argmax, nothing drawn
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
 

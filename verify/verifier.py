@@ -26,9 +26,12 @@ from verify.tree import TokenTree, TreeBatch
 class TreeVerifier:
     """Runs a target model over B growing sequences and token trees appended to them.
 
-    The single-sequence methods (`prefill`, `verify`, `commit`, `step_inputs`, `length`) are the
-    B = 1 case of the batch methods (`prefill_batch`, `verify_batch`, `commit_batch`).
+    The single-sequence methods (`prefill`, `verify`, `commit`, `length`) are the B = 1 case
+    of the batch methods (`prefill_batch`, `verify_batch`, `commit_batch`).
     `model` is the target's step (`Target.step`) or a bare model, run through its eager step.
+    The cache and the forwards over it are the step's `state` (verify/target/step.py
+    `StepState`), in whatever form that step keeps them: the verifier keeps the rows' committed
+    lengths and asks of a state only what the protocol names.
     """
 
     def __init__(self, model: PreTrainedModel | TargetStep, feature_layers: tuple[int, ...] = ()):
@@ -49,12 +52,6 @@ class TreeVerifier:
     def cache_size(self) -> int:
         """Cache slots in use (the longest row's; not a room cache's capacity)."""
         return self.state.size()
-
-    @property
-    def cache(self):
-        """The model's own cache, on a step that runs the model's forward
-        (verify/target/hf_state.py): what `experiments.profile` times a bare forward over."""
-        return self.state.cache
 
     # -- one sequence -------------------------------------------------------------------------
 
@@ -80,15 +77,6 @@ class TreeVerifier:
         tree's keys/values are appended to the cache until `commit` keeps the accepted path."""
         logits, features = self.verify_batch(TreeBatch.pad([tree]))
         return logits[0].cpu(), None if features is None else features[0]
-
-    def step_inputs(self, tree: TokenTree
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """What `verify(tree)` feeds the model after the L cached tokens (B = 1): the (N',)
-        tokens (N' >= N: padded on a packed target), the (1, 1, N', L + N') attention mask
-        (None for a lone root: plain decoding needs none) and the (N',) position ids."""
-        batch = self._step_width(TreeBatch.pad([tree]))
-        mask, positions = self.state.batch_inputs(batch, self.lengths)
-        return batch.tokens[0], mask, positions[0]
 
     def commit(self, path: list[int]) -> None:
         """Keep the cached keys/values of the accepted tree nodes `path` (root first) only."""

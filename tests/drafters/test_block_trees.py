@@ -162,7 +162,7 @@ def test_a_fresh_dflash_ddtree_decodes_a_sampled_batch(tiny, conf):
     drafter = build_drafter(conf("drafter", "dflash"),
                             OmegaConf.merge(conf("tree", "ddtree8"), {"total_tokens": 5}), target)
     prompts = [torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7])]
-    results = generate_batch(target.model, prompts, 12, drafter=drafter, temperature=1.0,
+    results = generate_batch(target.model, prompts, 12, drafter=drafter, sampling=T1,
                              generator=torch.Generator().manual_seed(0))
     assert all(len(r.tokens) == 12 for r in results)
     assert max(step.tree_size for r in results for step in r.steps) == 6

@@ -195,7 +195,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(arch, params, tiny, topo
     # a rejected draft, since the draft computes exactly what the target will.
     model = tiny(arch).model
     drafter = DraftModelDrafter(model, topology("tree16"))
-    result = generate(model, CONTEXT, 31, drafter=drafter, temperature=params.temperature,
+    result = generate(model, CONTEXT, 31, drafter=drafter, sampling=params,
                       generator=torch.Generator().manual_seed(0))
     assert [step.accepted for step in result.steps] == [5] * 5
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from drafters import build_drafter
 from verify.accept import RuleRefusal
 from verify.loop import generate, generate_batch
+from verify.sampling import SamplingParams
 
 STATIC_TREES = ["chain4", "tree16"]
 
@@ -123,7 +124,7 @@ def test_traversal_samples_the_drawn_trees_and_refuses_chosen_ones(row, tree, ti
     target = tiny("llama")
     drafter = build_drafter(OmegaConf.merge(conf("drafter", row.config), row.overrides),
                             tree_config(conf, tree), target)
-    decode = dict(drafter=drafter, temperature=1.0, rule="traversal",
+    decode = dict(drafter=drafter, sampling=SamplingParams(1.0), rule="traversal",
                   generator=torch.Generator().manual_seed(0))
     if not (row.samples and tree in STATIC_TREES):
         try:
@@ -147,7 +148,7 @@ def test_spectr_samples_the_self_drafts_iid_siblings_and_refuses_others(tree, ti
     for iid in (True, False):
         drafter = build_drafter(OmegaConf.merge(cfg, {"iid_siblings": iid}),
                                 tree_config(conf, tree), target)
-        decode = dict(drafter=drafter, temperature=1.0, rule="spectr",
+        decode = dict(drafter=drafter, sampling=SamplingParams(1.0), rule="spectr",
                       generator=torch.Generator().manual_seed(0))
         if not iid:
             with pytest.raises(RuleRefusal, match="'spectr' rule .* without replacement"):

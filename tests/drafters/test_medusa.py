@@ -210,8 +210,8 @@ def test_sampled_drafts_record_their_head_distribution(tiny, topology):
 def test_sampling_through_the_loop(tiny, topology):
     target = tiny("gpt2")
     drafter = MedusaDrafter(_perturbed(MedusaHeads(_lm_head(target), 4, 1)), topology("tree8"))
-    result = generate(target.model, PROMPT, 30, drafter=drafter, temperature=0.8,
-                      generator=torch.Generator().manual_seed(0))
+    result = generate(target.model, PROMPT, 30, drafter=drafter,
+                      sampling=SamplingParams(0.8), generator=torch.Generator().manual_seed(0))
     assert len(result.tokens) == 30 and max(s.tree_size for s in result.steps) == 9
 
 

@@ -9,6 +9,7 @@ from drafters import COMBINATORS, DRAFTERS, build_drafter, rule_refusal
 from verify.accept import RuleRefusal
 from verify.loop import generate
 from verify.protocol import Drafter
+from verify.sampling import SamplingParams
 from verify.tree import TreeError
 
 TINY_OVERRIDES = {"draft_model": {"num_layers": 1}, "pard": {"num_layers": 1}}  # 2-layer targets
@@ -102,8 +103,9 @@ def test_the_rules_refused_before_loading_are_the_ones_the_trees_would_refuse(
         refusal = rule_refusal(rule, drafter_cfg, tree_cfg)
         drafter = build_drafter(drafter_cfg, tree_cfg, tiny("llama"))
         try:
-            generate(tiny("llama").model, PROMPT, 6, drafter=drafter, temperature=1.0,
-                     rule=rule, generator=torch.Generator().manual_seed(0))
+            generate(tiny("llama").model, PROMPT, 6, drafter=drafter,
+                     sampling=SamplingParams(1.0), rule=rule,
+                     generator=torch.Generator().manual_seed(0))
         except RuleRefusal as refused:
             assert refusal is not None, f"{rule} refused only while decoding: {refused}"
         else:

@@ -12,6 +12,7 @@ from experiments.profile import (
     _products,
     format_products,
     format_table,
+    forward_inputs,
     plot,
     product_bounds,
     product_kernels,
@@ -20,6 +21,8 @@ from experiments.profile import (
     profile_sizes,
 )
 from verify.target.model import load_target
+from verify.tree import TokenTree, TreeTopology
+from verify.verifier import TreeVerifier
 
 
 def profile_config(*overrides):
@@ -91,8 +94,33 @@ def test_bfloat16_products_are_timed_with_onednn_packing_too():
         torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("step", ["compiled", "openvino"])
-def test_a_fused_step_is_refused_and_pointed_to_step_limit(step):
+@pytest.mark.parametrize("step, kind", [("compiled", "CompiledStep"),
+                                        ("openvino", "OpenVINOStep")])
+def test_a_fused_step_is_refused_by_name_and_pointed_to_step_limit(step, kind):
     target = load_target(tiny="llama", step=step)
-    with pytest.raises(ValueError, match="experiments.step_limit"):
+    with pytest.raises(ValueError, match=rf"a {kind} runs neither .*experiments.step_limit"):
         profile_sizes(target.step, [1], context_len=4, repeats=1, seed=0)
+
+
+@pytest.mark.parametrize("packed_rows", [None, [2, 4, 8]])
+def test_the_profiled_inputs_are_what_the_verifier_feeds_the_forward(packed_rows,
+                                                                      monkeypatch):
+    from verify.target.packed import packing_unavailable
+
+    if packed_rows and packing_unavailable(load_target(tiny="llama").model):
+        pytest.skip("packing needs a float32 CPU torch build with MKL")
+    verifier = TreeVerifier(load_target(tiny="llama", packed_rows=packed_rows).step)
+    verifier.prefill(torch.arange(3, 13))
+    tree = TokenTree.from_choices(5, TreeTopology.chain(2), [6, 7])  # 3 nodes
+    tokens, mask, positions = forward_inputs(verifier, tree)
+    fed, batch_inputs = [], verifier.state.batch_inputs
+
+    def spy(batch, lengths):
+        fed.append((batch.tokens, *batch_inputs(batch, lengths)))
+        return fed[-1][1:]
+    monkeypatch.setattr(verifier.state, "batch_inputs", spy)
+    verifier.verify(tree)
+    (want_tokens, want_mask, want_positions), = fed
+    assert len(tokens) == (4 if packed_rows else 3)  # padded to a packed row count
+    assert torch.equal(tokens, want_tokens[0]) and torch.equal(mask, want_mask)
+    assert torch.equal(positions, want_positions[0])

@@ -65,7 +65,7 @@ def test_timing_leaves_the_verifier_as_it_was(model):
     assert time_step(verifier, TokenTree.from_choices(1, TreeTopology.chain(5),
                                                       [2, 3, 4, 5, 6])) > 0
     assert verifier.length == len(context)
-    assert all(layer.keys.shape[-2] == len(context) for layer in verifier.cache.layers)
+    assert all(layer.keys.shape[-2] == len(context) for layer in verifier.state.cache.layers)
     logits, _ = verifier.verify(TokenTree(torch.tensor([7]), torch.tensor([-1])))
     with torch.no_grad():
         expected = model(torch.cat([context, torch.tensor([7])])[None]).logits[0, -1]

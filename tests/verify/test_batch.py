@@ -78,7 +78,7 @@ def test_a_batch_prefills_each_prompt_exactly_as_alone(model):
         expected_logits, expected_features = single.prefill(prompt)
         assert torch.equal(logits[row].cpu(), expected_logits)
         assert torch.equal(features[row], expected_features)
-        for ours, theirs in zip(batch.cache.layers, single.cache.layers):
+        for ours, theirs in zip(batch.state.cache.layers, single.state.cache.layers):
             assert torch.equal(ours.keys[row, :, :len(prompt)], theirs.keys[0])
             assert torch.equal(ours.values[row, :, :len(prompt)], theirs.values[0])
             assert not ours.keys[row, :, len(prompt):].any()

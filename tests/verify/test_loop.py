@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from verify.loop import generate
+from verify.sampling import SamplingParams
 from verify.target.model import Target, hf_generate, load_target
 from verify.tree import TokenTree
 
@@ -111,7 +112,7 @@ def test_stops_at_any_of_several_eos_ids_like_hugging_face(model):
 
 def test_sampling_is_reproducible_with_a_seed(model):
     prompt = torch.arange(5, 25)
-    runs = [generate(model, prompt, 20, temperature=1.0,
+    runs = [generate(model, prompt, 20, sampling=SamplingParams(1.0),
                      generator=torch.Generator().manual_seed(3)).tokens for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
@@ -132,7 +133,7 @@ def test_bad_inputs_are_refused(model, prompt, n, message):
 
 def test_negative_temperature_is_refused(model):
     with pytest.raises(ValueError, match="temperature must be >= 0"):
-        generate(model, torch.arange(5, 25), 5, temperature=-0.5)
+        generate(model, torch.arange(5, 25), 5, sampling=SamplingParams(-0.5))
 
 
 def test_drafter_with_a_wrong_root_is_refused(model):

@@ -118,15 +118,22 @@ def lookup():
     return PromptLookupDrafter(TreeTopology.from_choices([(0,), (0, 0), (0, 0, 0), (1,), (1, 0)]))
 
 
-def test_the_verifier_pads_trees_to_a_packed_count(pair, mkl_calls):
+def test_the_verifier_pads_trees_to_a_packed_count(pair, mkl_calls, monkeypatch):
     plain, packed = pair
     verifier = TreeVerifier(packed)
     verifier.prefill(torch.arange(3, 13))
     tree = TokenTree.from_choices(5, TreeTopology.chain(2), [6, 7])  # 3 nodes -> 4 rows
-    tokens, mask, positions = verifier.step_inputs(tree)
-    assert tokens.shape == (4,) and mask.shape[-2:] == (4, 14) and positions.shape == (4,)
+    fed, batch_inputs = [], verifier.state.batch_inputs  # what the step's forward is fed
+
+    def spy(batch, lengths):
+        mask, positions = batch_inputs(batch, lengths)
+        fed.append((batch.tokens.shape, mask.shape, positions.shape))
+        return mask, positions
+    monkeypatch.setattr(verifier.state, "batch_inputs", spy)
     mkl_calls.clear()
     logits, _ = verifier.verify(tree)
+    (tokens, mask, positions), = fed
+    assert tokens == (1, 4) and mask[-2:] == (4, 14) and positions == (1, 4)
     assert logits.shape[0] == 3 and set(mkl_calls) == {4}  # every product of the step packed
     reference = TreeVerifier(plain)
     reference.prefill(torch.arange(3, 13))

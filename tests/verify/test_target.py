@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from verify import target as target_mod
+from verify.target import model as target_mod
 from verify.target.model import (
     DEFAULT_INSTALL,
     TINY_ARCHS,

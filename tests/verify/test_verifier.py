@@ -54,7 +54,7 @@ def test_commit_keeps_only_the_accepted_path(arch):
     verifier.verify(tree)
     verifier.commit([0, 2, 4])  # tokens 12, 41, 43
     assert verifier.length == len(prefix) + 3
-    assert all(layer.keys.shape[-2] == verifier.length for layer in verifier.cache.layers)
+    assert all(layer.keys.shape[-2] == verifier.length for layer in verifier.state.cache.layers)
     # the next token sees exactly prefix + accepted path
     next_tree = TokenTree(torch.tensor([7]), torch.tensor([-1]))
     logits, _ = verifier.verify(next_tree)

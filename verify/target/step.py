@@ -17,13 +17,16 @@ The kinds: `EagerStep`, the model's forward as it is; `PackedStep`, the same for
 weights pre-packed for some row counts (verify/target/packed.py), with trees padded up to them;
 `CompiledStep` (verify/target/compiled.py), the forward through torch.compile over a room cache; and
 `OpenVINOStep` (verify/target/openvino_step.py), the forward on OpenVINO's CPU kernels with
-PagedAttention and a tree mask, over cache blocks it owns.
+PagedAttention and a tree mask, over cache blocks it owns. `STEPS` is the registry:
+target.step's values, each with the builder of its step (a new kind: docs/extending.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
+from inspect import signature
 from typing import Protocol
 
 import torch
@@ -36,10 +39,6 @@ from verify.target.compiled import CompiledStep
 from verify.target.hf_state import CacheState
 from verify.target.packed import ladder_width, pack_target
 from verify.tree import TreeBatch
-
-# compiled_one_graph: compiled, and one row's one-token steps run the tree graph in every
-# dtype (as half precision always does: verify/target/compiled.py, `min_width`)
-STEPS = ("eager", "compiled", "compiled_one_graph", "openvino")
 
 
 class StepState(Protocol):
@@ -152,40 +151,71 @@ def as_step(model_or_step: nn.Module | TargetStep) -> TargetStep:
     return EagerStep(model_or_step) if isinstance(model_or_step, nn.Module) else model_or_step
 
 
-def target_step(model: PreTrainedModel, step: str = "eager",
-                packed_rows: str | Sequence[int] | None = None, **options) -> TargetStep:
-    """`target.step` and `target.packed_rows` applied to `model` (its linear layers packed in
-    place where asked): the step its decoding runs through. A compiled step packs its own
-    weights, so "auto" packs nothing there; oneDNN's packing serves every row count, so its
-    step pads no tree (an eager one)."""
-    if step not in STEPS:
-        raise ValueError(f"target.step is one of {list(STEPS)}, not {step!r}")
-    if step == "openvino":
-        if packed_rows not in (None, [], (), "auto"):
-            raise ValueError(f"the OpenVINO step packs its own weights: target.packed_rows="
-                             f"{packed_rows!r} goes with target.step=eager (or set it to null)")
-        return _openvino_step(model, **options)
-    if options:
-        raise ValueError(f"target.step={step} takes no options {sorted(options)}")
-    # here, not at the first cache commit: the OpenVINO step refuses a window its own way
+def eager_step(model: PreTrainedModel, packed_rows: str | Sequence[int] | None = None
+               ) -> TargetStep:
+    """target.step=eager: the model's forward, its linear layers packed in place for the row
+    counts `packed_rows` asks (verify/target/packed.py; a `PackedStep` then pads trees up to
+    them). oneDNN's packing serves every row count, so its step pads no tree (an eager one)."""
     check_full_attention(model.config, "target")
-    if step.startswith("compiled"):
-        if packed_rows not in (None, [], (), "auto"):
-            raise ValueError(f"a compiled step packs its own weights: target.packed_rows="
-                             f"{packed_rows!r} goes with target.step=eager (or set it to null)")
-        # inductor's freezing packs the weights for each graph
-        return CompiledStep(model, one_graph=step == "compiled_one_graph")
     ladder = pack_target(model, packed_rows)
     return PackedStep(model, ladder) if ladder else EagerStep(model)
 
 
-def _openvino_step(model: PreTrainedModel, **options) -> TargetStep:
+def compiled_step(model: PreTrainedModel, packed_rows: str | Sequence[int] | None = None, *,
+                  one_graph: bool = False) -> TargetStep:
+    """target.step=compiled (compiled_one_graph: `one_graph`): inductor's freezing packs the
+    weights for each graph, so "auto" packs nothing here and any other packing is refused."""
+    check_full_attention(model.config, "target")
+    refuse_packing("a compiled step", packed_rows)
+    return CompiledStep(model, one_graph=one_graph)
+
+
+def openvino_step(model: PreTrainedModel, packed_rows: str | Sequence[int] | None = None,
+                  **options) -> TargetStep:
+    """target.step=openvino, with the step's `options` (verify/target/openvino_step.py); the
+    OpenVINO step refuses a sliding window its own way."""
+    refuse_packing("the OpenVINO step", packed_rows)
     try:
         from verify.target.openvino_step import OpenVINOStep  # openvino is imported only here
     except ImportError as error:
         raise ImportError(f"target.step=openvino needs the `openvino` package ({error}); "
                           "`make setup` installs it") from error
     return OpenVINOStep(model, **options)
+
+
+def refuse_packing(what: str, packed_rows: str | Sequence[int] | None) -> None:
+    """For a step that packs its own weights (or none): target.packed_rows must ask for
+    nothing ("auto" asks for nothing there)."""
+    if packed_rows not in (None, [], (), "auto"):
+        raise ValueError(f"{what} packs its own weights: target.packed_rows={packed_rows!r} "
+                         "goes with target.step=eager (or set it to null)")
+
+
+# The registry: target.step's values, each with the builder of its step, called as
+# builder(model, target.packed_rows, **options). A new step kind is one module and one line
+# here (docs/extending.md).
+STEPS: dict[str, Callable[..., TargetStep]] = {
+    "eager": eager_step,
+    "compiled": compiled_step,
+    # compiled, and one row's one-token steps run the tree graph in every dtype (as half
+    # precision always does: verify/target/compiled.py, `min_width`)
+    "compiled_one_graph": partial(compiled_step, one_graph=True),
+    "openvino": openvino_step,
+}
+
+
+def target_step(model: PreTrainedModel, step: str = "eager",
+                packed_rows: str | Sequence[int] | None = None, **options) -> TargetStep:
+    """`target.step` and `target.packed_rows` applied to `model` (its linear layers packed in
+    place where asked): the step its decoding runs through, built by its entry in `STEPS`."""
+    if step not in STEPS:
+        raise ValueError(f"target.step is one of {list(STEPS)}, not {step!r}")
+    builder = STEPS[step]
+    try:
+        signature(builder).bind(model, packed_rows, **options)
+    except TypeError:
+        raise ValueError(f"target.step={step} takes no options {sorted(options)}") from None
+    return builder(model, packed_rows, **options)
 
 
 @contextmanager
