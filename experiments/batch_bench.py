@@ -29,7 +29,6 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from drafters import build_drafter
-from experiments.bench import contenders, forget_memories, report_stem
 from experiments.bench_report import format_batch_table, write_tables
 from experiments.common import (
     check_report,
@@ -38,6 +37,7 @@ from experiments.common import (
     single_thread,
     write_report,
 )
+from experiments.methods import contenders, forget_memories, report_stem
 from experiments.report_schema import BatchFigures, BatchSummary
 from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos

@@ -205,6 +205,17 @@ def publish(cfg: DictConfig, stem: str, rows: list[dict], table: Callable[[list[
     return path
 
 
+def report_rows(cfg: DictConfig, stem: str, rows_of: Callable[[DictConfig], list[dict]],
+                table: Callable[[list[dict]], str],
+                plot: Callable[[list[dict], Path], Path]) -> Path:
+    """A report command from its config to its files: the report <stem> checked before any
+    work (check_report), torch seeded with 0 (whatever draws random numbers draws the same
+    every run), then `rows_of(cfg)` published (`publish`); returns the JSON's path."""
+    check_report(cfg.out_dir, stem, cfg)
+    torch.manual_seed(0)
+    return publish(cfg, stem, rows_of(cfg), table, plot)
+
+
 def invocation() -> dict:
     """{"module", "argv"}: the module this process runs (`python -m <module>`, and each rank
     torchrun starts with `-m`; else the script's path) and its arguments."""

@@ -11,10 +11,11 @@ differ and nothing else; the target continues from the cut. A target without a t
 tiny test models) gets seeded random tokens instead, and the report says so.
 
 At each length the methods of `experiments.bench` (its config: drafter, tree, compare, peers,
-temperature) run on the same prompts, and t(n) of one verification step is timed with that many
-cached tokens for each n in `sizes`. Greedy runs also give each method's share of prompts
-whose output is Hugging Face greedy's token for token. Prints a table, writes JSON and a PNG
-(speedup and tau against length; t(n) / t(1) against length).
+temperature; experiments.methods builds them) run on the same prompts, and t(n) of one
+verification step is timed with that many cached tokens for each n in `sizes`. Greedy runs
+also give each method's share of prompts whose output is Hugging Face greedy's token for
+token. Prints a table, writes JSON and a PNG (speedup and tau against length; t(n) / t(1)
+against length).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from experiments.bench import (
+from experiments.bench_report import summarise
+from experiments.common import check_report, report_name, save_figure, single_thread, write_report
+from experiments.methods import (
     Prompt,
     baseline_name,
     build_methods,
@@ -34,8 +37,6 @@ from experiments.bench import (
     sampling_params,
     time_methods,
 )
-from experiments.bench_report import summarise
-from experiments.common import check_report, report_name, save_figure, single_thread, write_report
 from experiments.report_schema import BenchSummary, MethodFigures
 from experiments.table import cell, markdown_table
 from train.conversations import read_conversations, tokenize_conversation

@@ -31,10 +31,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import train.schema  # noqa: F401  (registers the training schema)
-from experiments.bench import run_benchmark
 from experiments.bench_report import format_tables
 from experiments.common import CONF_DIR, write_report
 from experiments.correctness import evaluate, format_table
+from experiments.methods import run_benchmark
 from experiments.tree_search import search_dynamic
 from experiments.tree_search_dynamic import format_budget_table, write_dynamic_tree_config
 from train import run_training

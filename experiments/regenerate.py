@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import CONF_DIR, check_report, write_report
-from experiments.peers import failure_reason, model_folder
+from experiments.engines import RUNNERS, failure_reason, model_folder, venv_python
 from experiments.processes import start_group, stop_group
 from experiments.table import cell, markdown_table
 from train.distributed import close_distributed, init_distributed
@@ -53,8 +53,7 @@ from train.regenerate import (
 from verify.target.model import Target, load_target_from_config
 
 REPORT_STEM = "report"  # <folder>/report.json: the account as the results pages read it
-REPO = Path(__file__).resolve().parents[1]
-VLLM_SERVER = Path(__file__).resolve().parent / "peer_runners" / "vllm_server.py"
+VLLM_SERVER = RUNNERS / "vllm_server.py"
 
 
 def run(cfg: DictConfig) -> dict:
@@ -109,7 +108,7 @@ class VllmAnswers:
 
     def __init__(self, target: Target, dtype: str, regen: RegenConfig, timeout_s: float = 900,
                  memory_fraction: float = 0.25):
-        self.python = (REPO / regen.engine_venv / "bin" / "python").absolute()
+        self.python = venv_python(regen.engine_venv)
         if not self.python.is_file():
             raise RuntimeError(f"regen.engine=vllm: {self.python} missing (make peers installs "
                                "vLLM in its own environment)")

@@ -172,7 +172,7 @@ class PeersConfig:
     treedraft: list[str] = MISSING
     venvs: str = MISSING
     # {engine: its settings}; open here, so that `+engines.<name>=...` adds one: each is typed
-    # by experiments.peers.EngineConfig before anything loads
+    # by experiments.engines.EngineConfig before anything loads
     engines: dict[str, Any] = MISSING
     out_dir: str = MISSING
     plot: bool = MISSING

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters.checkpoint import (
@@ -52,25 +51,17 @@ from drafters.checkpoint import (
     read_config,
 )
 from drafters.draft_model import LEGACY_VOCAB_FILE, VOCAB_FILE, load_draft_model
-from experiments.bench import Prompt, parse_compare
-from experiments.common import (
-    CONF_DIR,
-    check_report,
-    pick_questions,
-    publish,
-    report_name,
-    save_figure,
-)
-from experiments.export import export
-from experiments.peers import (
-    REPO,
+from experiments.common import CONF_DIR, report_name, report_rows, save_figure
+from experiments.engines import (
     engine_request,
+    identical_share,
     model_folder,
     run_engine_method,
     spec_figures,
-    treedraft_rows,
-    until_eos,
+    venv_python,
 )
+from experiments.export import export
+from experiments.methods import Prompt, parse_compare, spec_bench_prompts, treedraft_records
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
 from verify.target.model import Target, load_target_from_config
@@ -177,16 +168,13 @@ def servable_draft_model(folder: Path) -> str:
 def served_row(kind: str, ours: list[dict], theirs: dict, reference: list[list[int]],
                eos: set[int], k: int) -> dict:
     """One draft's figures: treedraft's records and vLLM's result on the same prompts."""
-    def identical(outputs):
-        same = [until_eos(o, eos) == until_eos(r, eos) for o, r in zip(outputs, reference)]
-        return sum(same) / len(same)
-
     steps = [s for record in ours for s in record["steps"]]
     new_tokens = sum(len(r["tokens"]) for r in theirs["rows"])
     spec = spec_figures(theirs.get("spec_decode", {}), new_tokens)
     row = {"draft": kind, "speculative_tokens": k,
-           "treedraft_identical": identical([r["tokens"] for r in ours]),
-           "vllm_identical": identical([r["tokens"] for r in theirs["rows"]]),
+           "treedraft_identical": identical_share([r["tokens"] for r in ours], reference, eos),
+           "vllm_identical": identical_share([r["tokens"] for r in theirs["rows"]], reference,
+                                             eos),
            "treedraft_acceptance": position_acceptance(steps, k),
            "vllm_acceptance": spec.get("acceptance_by_position"),
            "treedraft_tokens_per_step": tau([s["accepted"] for s in steps]),
@@ -205,7 +193,7 @@ def served_row(kind: str, ours: list[dict], theirs: dict, reference: list[list[i
 def vllm_python(cfg: DictConfig) -> Path:
     """The python of vLLM's environment (cfg.venv); ValueError naming the fix when it is not
     installed, so that nothing loads or decodes for a comparison that cannot be made."""
-    python = (REPO / cfg.venv / "bin" / "python").absolute()
+    python = venv_python(cfg.venv)
     if not python.is_file():
         raise ValueError(f"vLLM is not installed: {python} missing (venv={cfg.venv}); "
                          "`make peers` (or `bash scripts/peers.sh vllm`) installs it")
@@ -267,10 +255,7 @@ def compare(cfg: DictConfig) -> list[dict]:
     k = cfg.speculative_tokens
     python = vllm_python(cfg)
     target = load_target_from_config(cfg.target)
-    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories,
-                               cfg.warmup)
-    prompts = [Prompt(q.category, q.question_id, target.encode_prompt(q.prompt))
-               for q in questions]
+    prompts = spec_bench_prompts(cfg, target, cfg.warmup)
     eos = set(target.eos_token_ids)
     rows, ready = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -282,7 +267,7 @@ def compare(cfg: DictConfig) -> list[dict]:
             except (ValueError, OSError) as error:
                 rows[kind] = {"draft": kind, "status": f"not run: {error}"}
         if ready:
-            plain = treedraft_rows(cfg, target, prompts, [], "treedraft plain")
+            plain = treedraft_records(cfg, target, prompts, [], "treedraft plain")
             reference = [r["tokens"] for r in plain["treedraft/plain_loop"]]
         for kind, (entry, folder) in ready.items():
             rows[kind] = served_draft(cfg, kind, entry, folder, target, prompts, model,
@@ -295,8 +280,8 @@ def served_draft(cfg: DictConfig, kind: str, entry: str, folder: str, target: Ta
                  reference: list[list[int]], eos: set[int]) -> dict:
     """One draft decoded by treedraft and served by vLLM on the same prompts: its row."""
     spec, k = KINDS[kind], cfg.speculative_tokens
-    ours = treedraft_rows(cfg, target, prompts, [entry], f"treedraft {kind}",
-                          plain=False)[f"treedraft/{parse_compare(entry).name}"]
+    ours = treedraft_records(cfg, target, prompts, [entry], f"treedraft {kind}",
+                             plain=False)[f"treedraft/{parse_compare(entry).name}"]
     engine = OmegaConf.create({"options": {"memory_fraction": cfg.memory_fraction,
                                            "llm_options": spec.llm_options}})
     request = engine_request(cfg, model, target, prompts, spec.method,
@@ -355,11 +340,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 @hydra.main(config_path=CONF_DIR, config_name="served", version_base=None)
 def main(cfg: DictConfig) -> None:
     kinds = "+".join(kind for kind, path in cfg.drafts.items() if path)
-    stem = report_name(cfg, cfg.target.dtype, "served", kinds)
-    check_report(cfg.out_dir, stem, cfg)
-    torch.manual_seed(0)
-    rows = compare(cfg)
-    publish(cfg, stem, rows, format_table, plot)
+    report_rows(cfg, report_name(cfg, cfg.target.dtype, "served", kinds), compare,
+                format_table, plot)
 
 
 if __name__ == "__main__":

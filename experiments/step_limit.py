@@ -39,9 +39,8 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
-from experiments.common import CONF_DIR, check_report, report_name, save_figure, write_report
-from experiments.peers import REPO, RUNNERS, failure_reason, model_folder
-from experiments.processes import run_group
+from experiments.common import CONF_DIR, check_report, publish, report_name, save_figure
+from experiments.engines import model_folder, run_runner, venv_python
 from experiments.table import cell, markdown_table
 from verify.costs import measure_verify_cost, time_step
 from verify.target.compiled import CompiledStep
@@ -135,7 +134,7 @@ def limit_row(cfg: DictConfig, dtype: str, step: str, bandwidth: float) -> dict:
 def optimum_python(cfg: DictConfig) -> Path:
     """OpenVINO's own environment, where the `optimum` row runs; refused by name before
     anything loads when it is not installed."""
-    python = (REPO / cfg.venvs / "openvino" / "bin" / "python").absolute()
+    python = venv_python(Path(cfg.venvs) / "openvino")
     if "optimum" in cfg.steps and not python.is_file():
         raise ValueError(f"the optimum step runs in OpenVINO's own environment, and {python} is "
                          "missing: install it with `bash scripts/peers.sh openvino`, or leave "
@@ -154,15 +153,12 @@ def optimum_times(cfg: DictConfig, target: Target, dtype: str
                    "dtype": dtype, "threads": torch.get_num_threads(),
                    "context_len": cfg.context_len, "sizes": list(cfg.sizes),
                    "repeats": cfg.repeats}
-        (scratch / "request.json").write_text(json.dumps(request))
-        runner = RUNNERS / "openvino_step_runner.py"
-        done = run_group([str(optimum_python(cfg)), str(runner), str(scratch / "request.json"),
-                          str(scratch / "result.json")], cfg.optimum_timeout_s, cwd=scratch)
-        if done is None or done[0] != 0:
-            reason = (f"no result within optimum_timeout_s={cfg.optimum_timeout_s}"
-                      if done is None else failure_reason(done[1], done[0]))
-            raise RuntimeError(f"the optimum step's runner failed: {reason}")
-        result = json.loads((scratch / "result.json").read_text())
+        outcome = run_runner("openvino_step", optimum_python(cfg), request,
+                             cfg.optimum_timeout_s, scratch, "optimum",
+                             timeout_name="optimum_timeout_s")
+        if isinstance(outcome, str):
+            raise RuntimeError(f"the optimum step's runner failed: {outcome}")
+        result = json.loads(outcome.read_text())
     return tuple({int(n): ms for n, ms in result[key].items()}
                  for key in ("t_ms", "t_fixed_ms"))
 
@@ -282,11 +278,7 @@ def main(cfg: DictConfig) -> None:
     bandwidth = read_bandwidth(cfg.bandwidth_gib, cfg.bandwidth_repeats,
                                cfg.target.get("device") or "cpu")
     rows = [limit_row(cfg, dtype, step, bandwidth) for dtype in cfg.dtypes for step in cfg.steps]
-    print(format_table(rows))
-    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
-    print(f"\nJSON: {path}")
-    if cfg.plot:
-        print(f"plot: {plot(rows, Path(cfg.out_dir) / f'{stem}.png')}")
+    publish(cfg, stem, rows, format_table, plot)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ prompts and outputs: tau and acceptance by depth side by side, and where they di
     python -m experiments.suffix_reference       # 13 Spec-Bench prompts, 64 tokens
 
 The protocol. The default target decodes each prompt (a Spec-Bench question through its chat
-template, as experiments.peers hands them) greedily with treedraft's plain loop, once: that
-fixes every prompt's output. Greedy verification accepts exactly the draft tokens that agree
-with that output, so each drafter is then replayed over the outputs without the target,
-requests in order, each replay on its own:
+template, as every benchmark hands them: experiments.methods.spec_bench_prompts) greedily
+with treedraft's plain loop, once: that fixes every prompt's output. Greedy verification
+accepts exactly the draft tokens that agree with that output, so each drafter is then
+replayed over the outputs without the target, requests in order, each replay on its own:
 
 1. A request begins: treedraft's `begin(prompt)`, ArcticInference's `start_request(prompt)`.
 2. A step: the context is the prompt and the output's first `decided` tokens; the drafter
@@ -65,15 +65,9 @@ from drafters.config import typed_config
 from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import Speculation, SuffixConfig, SuffixDrafter, SuffixMemory
 from drafters.suffix_trie import SuffixTrie
-from experiments.common import (
-    CONF_DIR,
-    check_report,
-    pick_questions,
-    publish,
-    report_name,
-    save_figure,
-)
-from experiments.peers import REPO, run_engine_method
+from experiments.common import CONF_DIR, report_name, report_rows, save_figure
+from experiments.engines import run_engine_method, venv_python
+from experiments.methods import spec_bench_prompts
 from experiments.table import cell, markdown_table
 from verify.loop import generate
 from verify.metrics import acceptance_by_depth, tau
@@ -314,7 +308,7 @@ def arctic_request(cfg: DictConfig, requests: Sequence[Request],
     """What the runner is given: the requests and the cache's settings, treedraft's where
     both have one (`arctic`: conf/suffix_reference.yaml), a check's overrides on top."""
     settings = {**OmegaConf.to_container(cfg.arctic, resolve=True), **(overrides or {})}
-    return {"method": {"name": "suffix"},  # names the runner's files (experiments.peers)
+    return {"method": {"name": "suffix"},  # names the runner's files (experiments.engines)
             "requests": [{"prompt": r.prompt, "output": r.output} for r in requests],
             "max_tree_depth": settings["max_tree_depth"],
             "max_cached_requests": -1 if cfg.drafter.use_memory else 0,
@@ -330,7 +324,7 @@ def replay_arctic(cfg: DictConfig, requests: Sequence[Request],
                   overrides: dict | None = None) -> tuple[Replay, str | None] | str:
     """(the replay, ArcticInference's version) from the runner in its own environment, or
     why it did not run. Every step's accepted count is recomputed from its tree here."""
-    python = (REPO / cfg.arctic_venv / "bin" / "python").absolute()
+    python = venv_python(cfg.arctic_venv)
     if not python.is_file():
         return f"ArcticInference not installed ({python} missing: bash scripts/peers.sh arctic)"
     with tempfile.TemporaryDirectory() as scratch:
@@ -401,13 +395,11 @@ def _stdev(values: list[float]) -> float | None:
 def decode_outputs(cfg: DictConfig) -> list[Request]:
     """Each prompt's greedy output from treedraft's plain loop."""
     target = load_target_from_config(cfg.target)
-    questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories)
     requests = []
-    for question in questions:
-        prompt = target.encode_prompt(question.prompt)
-        result = generate(target.step, prompt, cfg.max_new_tokens,
+    for prompt in spec_bench_prompts(cfg, target):
+        result = generate(target.step, prompt.ids, cfg.max_new_tokens,
                           eos_token_id=target.eos_token_ids)
-        requests.append(Request(prompt.tolist(), result.tokens.tolist(), question.category))
+        requests.append(Request(prompt.ids.tolist(), result.tokens.tolist(), prompt.category))
     return requests
 
 
@@ -553,11 +545,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path=CONF_DIR, config_name="suffix_reference", version_base=None)
 def main(cfg: DictConfig) -> None:
-    stem = report_name(cfg, "suffix-reference")
-    check_report(cfg.out_dir, stem, cfg)
-    requests = decode_outputs(cfg)
-    rows = replay_rows(cfg, requests)
-    publish(cfg, stem, rows, format_table, plot)
+    report_rows(cfg, report_name(cfg, "suffix-reference"),
+                lambda cfg: replay_rows(cfg, decode_outputs(cfg)), format_table, plot)
 
 
 if __name__ == "__main__":

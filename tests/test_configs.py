@@ -15,8 +15,8 @@ import experiments  # noqa: F401  (registers the <command>_schema nodes conf/<co
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters import tree_policy
 from drafters.adaptive import measured_cost
-from experiments.bench import contenders, parse_compare, report_stem
 from experiments.common import CONF_DIR
+from experiments.methods import contenders, parse_compare, report_stem
 from verify.target.model import load_target, load_target_from_config
 from verify.tree import TreeTopology
 

@@ -411,7 +411,9 @@ def _truncate(tokens: list[int], max_new_tokens: int, stop: frozenset[int]) -> t
     return torch.tensor(until_eos(tokens[:max_new_tokens], stop), dtype=torch.long)
 
 
-def until_eos(tokens: list[int], eos: Collection[int]) -> list[int]:
-    """`tokens` up to and including the first of the `eos` ids (all of them if none)."""
+def until_eos(tokens: list[int], eos: Collection[int], *, keep_eos: bool = True) -> list[int]:
+    """`tokens` up to the first of the `eos` ids, that id included unless `keep_eos` is false
+    (to compare outputs of engines that differ in whether they return it); all of them if
+    none."""
     ends = [i for i, token in enumerate(tokens) if token in eos]
-    return tokens[: ends[0] + 1] if ends else tokens
+    return tokens[: ends[0] + int(keep_eos)] if ends else tokens

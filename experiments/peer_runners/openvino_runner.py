@@ -3,7 +3,7 @@ own environment (.venv-peers/openvino; this file imports nothing of treedraft).
 
     <venv>/bin/python openvino_runner.py <request.json> <result.json>
 
-The request is experiments.peers' (see vllm_runner.py); the model folder is converted to
+The request is experiments.engines' (see vllm_runner.py); the model folder is converted to
 OpenVINO IR once per run by optimum-intel (`optimum-cli export openvino`, into the request's
 `work_dir`; its seconds are `convert_s`). Methods: "plain", "prompt_lookup" (LLMPipeline's
 prompt lookup decoding: `num_assistant_tokens`, `max_ngram_size`) and "draft_model" (its

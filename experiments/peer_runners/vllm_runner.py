@@ -3,7 +3,7 @@
 
     <venv>/bin/python vllm_runner.py <request.json> <result.json>
 
-The request (experiments/peers.py, `engine_request`): the model folder, its dtype, the prompts
+The request (experiments/engines.py, `engine_request`): the model folder, its dtype, the prompts
 as token ids (the chat template applied by treedraft, so every engine decodes the same
 tokens), max_new_tokens, the EOS ids, warmup, and the method: {"name": "plain"} or
 {"name": <vLLM speculative method>, ...its speculative_config keys}; `llm_options`, if any,

@@ -1,4 +1,4 @@
-"""A stand-in engine for tests/experiments/test_peers.py, run as experiments.peers runs an
+"""A stand-in engine for tests/experiments/test_peers.py, run as experiments.engines runs an
 engine's runner (a separate process, request and result files). It decodes with Hugging Face
 `generate` on the model folder it is given, so its greedy output is a real, independent
 decoding of the same target; method "broken" fails as an engine refusing a method does, and

@@ -10,19 +10,19 @@ from hydra import compose, initialize_config_dir
 
 from drafters.draft_model import DraftModelConfig, save_draft_model
 from drafters.medusa import MedusaDrafter, MedusaHeads
-from experiments.bench import (
+from experiments.bench import log_results
+from experiments.bench_report import TABLE_COLUMNS, format_tables, plot_speedups, summarise
+from experiments.common import CONF_DIR, write_report
+from experiments.methods import (
     assistant_layers,
     build_methods,
     contenders,
     hf_assistant,
-    log_results,
     own_weights_bytes,
     parse_compare,
     report_stem,
     run_benchmark,
 )
-from experiments.bench_report import TABLE_COLUMNS, format_tables, plot_speedups, summarise
-from experiments.common import CONF_DIR, write_report
 from train.draft_model import initial_draft
 from verify.target.model import load_target_from_config
 from verify.tree import TreeTopology
@@ -426,7 +426,7 @@ def suffix_bench_config(*overrides):
 
 
 def test_a_repeated_prompt_never_drafts_from_its_own_earlier_answer():
-    from experiments.bench import Prompt, time_methods
+    from experiments.methods import Prompt, time_methods
 
     cfg = suffix_bench_config("repeats=3", "warmup=1")
     target = load_target_from_config(cfg.target)
@@ -497,7 +497,7 @@ def test_the_tables_are_generated_from_the_saved_json(tmp_path):
 def test_a_method_reads_draft_work_and_proposers_through_the_declared_abilities():
     from collections import Counter
 
-    from experiments.bench import treedraft_method
+    from experiments.methods import treedraft_method
     from tests.drafters.toy_drafter import RepeatDrafter
     from verify.protocol import DraftStats, ProposalCounts, Resettable
     from verify.sampling import SamplingParams

@@ -117,7 +117,7 @@ def test_out_dir_is_checked_first_naming_it(tmp_path):
 
 def test_another_commands_report_is_not_overwritten(tmp_path, monkeypatch):
     """bench and batch_bench given one out_dir and the same methods: the second is refused
-    before it runs (and batch_bench names its reports apart: bench.report_stem)."""
+    before it runs (and batch_bench names its reports apart: methods.report_stem)."""
     running(monkeypatch, "experiments.bench")
     write_report(tmp_path, "tiny-llama-prompt_lookup-tree8", [], {})
     assert check_report(tmp_path, "tiny-llama-prompt_lookup-tree8")  # a rerun overwrites

@@ -3,9 +3,9 @@ names the faster one."""
 
 from hydra import compose, initialize_config_dir
 
-from experiments.bench import contenders
 from experiments.common import CONF_DIR
 from experiments.demo import DRAFTER, HYBRID_LABEL, PLAIN, STEP, fastest_exact, fastest_line
+from experiments.methods import contenders
 
 
 def test_the_fastest_exact_method_is_the_suffix_hybrid_with_the_trained_draft():

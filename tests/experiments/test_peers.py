@@ -1,6 +1,6 @@
-"""experiments.peers: engines run in their own processes on treedraft's token ids; their rows
-compare with treedraft's plain decoding; an engine that is missing, fails or hangs gets a
-"not run" row and the other rows stay."""
+"""experiments.peers: engines run in their own processes on treedraft's token ids
+(experiments.engines); their rows compare with treedraft's plain decoding; an engine that is
+missing, fails or hangs gets a "not run" row and the other rows stay."""
 
 import json
 import shutil
@@ -11,9 +11,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import experiments.engines as engines
 import experiments.peers as peers
 from experiments.common import CONF_DIR
 from tests.experiments.test_processes import ends, worker_pid
+from verify.loop import until_eos
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"
@@ -34,14 +36,14 @@ def fake_engine(tmp_path, monkeypatch):
     runners.mkdir()
     for engine in ("fake", "absent"):  # absent: a runner, but no environment installed
         shutil.copy(HERE / "fake_engine_runner.py", runners / f"{engine}_runner.py")
-    monkeypatch.setattr(peers, "RUNNERS", runners)
+    monkeypatch.setattr(engines, "RUNNERS", runners)
     venv = tmp_path / "venvs" / "fake" / "bin"
     venv.mkdir(parents=True)
     # a symlink would lose this environment's packages (no pyvenv.cfg beside it): a wrapper
     (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     (venv / "python").chmod(0o755)
-    engines = OmegaConf.load(Path(CONF_DIR) / "peers.yaml").engines
-    shipped = [f"~engines.{name}" for name in engines]
+    shipped = [f"~engines.{name}"
+               for name in OmegaConf.load(Path(CONF_DIR) / "peers.yaml").engines]
     return [*shipped, "venvs=" + str(tmp_path / "venvs")]
 
 
@@ -122,8 +124,10 @@ def test_a_wrongly_typed_engine_setting_is_refused_naming_it(tmp_path):
 
 
 def test_tokens_are_compared_up_to_the_first_eos():
-    assert peers.until_eos([5, 6, 2, 9], {2}) == [5, 6]
-    assert peers.until_eos([5, 6], {2}) == [5, 6]
+    assert until_eos([5, 6, 2, 9], {2}, keep_eos=False) == [5, 6]
+    assert until_eos([5, 6], {2}, keep_eos=False) == [5, 6]
+    # an engine that returns the EOS and one that does not decoded alike
+    assert engines.identical_share([[5, 6, 2], [5, 7]], [[5, 6], [5, 6]], {2}) == 0.5
 
 
 def test_an_engine_whose_plain_decoding_generated_nothing_has_no_speedup_over_it():
@@ -134,7 +138,7 @@ def test_an_engine_whose_plain_decoding_generated_nothing_has_no_speedup_over_it
 
 
 def test_no_counters_means_no_step_figures():
-    assert peers.spec_figures({}, 10) == {}
+    assert engines.spec_figures({}, 10) == {}
 
 
 @pytest.mark.slow
@@ -159,7 +163,7 @@ def test_a_row_on_other_weights_names_them_and_only_the_default_target_has_a_ggu
     assert row["dtype"] == "gguf: m.Q4_1.gguf" and row["identical"] == 1.0
     assert row["tokens_per_s"] == 4.0 and row["tokens_per_step"] == 1.0 and row["convert_s"] == 2.0
     from verify.target.model import load_target
-    assert peers.gguf_file(load_target(tiny="llama")) is None
+    assert engines.gguf_file(load_target(tiny="llama")) is None
 
 
 def test_a_runner_is_a_name_of_a_file_in_the_runners_folder(tmp_path):
@@ -175,8 +179,8 @@ def test_a_runner_is_a_name_of_a_file_in_the_runners_folder(tmp_path):
 
 def run_fake(fake_engine, tmp_path, method: dict, timeout_s: float = 60) -> dict:
     request = {"method": method, "prompts": [[1, 2]]}
-    return peers.run_engine_method("fake", tmp_path / "venvs" / "fake" / "bin" / "python",
-                                   request, timeout_s, tmp_path)
+    return engines.run_engine_method("fake", tmp_path / "venvs" / "fake" / "bin" / "python",
+                                     request, timeout_s, tmp_path)
 
 
 @pytest.mark.parametrize("method, reason", [
@@ -201,8 +205,8 @@ def test_a_runner_past_its_timeout_is_killed_with_the_workers_it_started(tmp_pat
         f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
         "time.sleep(600)\n")
     python = tmp_path / "venvs" / "fake" / "bin" / "python"
-    result = peers.run_engine_method("spawning", python, {"method": {"name": "plain"}}, 3,
-                                     tmp_path)
+    result = engines.run_engine_method("spawning", python, {"method": {"name": "plain"}}, 3,
+                                       tmp_path)
     assert result == {"error": "no result within timeout_s=3"}
     assert ends(worker_pid(pid_file))
 
@@ -213,10 +217,11 @@ def test_an_engines_draft_model_method_gets_the_targets_first_layers_as_a_folder
     from verify.target.model import load_target
 
     target = load_target(tiny="llama")
-    settings = peers.engine_settings({"num_assistant_tokens": 4, "draft_layers": 1},
-                                     target, tmp_path)
+    settings = engines.engine_settings({"num_assistant_tokens": 4, "draft_layers": 1},
+                                       target, tmp_path)
     assert settings["num_assistant_tokens"] == 4 and "draft_layers" not in settings
     config = AutoConfig.from_pretrained(settings["draft"])
     assert config.num_hidden_layers == 1 and config.vocab_size == target.model.config.vocab_size
     # a method without one is passed on as it is
-    assert peers.engine_settings({"max_ngram_size": 3}, target, tmp_path) == {"max_ngram_size": 3}
+    assert engines.engine_settings({"max_ngram_size": 3}, target,
+                                   tmp_path) == {"max_ngram_size": 3}

@@ -78,7 +78,7 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-# The command that runs an engine's runner (experiments.peers: run_engine_method -> run_group),
+# The command that runs an engine's runner (experiments.engines: run_runner -> run_group),
 # the runner spawning a worker into its group as vLLM does; both write their pids. The module
 # is loaded from its file: importing the experiments package takes seconds (its schemas).
 PARENT = """

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import experiments.peers as peers
+import experiments.engines as engines
 import experiments.served as served
 from drafters import dflash
 from drafters.checkpoint import name_any
@@ -65,7 +65,7 @@ def fake_vllm(tmp_path, monkeypatch):
     runners = tmp_path / "runners"
     runners.mkdir()
     shutil.copy(HERE / "fake_engine_runner.py", runners / "vllm_runner.py")
-    monkeypatch.setattr(peers, "RUNNERS", runners)
+    monkeypatch.setattr(engines, "RUNNERS", runners)
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
     (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
@@ -162,7 +162,7 @@ def test_a_draft_model_with_another_vocabulary_is_a_row_before_any_decoding(
     def no_decoding(*args, **kwargs):
         raise AssertionError("decoded before the draft was checked against the target")
 
-    monkeypatch.setattr(served, "treedraft_rows", no_decoding)
+    monkeypatch.setattr(served, "treedraft_records", no_decoding)
     rows = served.compare(compose_served(*BASE, fake_vllm,
                                          f"drafts.draft_model={tmp_path}/other"))
     assert rows == [{"draft": "draft_model", "status": (
@@ -223,7 +223,7 @@ def test_vllm_serves_a_draft_model_as_treedraft_drafts_it(tmp_path):
     (experiments/reports/served)."""
     cfg = compose_served("num_prompts=2", "max_new_tokens=16", f"out_dir={tmp_path}")
     target = load_target_from_config(cfg.target)
-    folder = peers.model_folder(target, tmp_path)
+    folder = engines.model_folder(target, tmp_path)
     cfg = compose_served("num_prompts=2", "max_new_tokens=16", f"drafts.draft_model={folder}")
     row = served.compare(cfg)[0]
     assert row["vllm_identical"] == 1.0 and row["treedraft_identical"] == 1.0

@@ -105,7 +105,7 @@ def test_the_optimum_row_without_openvinos_environment_is_refused_before_anythin
 
 def test_the_optimum_row_times_optimums_exported_graph(tmp_path):
     """The real runner, in the real environment: t(n) for each size, both orders."""
-    from experiments.peers import REPO
+    from experiments.engines import REPO
 
     if not (REPO / ".venv-peers" / "openvino" / "bin" / "python").is_file():
         pytest.skip("OpenVINO's environment is not installed (bash scripts/peers.sh openvino)")
