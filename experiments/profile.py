@@ -112,8 +112,7 @@ def forward_inputs(verifier: TreeVerifier, tree: TokenTree
     on an eager or packed step (its state is verify/target/hf_state.py's `CacheState`): the
     (N',) tokens (N' >= N: padded on a packed target), the (1, 1, N', L + N') attention mask
     (None for a lone root: plain decoding needs none) and the (N',) position ids."""
-    batch = TreeBatch.pad([tree])
-    batch = batch.widen(verifier.step.width_for(1, batch.width))
+    batch = verifier.step_width(TreeBatch.pad([tree]))
     mask, positions = verifier.state.batch_inputs(batch, verifier.lengths)
     return batch.tokens[0], mask, positions[0]
 

@@ -106,11 +106,11 @@ class TreeVerifier:
         if len(batch.tokens) != len(self.lengths):
             raise ValueError(f"{len(batch.tokens)} trees for {len(self.lengths)} sequences")
         width = batch.width
-        batch = self._step_width(batch)
+        batch = self.step_width(batch)
         logits, features = self.state.run_trees(batch, self.lengths)
         return logits[:, :width], None if features is None else features[:, :width]
 
-    def _step_width(self, batch: TreeBatch) -> TreeBatch:
+    def step_width(self, batch: TreeBatch) -> TreeBatch:
         """`batch` padded to the width the step runs it at (`TargetStep.width_for`): on a
         packed target the next row count whose weights are packed, on a compiled step one
         row's at least its `min_width`; on an eager one `batch` itself."""
