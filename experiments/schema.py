@@ -261,6 +261,16 @@ class RunsTableConfig:
 
 
 @dataclass
+class LearningCurvesConfig:
+    """conf/learning_curves.yaml (experiments.learning_curves)."""
+
+    runs: list[str] = MISSING
+    name: str = MISSING
+    out_dir: str = MISSING
+    plot: bool = MISSING
+
+
+@dataclass
 class ScaleRegenerateConfig:
     conversations: int = MISSING
     max_new_tokens: int = MISSING
@@ -409,6 +419,7 @@ SCHEMAS = {
     "correctness": CorrectnessConfig,
     "distill_speed": DistillSpeedConfig,
     "export": ExportConfig,
+    "learning_curves": LearningCurvesConfig,
     "peers": PeersConfig,
     "profile": ProfileConfig,
     "regenerate": RegenerateConfig,

@@ -27,6 +27,10 @@ def run_training(cfg: DictConfig, group: str | None = None) -> dict:
               f"weights. Trainable: {sorted(RECIPES)}")
         return {}
     check_settings(cfg)
+    if cfg.get("curve_every") and not getattr(recipe, "LEARNING_CURVE", False):
+        raise ValueError(f"curve_every={cfg.curve_every}: the {cfg.drafter.name} recipe has no "
+                         "held-out evaluation to record a learning curve with (EAGLE's and "
+                         "DFlash's have); set curve_every=0")
     env = init_distributed(cfg.device)
     try:  # rank 0 holds the out_dir for the whole job: one writer per out_dir
         with out_dir_lock(Path(cfg.out_dir)) if env.is_main else nullcontext():

@@ -26,12 +26,12 @@ from verify.target.model import Target
 STATE_FILE = "train_state.pt"
 RUN_FILE = "run_config.json"  # the resolved config of the run that made the checkpoint
 # Config keys (and groups) that change nothing a run trains: where it writes and logs, how
-# often it saves, how it evaluates at the end, where caches and the target live, and the
-# escape hatches a user reaches for after a failure, and how ranks share the work (dist: ddp and
-# fsdp train the same draft). Every other key must match to resume.
-NOT_TRAINING_KEYS = ("out_dir", "resume", "save_every", "device", "logger", "eval", "dist",
-                     "data.cache_dir", "target.device", "target.cache_dir", "target.packed_rows",
-                     "target.step", "target.trust_remote_code",
+# often it saves, how it evaluates (at the end, and along the way: curve_every), where caches
+# and the target live, the escape hatches a user reaches for after a failure, and how ranks
+# share the work (dist: ddp and fsdp train the same draft). Every other key must match to resume.
+NOT_TRAINING_KEYS = ("out_dir", "resume", "save_every", "curve_every", "device", "logger",
+                     "eval", "dist", "data.cache_dir", "target.device", "target.cache_dir",
+                     "target.packed_rows", "target.step", "target.trust_remote_code",
                      "drafter.allow_other_target", "optim.max_nonfinite_skips")
 WAYS_OUT = "use another out_dir, or resume=false to start over"
 

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
+from train.curve import Curve
 from train.distributed import DistEnv, all_reduce_sum
 from train.logger import Logger
 from train.schema import OptimConfig
@@ -102,7 +103,7 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
                 make_batch: Callable[[int], dict], start_step: int, optim: OptimConfig,
                 env: DistEnv, logger: Logger, log_every: int,
                 save: Callable[[int], None], save_every: int,
-                label: str = "head") -> dict[str, float]:
+                label: str = "head", curve: Curve | None = None) -> dict[str, float]:
     """Run steps start_step .. optim.max_steps - 1; returns the last logged metrics and this
     run's throughput (`speed`).
 
@@ -112,7 +113,8 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     `save(step)` runs every `save_every` steps and after the last. A batch whose loss or
     gradient is not finite raises NonFiniteError naming it, before any weight moves
     (optim.max_nonfinite_skips: skip that many instead); weights that are not finite are never
-    saved, so the last checkpoint stays the last good one.
+    saved, so the last checkpoint stays the last good one. A `curve` (train.curve) evaluates
+    on held-out data when due, before the step's checkpoint.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     metrics: dict[str, float] = {}
@@ -124,6 +126,8 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     for step in bar:
         batch = make_batch(step)
         tokens += batch["input_ids"].numel() if "input_ids" in batch else 0
+        if curve is not None:
+            curve.count(int(batch["learn"].sum()))
         loss, counts, norm = _forward_backward(objective, batch, params, optim, env)
         if math.isfinite(loss) and math.isfinite(norm):
             optimizer.step()
@@ -137,6 +141,10 @@ def train_steps(objective: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
             metrics = window.flush(env, scheduler.get_last_lr()[0], label)
             logger.log(metrics, step=done)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics[f'{label}0/top1']:.2f}")
+        if curve is not None and curve.due(done, optim.max_steps):
+            row = curve.record(done)
+            bar.write(f"step {done}: held-out top-1 by depth "
+                      f"{', '.join(f'{v:.3f}' for v in row['top1'])}")
         if done % save_every == 0 or done == optim.max_steps:
             _check_finite_weights(params, done, env)
             save(done)

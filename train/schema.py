@@ -148,6 +148,8 @@ class TrainConfig:
     out_dir: str = MISSING
     resume: bool = True  # continue from out_dir's checkpoint when there is one
     save_every: int = 100  # steps between checkpoints
+    # steps between held-out evaluations written to <out_dir>/curve.json (train.curve; 0: none)
+    curve_every: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
 
 
@@ -163,6 +165,7 @@ def check_settings(cfg) -> None:
                          f"{cfg.optim.max_nonfinite_skips}")
     if cfg.optim.loss not in LOSSES:
         raise ValueError(f"optim.loss must be one of {LOSSES}, got {cfg.optim.loss!r}")
+    check_curve_settings(cfg.get("curve_every", 0), cfg.save_every, cfg.optim.max_steps)
     if cfg.dist.strategy not in STRATEGIES:
         raise ValueError(f"dist.strategy must be one of {STRATEGIES}, got "
                          f"{cfg.dist.strategy!r}")
@@ -173,6 +176,16 @@ def check_settings(cfg) -> None:
                          f"data.sharegpt_tokens={cfg.data.sharegpt_tokens} reads none of it (a "
                          "preset may set it): set data.sharegpt_tokens=<tokens to train on>, "
                          "or drop data.conversations")
+
+
+def check_curve_settings(curve_every: int, save_every: int, max_steps: int) -> None:
+    """Refuse a curve_every the curve cannot keep across a resume: ValueError naming keys."""
+    if curve_every < 0:
+        raise ValueError(f"curve_every must be >= 0 (0: no learning curve), got {curve_every}")
+    if curve_every and save_every % curve_every and save_every < max_steps:
+        raise ValueError(f"save_every={save_every} is not a multiple of curve_every="
+                         f"{curve_every}: a resumed run would find no curve row at its "
+                         "checkpoint's step; make save_every a multiple of curve_every")
 
 
 def register_configs() -> None:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from drafters import build_drafter
 from drafters.checkpoint import RUN_CHECKPOINT
 from train.checkpoint import find_checkpoint, training_state
+from train.curve import Curve
 from train.distill import distilled_data
 from train.distributed import DistEnv
 from train.features import FeatureSet, training_features
@@ -89,6 +90,9 @@ class Training:
     peft_model: Any = None  # an adapted target (Medusa-2): saved with the training state
     # the frozen target when it computes features every step (LiveFeatures): fsdp shards it too
     feature_model: torch.nn.Module | None = None
+    # the held-out accuracy a learning curve records (cfg.curve_every; train.curve): given by
+    # the recipes that declare LEARNING_CURVE = True
+    heldout_eval: Callable[[], dict] | None = None
 
 
 def train(cfg: DictConfig, env: DistEnv, group: str | None, training: Training) -> Logger:
@@ -113,13 +117,28 @@ def train(cfg: DictConfig, env: DistEnv, group: str | None, training: Training) 
 
     metrics = train_steps(model, training.optimizer, training.scheduler, training.make_batch,
                           start, cfg.optim, env, logger, cfg.logger.log_every, save,
-                          cfg.save_every, label=training.label)
+                          cfg.save_every, label=training.label,
+                          curve=learning_curve(cfg, env, training, start))
     unshard_for_one_rank(training.objective, *filter(None, [training.feature_model]))
     if env.is_main:  # what eval.json reports as the run's training speed
         write_json(Path(cfg.out_dir) / SPEED_FILE, {
             "ranks": env.world_size, **{k.removeprefix("train/"): v for k, v in metrics.items()
                                         if k.startswith("train/")}})
     return logger
+
+
+def learning_curve(cfg: DictConfig, env: DistEnv, training: Training, start: int
+                   ) -> Curve | None:
+    """The run's learning curve when cfg.curve_every asks for one (train.curve)."""
+    if not cfg.get("curve_every"):
+        return None
+    assert training.heldout_eval is not None, "a LEARNING_CURVE recipe gives heldout_eval"
+    if env.world_size > 1:
+        raise ValueError(f"curve_every={cfg.curve_every} needs a single process (one rank "
+                         f"evaluates and counts the tokens), not {env.world_size} ranks; set "
+                         "curve_every=0 under torchrun")
+    return Curve(Path(cfg.out_dir), cfg.curve_every, training.heldout_eval,
+                 training.objective, start)
 
 
 def resume_step(cfg: DictConfig, restore: Callable[[Path], int]) -> int:

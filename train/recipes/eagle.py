@@ -37,6 +37,9 @@ from train.recipes import common
 from verify.target.features import num_layers, resolve_layers
 from verify.target.model import Target
 
+# curve_every records held-out accuracy by depth along the run (common.Training.heldout_eval)
+LEARNING_CURVE = True
+
 
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train an EAGLE draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
@@ -59,7 +62,8 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     logger = common.train(cfg, env, group, common.Training(
         objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
         save=lambda folder, state, extra: save_draft(draft, folder, target, extra, state),
-        restore=restore, label="step", feature_model=live_target(train_set, target)))
+        restore=restore, label="step", feature_model=live_target(train_set, target),
+        heldout_eval=lambda: heldout_accuracy(objective, heldout, steps=cfg.eval.depth)))
     if not env.is_main:
         return {}
     results = evaluate(cfg, target, objective, heldout)

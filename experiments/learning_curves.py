@@ -1,0 +1,157 @@
+"""Learning curves of training runs side by side: held-out top-1 by draft depth against steps,
+trained tokens and CPU-minutes, from each run's curve.json (`python train.py ...
+curve_every=N`, train.curve), so that a reader sees where each drafter saturates and which
+gives the most acceptance per CPU-hour.
+
+    python -m experiments.learning_curves \\
+        'runs=[results/train/smollm2-135m-instruct/eagle/onpolicy,results/train/smollm2-135m-instruct/eagle3/onpolicy]' \\
+        name=onpolicy out_dir=experiments/reports/learning-curves
+
+A run is a training out_dir holding curve.json and its checkpoint (whose run_config.json
+names the drafter); a run still training is read as far as it got. Held-out top-1 at depth 1
+is the share of the target's own greedy answers (held-out prompts, never trained on) whose
+next token the draft's first guess matches: greedy decoding's depth-1 acceptance on a chain.
+CPU-minutes are the training process's CPU time (all its threads; evaluations and the
+feature prefill excluded). The figures are the runs' own: nothing is re-measured here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from experiments.common import check_report, file_stem, publish
+from experiments.table import markdown_table
+from train.checkpoint import RUN_FILE
+from train.curve import CURVE_FILE, read_curve
+from verify.target.files import read_json
+
+DRAFTER_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+MILESTONES = 6  # curve rows a run's table shows, evenly spaced, the last always among them
+
+
+def run_row(folder: str | Path) -> dict:
+    """One run's curve and what it is: its drafter, data and optimiser settings."""
+    folder = Path(folder)
+    curve = read_curve(folder / CURVE_FILE)
+    if not curve:
+        raise FileNotFoundError(f"{folder} holds no {CURVE_FILE}: train it with curve_every=N "
+                                "(python train.py ... curve_every=100)")
+    config = read_json(folder / "checkpoint" / RUN_FILE, "the run's config")
+    name = config["drafter"]["name"]
+    return {"run": str(folder), "drafter": DRAFTER_NAMES.get(name, name),
+            "data": config["data"]["name"], "max_steps": config["optim"]["max_steps"],
+            "batch_sequences": config["optim"]["batch_sequences"], "curve": curve}
+
+
+def cpu_minutes(point: dict) -> float:
+    return point["train_cpu_seconds"] / 60
+
+
+def first_reaching(curve: list[dict], share: float) -> dict:
+    """The first curve point whose depth-1 top-1 reaches `share` of the run's best."""
+    best = max(p["top1"][0] for p in curve)
+    return next(p for p in curve if p["top1"][0] >= share * best)
+
+
+def late_gain_per_hour(curve: list[dict]) -> float | None:
+    """Depth-1 top-1 gained per CPU-hour over the last quarter of the run's CPU time: near 0
+    where the run has saturated; None for a curve too short to say."""
+    last = curve[-1]
+    start = next(p for p in curve if cpu_minutes(p) >= 0.75 * cpu_minutes(last))
+    hours = (cpu_minutes(last) - cpu_minutes(start)) / 60
+    return (last["top1"][0] - start["top1"][0]) / hours if hours > 0 else None
+
+
+def summary_cells(row: dict) -> list[str]:
+    curve = row["curve"]
+    last, near = curve[-1], first_reaching(curve, 0.95)
+    depth2 = f"{last['top1'][1]:.3f}" if len(last["top1"]) > 1 else "-"
+    return [row["drafter"], row["data"], f"{last['step']}/{row['max_steps']}",
+            f"{last['tokens'] / 1e6:.2f}", f"{cpu_minutes(last):.0f}",
+            f"{last['top1'][0]:.3f}", depth2, f"{max(p['top1'][0] for p in curve):.3f}",
+            f"{near['step']} ({cpu_minutes(near):.0f} CPU-min)",
+            "-" if (gain := late_gain_per_hour(curve)) is None else f"{gain:+.3f}"]
+
+
+def milestones(curve: list[dict]) -> list[dict]:
+    """Up to MILESTONES evenly spaced curve points, the last among them."""
+    every = max(1, -(-len(curve) // MILESTONES))
+    picked = curve[::every]
+    return picked if picked[-1] is curve[-1] else picked + [curve[-1]]
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["drafter", "data", "steps", "trained tokens (M)", "CPU-min", "depth-1 top-1",
+            "depth-2 top-1", "best depth-1", "95% of best at step",
+            "late gain per CPU-hour"]
+    parts = [markdown_table(head, [summary_cells(r) for r in rows])]
+    for r in rows:
+        depths = len(r["curve"][-1]["top1"])
+        lines = [[str(p["step"]), f"{p['tokens'] / 1e6:.2f}", f"{cpu_minutes(p):.1f}",
+                  *(f"{v:.3f}" for v in p["top1"])] for p in milestones(r["curve"])]
+        parts.append(f"{r['drafter']} ({r['run']}):\n\n" + markdown_table(
+            ["step", "tokens (M)", "CPU-min", *(f"top-1 depth {d + 1}" for d in range(depths))],
+            lines))
+    parts.append("Held-out top-1 at depth d: the share of held-out positions of the target's "
+                 "own greedy answers where the draft's first guess d tokens ahead is the "
+                 "target's token (depth 1: greedy chain acceptance). CPU-min: the training "
+                 "process's CPU time, evaluations and the feature prefill excluded. Late gain: "
+                 "depth-1 top-1 gained per CPU-hour over the last quarter of the run's CPU "
+                 "time (near 0: saturated).")
+    return "\n\n".join(parts)
+
+
+def plot_curves(rows: list[dict], path: Path) -> Path:
+    """Depth-1 held-out top-1 (solid; depth 2 dashed) against steps, trained tokens and
+    CPU-minutes, one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from experiments.common import save_figure
+
+    axes_x = [("step", lambda p: p["step"]), ("trained tokens (M)", lambda p: p["tokens"] / 1e6),
+              ("training CPU-minutes", cpu_minutes)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
+    for index, row in enumerate(rows):
+        colour = f"C{index}"
+        for ax, (_, x_of) in zip(axes, axes_x):
+            xs = [x_of(p) for p in row["curve"]]
+            ax.plot(xs, [p["top1"][0] for p in row["curve"]], color=colour,
+                    label=f"{row['drafter']} depth 1")
+            if len(row["curve"][0]["top1"]) > 1:
+                ax.plot(xs, [p["top1"][1] for p in row["curve"]], color=colour,
+                        linestyle="--", label=f"{row['drafter']} depth 2")
+    for ax, (label, _) in zip(axes, axes_x):
+        ax.set(xlabel=label)
+        ax.grid(alpha=0.3)
+    axes[0].set(ylabel="held-out top-1 (greedy acceptance)")
+    axes[0].legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def curve_rows(cfg: DictConfig) -> list[dict]:
+    if not cfg.runs:
+        raise SystemExit("runs=[...] names no training run")
+    return [run_row(folder) for folder in cfg.runs]
+
+
+def write_curves(cfg: DictConfig) -> Path:
+    """The command: the runs' curves printed as tables, written as <out_dir>/<name>.json and
+    plotted beside it; returns the JSON's path."""
+    stem = file_stem(cfg.name)
+    check_report(cfg.out_dir, stem, cfg)
+    return publish(cfg, stem, curve_rows(cfg), format_table, plot_curves)
+
+
+@hydra.main(config_path="../conf", config_name="learning_curves", version_base=None)
+def main(cfg: DictConfig) -> None:
+    write_curves(cfg)
+
+
+if __name__ == "__main__":
+    main()

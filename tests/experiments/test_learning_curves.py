@@ -1,0 +1,77 @@
+"""experiments.learning_curves: runs' curve.json side by side, the derived columns (where a run
+reaches 95% of its best, its late gain per CPU-hour), the plot, and clear refusals."""
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.common import CONF_DIR
+from experiments.learning_curves import (
+    first_reaching,
+    format_table,
+    late_gain_per_hour,
+    milestones,
+    plot_curves,
+    run_row,
+    write_curves,
+)
+from experiments.results import kind_of
+from verify.target.files import read_json
+
+
+def _point(step, top1, cpu_minutes):
+    return {"step": step, "tokens": 1000 * step, "train_seconds": 30.0 * cpu_minutes,
+            "train_cpu_seconds": 60.0 * cpu_minutes, "top1": top1, "eval_seconds": 1.0}
+
+
+CURVE = [_point(100, [0.2, 0.1], 10), _point(200, [0.4, 0.2], 20),
+         _point(300, [0.5, 0.3], 30), _point(400, [0.52, 0.31], 40)]
+
+
+def _run(tmp_path, name, drafter, curve=CURVE):
+    folder = tmp_path / name
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "curve.json").write_text(json.dumps({"rows": curve}))
+    (folder / "checkpoint" / "run_config.json").write_text(json.dumps({
+        "drafter": {"name": drafter}, "data": {"name": "regenerated"},
+        "optim": {"max_steps": 400, "batch_sequences": 8}}))
+    return folder
+
+
+def test_the_derived_columns_read_the_curve():
+    assert first_reaching(CURVE, 0.95)["step"] == 300  # 0.5 >= 0.95 * 0.52
+    # the last quarter of 40 CPU-minutes starts at the 30-minute point: +0.02 in 10 minutes
+    assert late_gain_per_hour(CURVE) == pytest.approx(0.12)
+    assert late_gain_per_hour(CURVE[:1]) is None
+    long = [_point(s, [s / 1e4], s / 10) for s in range(1, 20)]
+    picked = milestones(long)
+    assert len(picked) <= 7 and picked[0] is long[0] and picked[-1] is long[-1]
+
+
+def test_runs_become_one_report_with_a_table_and_a_plot(tmp_path):
+    runs = [_run(tmp_path, "a", "eagle"), _run(tmp_path, "b", "dflash", CURVE[:2])]
+    rows = [run_row(folder) for folder in runs]
+    table = format_table(rows)
+    assert "| EAGLE-1 | regenerated | 400/400 | 0.40 | 40 | 0.520 | 0.310 | 0.520 |" in table
+    assert "| DFlash | regenerated | 200/400 |" in table
+    assert plot_curves(rows, tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_the_command_writes_a_report_the_results_pages_render(tmp_path):
+    run = _run(tmp_path, "a", "eagle3")
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("learning_curves", [f"runs=[{run}]", "name=one",
+                                          f"out_dir={tmp_path / 'out'}", "plot=false"])
+    assert write_curves(cfg) == tmp_path / "out" / "one.json"
+    report = read_json(tmp_path / "out" / "one.json", "report")
+    kind = kind_of(report, tmp_path / "out" / "one.json")
+    assert kind.command == "experiments.learning_curves"
+    assert "| EAGLE-3 |" in kind.render(report)
+
+
+def test_a_run_without_a_curve_is_named(tmp_path):
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(FileNotFoundError, match="bare holds no curve.json: train it with "
+                                                "curve_every"):
+        run_row(tmp_path / "bare")
