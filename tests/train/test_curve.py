@@ -73,3 +73,17 @@ def test_curve_settings_it_cannot_keep_are_refused_by_name(tmp_path):
         run_training(_cfg(tmp_path, "eagle_smoke", "curve_every=-1"))
     with pytest.raises(ValueError, match="medusa recipe has no held-out evaluation"):
         run_training(_cfg(tmp_path, "smoke", "curve_every=2"))
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle3", "dflash"])
+def test_the_onpolicy_preset_trains_on_regenerated_answers_with_a_resumable_curve(drafter):
+    from train.recipes import recipe_for
+    from train.schema import check_settings
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("train", ["experiment=onpolicy", f"drafter={drafter}",
+                                "data.conversations=/regenerated"])
+    check_settings(cfg)  # save_every a multiple of curve_every: a resumed run keeps its curve
+    assert cfg.data.name == "regenerated" and cfg.data.conversations == "/regenerated"
+    assert cfg.curve_every > 0 and cfg.optim.max_steps % cfg.curve_every == 0
+    assert cfg.out_dir.endswith(f"/{drafter}/onpolicy")
+    assert recipe_for(drafter).LEARNING_CURVE
