@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> dict:
     missing = engines_missing(side.venv)
     if missing is not None:
         return finish(cfg, {"trainer": "speculators", "status": f"not run: {missing}"})
-    env = init_distributed(cfg.device)
+    env = one_process(cfg.device)
     start = eagle_recipe.setup(cfg, env)
     work = out / "work"
     request = prepare(cfg, start, work, env)
@@ -106,6 +106,15 @@ def check_drafter(cfg: DictConfig) -> None:
     if cfg.speculators.loss_mask not in LOSS_MASKS:
         raise ValueError(f"speculators.loss_mask must be one of {LOSS_MASKS}, got "
                          f"{cfg.speculators.loss_mask!r}")
+
+
+def one_process(device: str) -> DistEnv:
+    """This process alone on `device` (train.py's device=): the runner trains each step's
+    whole batch, so a torchrun job's ranks would each train the whole draft."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("experiments.speculators_trainer runs as one process: start it "
+                         "without torchrun")
+    return init_distributed(device)
 
 
 def engines_missing(venv: str) -> str | None:

@@ -62,7 +62,9 @@ def feature_columns(stored: Sequence[int], aux_layers: Sequence[int], hidden: in
 
 def sample_of(sequence: SequenceFeatures, stored: Sequence[int], aux_layers: Sequence[int],
               hidden: int, loss_mask: str = "as_is") -> dict[str, torch.Tensor]:
-    """A cached training sequence (features float16, as cached) as the library's sample."""
+    """A cached training sequence (features float16, as cached) as the library's sample, in
+    tensors of its own: a cached sequence's are views into its whole shard, all of which
+    torch.save would write for each."""
     aux, last = feature_columns(stored, aux_layers, hidden)
-    return speculators_sample(sequence.input_ids, sequence.loss_mask,
+    return speculators_sample(sequence.input_ids.clone(), sequence.loss_mask.clone(),
                               sequence.features[:, aux], sequence.features[:, last], loss_mask)

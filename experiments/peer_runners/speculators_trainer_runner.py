@@ -33,9 +33,11 @@ library's pieces and ours where we align them:
 - the target's last state: our cache holds it after the final norm, where the library's
   samples hold it before and its model norms it (`verifier_norm`); that norm is the identity
   here, so its targets are the target's LM head over the cached state, as ours are;
-- attention: "eager" by default (the library's dense-mask path; its default flex attention
-  needs a compiled kernel); the loss implementation "eager" (its default "fused" is a Triton
-  kernel: GPU only).
+- attention: the request's; the command's default "sdpa", one of the library's options (its
+  default flex attention has no backward on a CPU: "FlexAttention does not support backward
+  on CPU"; "eager", its dense-mask reference, gives the same losses on the test's batches
+  and holds every step's T x (s + 1) T scores). The loss implementation "eager" (its default
+  "fused" is a Triton kernel: GPU only).
 
 The request: `draft` (the step-0 export), `samples` (a torch.save'd list of the library's
 samples, train.speculators_data), `batches` (per step, the sample indices), `lrs` (per

@@ -26,13 +26,14 @@ from verify.target.files import read_json
 CPU = DistEnv(0, 1, torch.device("cpu"))
 
 
-def trainer_cfg(tmp_path: Path, *overrides: str):
+def trainer_cfg(tmp_path: Path, *overrides: str, cache: Path | None = None):
     """The smoke EAGLE-3 run on the tiny Llama (two layers: its hidden states 0, 1, 2 are
-    three distinct auxiliary layers), writing under tmp_path."""
+    three distinct auxiliary layers), writing under tmp_path, its caches in `cache` (default
+    tmp_path / "cache")."""
     with initialize_config_dir(CONF_DIR, version_base=None):
         return compose("speculators_trainer", [
             "experiment=eagle_smoke", "drafter.feature_layers=[0,1,2]",
-            f"out_dir={tmp_path / 'ours'}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"out_dir={tmp_path / 'ours'}", f"data.cache_dir={cache or tmp_path / 'cache'}",
             f"speculators.out_dir={tmp_path / 'theirs'}", *overrides])
 
 
@@ -106,6 +107,18 @@ def test_the_runner_trains_on_the_batches_our_loop_trains_on(trained, tmp_path):
     # control: another seed orders the data otherwise
     other = trainer_cfg(Path(cfg.out_dir).parent, "seed=1")
     assert row["batches"] != our_batches(other)
+
+
+def test_their_dense_attention_trains_alike(trained, tmp_path):
+    """speculators.attention=eager, the library's dense-mask reference, beside the default
+    sdpa: the same losses at every step (float32 here), so the default changes no objective."""
+    cfg, row = trained
+    assert cfg.speculators.attention == "sdpa"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        eager = speculators_trainer.run(trainer_cfg(tmp_path, "speculators.attention=eager",
+                                                    cache=cfg.data.cache_dir))
+    assert eager["losses"] == pytest.approx(row["losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize("venv, reason", [
