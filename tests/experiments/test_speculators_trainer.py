@@ -101,7 +101,7 @@ def our_batches(cfg) -> list[dict]:
     return batches
 
 
-def test_the_runner_trains_on_the_batches_our_loop_trains_on(trained, tmp_path):
+def test_the_runner_trains_on_the_batches_our_loop_trains_on(trained):
     cfg, row = trained
     assert row["batches"] == our_batches(cfg)
     # control: another seed orders the data otherwise
