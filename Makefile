@@ -8,6 +8,7 @@ setup:
 # .venv-engines: the speculators library (pinned to an older transformers), for the tests that
 # load exported EAGLE-3 drafts with it and check our EAGLE-3 and DFlash training losses and
 # gradients against its own (tests/train/test_against_speculators.py); without it they are skipped.
+# `python -m experiments.speculators_trainer` trains an EAGLE-3 draft with it beside ours.
 engines:
 	bash scripts/engine_env.sh
 

@@ -37,6 +37,7 @@ from drafters.checkpoint import (
     EAGLE_KINDS,
     check_kind,
     check_target,
+    checkpoint_kind,
     eagle_variant,
     read_config,
     save_module,
@@ -349,12 +350,24 @@ def load_draft(folder: str | Path, target: Target, allow_other_target: bool = Fa
     return draft
 
 
+def trained_draft(folder: str | Path, target: Target, allow_other_target: bool = False
+                  ) -> EagleDraft:
+    """The draft in `folder`: one `save_draft` wrote, or an EAGLE-3 draft in the speculators
+    layout (an export of ours, or a draft the speculators library trained and saved:
+    experiments.speculators_trainer), read by drafters.export.load_speculators_eagle3."""
+    if checkpoint_kind(folder) == "speculators":
+        from drafters.export import load_speculators_eagle3  # drafters.export imports this module
+        return load_speculators_eagle3(folder, target, allow_other_target)
+    return load_draft(folder, target, allow_other_target)
+
+
 def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) -> EagleDrafter:
     """conf/drafter/eagle.yaml / eagle3.yaml: a fresh (untrained) draft, or `checkpoint:
-    <folder>` for a trained one (whose saved settings then apply)."""
+    <folder>` for a trained one (whose saved settings then apply): ours, or a speculators
+    EAGLE-3 folder (`trained_draft`)."""
     config = eagle_config(cfg)
     if config.checkpoint:
-        draft = load_draft(config.checkpoint, target, config.allow_other_target)
+        draft = trained_draft(config.checkpoint, target, config.allow_other_target)
         if draft.variant != config.variant:  # it would run, and report, under the wrong name
             raise ValueError(f"{config.checkpoint} holds an {draft.variant} draft (feature "
                              f"layers {list(draft.feature_layers)}, layout {draft.layout}), "

@@ -246,6 +246,7 @@ def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_targ
     exported here, else sizes and embedding) or tensors that are not exactly the draft's."""
     folder = Path(folder)
     config, state, vocab_ids = read_speculators(folder, "eagle3", target, allow_other_target)
+    check_eagle3_forward(config, folder)
     draft = EagleDraft(target.model, tuple(config["eagle_aux_hidden_state_layer_ids"]),
                        vocab_ids, train_lm_head=True, layout="eagle3")
     draft.body.norm_before_residual = bool(config.get("norm_before_residual", True))
@@ -258,6 +259,24 @@ def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_targ
         if draft.fuse is not None:
             draft.fuse.weight.copy_(state["fc.weight"])
     return draft
+
+
+# speculators' EAGLE-3 options that change the draft's forward beyond our layer's (EAGLE 3.1's
+# normed inputs and outputs; facts from speculators 0.9.0, models/eagle3/core.py): a draft
+# trained with one would load here and draft as another function
+EAGLE3_FORWARD_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def check_eagle3_forward(config: dict, folder: Path) -> None:
+    """Refuse a speculators eagle3 config.json asking for a forward ours does not run
+    (ValueError naming the options)."""
+    asked = [option for option in EAGLE3_FORWARD_OPTIONS if config.get(option)]
+    if asked:
+        raise ValueError(f"{folder} holds an EAGLE-3 draft with {', '.join(asked)} set, which "
+                         "treedraft's EAGLE-3 layer does not compute (it would draft as "
+                         "another function): train it with them off (the speculators "
+                         "trainer turns norm_before_fc and norm_output on for eagle3 unless "
+                         "told otherwise)")
 
 
 def _speculators_shapes(draft: EagleDraft, target: Target, state: dict) -> dict:

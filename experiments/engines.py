@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,11 +144,13 @@ def run_engine_method(engine: str, python: Path, request: dict, timeout_s: float
 
 def run_runner(runner: str, python: Path, request: dict, timeout_s: float, scratch: Path,
                stem: str, env: dict[str, str] | None = None,
-               timeout_name: str = "timeout_s") -> Path | str:
+               timeout_name: str = "timeout_s", echo: Callable[[str], None] | None = None
+               ) -> Path | str:
     """Run RUNNERS/<runner>_runner.py with `python` on `request` (written to
     <scratch>/<stem>.json), in `scratch`, with `env` added to its environment: the path of
     the result file it wrote, or why there is none (no such runner, `python` not installed,
-    a run past `timeout_s` seconds, the setting `timeout_name`, a failure)."""
+    a run past `timeout_s` seconds, the setting `timeout_name`, a failure). `echo`: shown
+    its output as it comes (processes.run_group)."""
     script = RUNNERS / f"{runner}_runner.py"
     if not script.is_file():
         return f"no runner for {runner} ({script.name} missing)"
@@ -158,7 +161,7 @@ def run_runner(runner: str, python: Path, request: dict, timeout_s: float, scrat
     # one stream in time order: an engine's worker logs the root cause before the engine's
     # own wrapper raises on another stream; past the timeout its workers go with it
     done = run_group([str(python), str(script), str(request_path), str(result_path)],
-                     timeout_s, cwd=scratch, env={**os.environ, **(env or {})})
+                     timeout_s, echo, cwd=scratch, env={**os.environ, **(env or {})})
     if done is None:
         return f"no result within {timeout_name}={timeout_s:.0f}"
     if done[0] != 0 or not result_path.is_file():

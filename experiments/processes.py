@@ -7,11 +7,12 @@ A group is stopped on every way out: its end, its timeout, and the command inter
 
 from __future__ import annotations
 
+import codecs
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 # Signals whose default action ends Python at once, skipping every `finally`: while a group
@@ -57,19 +58,45 @@ def terminations_raise() -> Iterator[None]:
             signal.signal(sig, signal.SIG_DFL)
 
 
-def run_group(args: Sequence[str], timeout_s: float, **popen_kwargs) -> tuple[int, str] | None:
+def run_group(args: Sequence[str], timeout_s: float, echo: Callable[[str], None] | None = None,
+              **popen_kwargs) -> tuple[int, str] | None:
     """Run `args` to the end in a group of its own, stdout and stderr as one text stream:
     (exit status, output); None when it ran past `timeout_s`. Its whole group is killed on
     the way out, whichever way that is: past the timeout, interrupted, terminated, and after
-    its end too (a worker it left behind)."""
+    its end too (a worker it left behind). `echo`: called with the output as it comes too
+    (a long run's progress bar shown while it runs), not only at the end."""
     with terminations_raise():
         process = start_group(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, **popen_kwargs)
+                              text=echo is None, **popen_kwargs)
+        chunks: list[str] = []
+        reader = None
+        if echo is not None:
+            reader = threading.Thread(target=_copy_output, args=(process.stdout, chunks, echo),
+                                      daemon=True)
+            reader.start()
         try:
-            output, _ = process.communicate(timeout=timeout_s)
+            if reader is None:
+                output, _ = process.communicate(timeout=timeout_s)
+            else:
+                process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return None
         finally:
             stop_group(process)
-            process.stdout.close()  # not communicate(): a worker outside the group may hold it
-    return process.returncode, output
+            if reader is not None:
+                reader.join(timeout=10)  # the group is gone, and its end of the stream with it
+            if reader is None or not reader.is_alive():
+                # not communicate(): a worker outside the group may hold the stream (and a
+                # reader still blocked on it, its lock)
+                process.stdout.close()
+    return process.returncode, output if reader is None else "".join(chunks)
+
+
+def _copy_output(stream, chunks: list[str], echo: Callable[[str], None]) -> None:
+    """Read `stream` (bytes) to its end, each piece as it comes (a progress bar's carriage
+    returns included) decoded into `chunks` and handed to `echo`."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for piece in iter(lambda: stream.read1(4096), b""):
+        text = decoder.decode(piece)
+        chunks.append(text)
+        echo(text)

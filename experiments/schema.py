@@ -20,7 +20,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from train.regenerate import RegenConfig
-from train.schema import DataConfig, LoggerConfig, TargetConfig
+from train.schema import (
+    DataConfig,
+    DistConfig,
+    EvalConfig,
+    LoggerConfig,
+    OptimConfig,
+    TargetConfig,
+    TrainConfig,
+)
 
 
 @dataclass
@@ -301,6 +309,37 @@ class ScaleSpeedConfig:
 
 
 @dataclass
+class SpeculatorsSideConfig:
+    """conf/speculators_trainer.yaml's `speculators`: the library's side of the comparison."""
+
+    venv: str = MISSING
+    out_dir: str = MISSING
+    loss_fn: str = MISSING
+    loss_implementation: str = MISSING
+    attention: str = MISSING
+    loss_mask: str = MISSING
+    train_lm_head: bool = MISSING
+    timeout_s: float = MISSING
+
+
+@dataclass
+class SpeculatorsTrainerConfig(TrainConfig):
+    """conf/speculators_trainer.yaml (experiments.speculators_trainer): conf/train.yaml's
+    config, whose values it composes first (so every TrainConfig field is left MISSING here:
+    a default would overwrite it), and the library's side."""
+
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    eval: EvalConfig = MISSING
+    dist: DistConfig = MISSING
+    seed: int = MISSING
+    resume: bool = MISSING
+    save_every: int = MISSING
+    device: str = MISSING
+    speculators: SpeculatorsSideConfig = field(default_factory=SpeculatorsSideConfig)
+
+
+@dataclass
 class SimulateConfig:
     """conf/simulate.yaml (experiments.simulate)."""
 
@@ -429,6 +468,7 @@ SCHEMAS = {
     "scale_speed": ScaleSpeedConfig,
     "served": ServedConfig,
     "simulate": SimulateConfig,
+    "speculators_trainer": SpeculatorsTrainerConfig,
     "step_limit": StepLimitConfig,
     "suffix_reference": SuffixReferenceConfig,
     "tree_search": TreeSearchConfig,

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafters import build_drafter
 from drafters.eagle import EagleDraft, save_draft
 from drafters.export import (
     export_speculators_eagle3,
@@ -16,6 +17,7 @@ from drafters.export import (
 )
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.export import eagle_logit_gap, export, medusa_logit_gap
+from verify.loop import generate
 from verify.target.features import eagle3_layers
 from verify.target.files import UnreadableFileError
 
@@ -135,6 +137,33 @@ def test_the_speculators_files_follow_the_eagle3_schema(tiny, tmp_path):
     # target id = draft id + d2t[draft id]; t2d marks exactly the draft's tokens
     assert torch.equal(torch.arange(len(vocab)) + state["d2t"], vocab)
     assert state["t2d"].dtype == torch.bool and state["t2d"].nonzero().flatten().equal(vocab)
+
+
+def test_drafter_eagle3_decodes_with_a_speculators_folder(tiny, conf, tmp_path):
+    """drafter=eagle3 drafter.checkpoint=<a speculators eagle3 folder>: the bench's drafter
+    loads it (an export here; a draft the speculators library trained in
+    tests/experiments/test_speculators_trainer.py) and drafts what the draft drafts."""
+    target = tiny("llama")
+    draft = eagle3_draft(target, torch.arange(5, 250, 2))
+    export_speculators_eagle3(draft, tmp_path / "spec", target)
+    drafter_cfg = conf("drafter", "eagle3")
+    drafter_cfg.checkpoint = str(tmp_path / "spec")
+    drafter = build_drafter(drafter_cfg, conf("tree", "chain4"), target)
+    assert eagle_logit_gap(draft, drafter.draft) == 0.0
+    prompt = torch.arange(3, 15)
+    assert torch.equal(generate(target.model, prompt, 10, drafter=drafter).tokens,
+                       generate(target.model, prompt, 10).tokens)
+
+
+@pytest.mark.parametrize("option", ["norm_before_fc", "fc_norm", "norm_output"])
+def test_a_speculators_draft_with_a_forward_ours_lacks_is_refused(tiny, tmp_path, option):
+    target = tiny("llama")
+    export_speculators_eagle3(eagle3_draft(target), tmp_path / "s", target)
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    (tmp_path / "s" / "config.json").write_text(json.dumps({**config, option: True}))
+    with pytest.raises(ValueError, match=f"{tmp_path / 's'} holds an EAGLE-3 draft with "
+                                         f"{option} set"):
+        load_speculators_eagle3(tmp_path / "s", target)
 
 
 def forget_origin(folder):

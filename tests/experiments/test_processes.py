@@ -57,6 +57,24 @@ def test_a_run_that_ends_gives_its_status_and_both_streams():
         3, "out\nerr\n")
 
 
+def test_an_echoed_run_shows_its_output_as_it_comes_and_still_returns_it(tmp_path):
+    """A progress bar's pieces reach `echo` while the run goes on (the second waits for a
+    file written only after the first arrived), carriage returns and all."""
+    flag = tmp_path / "seen"
+    script = (f"printf '1/2\\r'; while [ ! -e {flag} ]; do sleep 0.05; done; printf '2/2\\n'; "
+              "echo err >&2; exit 3")
+    shown = []
+
+    def echo(text):
+        shown.append(text)
+        flag.touch()
+    assert run_group(["sh", "-c", script], 30, echo) == (3, "1/2\r2/2\nerr\n")
+    assert "".join(shown) == "1/2\r2/2\nerr\n" and shown[0] == "1/2\r"
+    pid_file = tmp_path / "worker.pid"
+    assert run_group(["sh", "-c", f"sleep 600 & echo $! > {pid_file}; wait"], 1, echo) is None
+    assert ends(worker_pid(pid_file))
+
+
 def test_stopping_a_server_stops_its_workers(tmp_path):
     pid_file = tmp_path / "worker.pid"
     server = start_group(["sh", "-c", f"sleep 600 & echo $! > {pid_file}; wait"])

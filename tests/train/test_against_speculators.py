@@ -96,6 +96,7 @@ from train import dflash as dflash_objective
 from train import eagle as eagle_objective
 from train.dflash import DFlashLoss, block_rows, position_weights
 from train.eagle import EagleLoss
+from train.speculators_data import speculators_sample
 from verify.target.model import load_target
 
 SIDE = Path(__file__).with_name("speculators_loss_side.py")
@@ -164,20 +165,13 @@ def padded(seqs: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def samples(seqs: list[dict], mask: str, first_position: int) -> list[dict]:
-    """Their samples, as their dataset yields them (before collation). mask "predicted": the
-    loss mask that makes their rows ours (learn[1:], see the module docstring); "as_is": our
-    learn mask itself (the same assistant tokens, their convention). Positions first_position,
-    first_position + 1, ..."""
-    out = []
-    for s in seqs:
-        n = len(s["tokens"])
-        loss_mask = s["learn"] if mask == "as_is" else torch.cat(
-            [s["learn"][1:], torch.zeros(1, dtype=torch.bool)])
-        out.append({"hidden_states": s["aux"], "input_ids": s["tokens"],
-                    "verifier_last_hidden_states": s["pre"], "loss_mask": loss_mask,
-                    "lengths": torch.tensor([n]),
-                    "position_ids": torch.arange(first_position, first_position + n)})
-    return out
+    """Their samples, as their dataset yields them (before collation; train.speculators_data),
+    with the target's last state before its final norm, which they norm themselves. mask
+    "predicted": the loss mask that makes their rows ours (learn[1:], see the module
+    docstring); "as_is": our learn mask itself (the same assistant tokens, their convention).
+    Positions first_position, first_position + 1, ..."""
+    return [speculators_sample(s["tokens"], s["learn"], s["aux"], s["pre"], mask, first_position)
+            for s in seqs]
 
 
 def run_speculators(engine_python, inputs: dict, folder: Path) -> dict:

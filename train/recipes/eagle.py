@@ -13,11 +13,19 @@ eval.json (held-out accuracy per draft depth, tau and the greedy check).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from drafters.eagle import WEIGHTS_FILE, EagleDraft, default_layers, eagle_config, save_draft
+from drafters.eagle import (
+    WEIGHTS_FILE,
+    EagleConfig,
+    EagleDraft,
+    default_layers,
+    eagle_config,
+    save_draft,
+)
 from drafters.vocab import coverage, most_frequent_tokens
 from train.checkpoint import check_resumable, load_checkpoint
 from train.distributed import DistEnv
@@ -25,6 +33,7 @@ from train.eagle import EagleLoss
 from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
+    LiveFeatures,
     heldout_accuracy,
     live_target,
     prompts_of,
@@ -41,8 +50,23 @@ from verify.target.model import Target
 LEARNING_CURVE = True
 
 
-def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
-    """Train an EAGLE draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+@dataclass
+class Setup:
+    """What training starts from: the frozen target, the cached features of the training and
+    held-out sequences, and the draft as initialised (step 0)."""
+
+    config: EagleConfig
+    target: Target
+    train_set: FeatureSet | LiveFeatures
+    heldout: FeatureSet
+    draft: EagleDraft
+
+
+def setup(cfg: DictConfig, env: DistEnv) -> Setup:
+    """The target (seeded with cfg.seed), the features of cfg.data at the draft's layers (the
+    shared cache) and the step-0 draft, in the order `run` makes them: the torch generator has
+    drawn the same numbers before the draft's initialisation, so it gets the same weights.
+    experiments.speculators_trainer starts the speculators library's trainer from it."""
     ecfg = eagle_config(cfg.drafter)
     target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
@@ -51,6 +75,13 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     vocab = most_frequent_tokens(train_set.learned_tokens(), ecfg.draft_vocab_size)
     draft = EagleDraft(target.model, layers, vocab, ecfg.train_lm_head, ecfg.inputs,
                        ecfg.layout)
+    return Setup(ecfg, target, train_set, heldout, draft)
+
+
+def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
+    """Train an EAGLE draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+    start = setup(cfg, env)
+    ecfg, target, train_set, draft = start.config, start.target, start.train_set, start.draft
     objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg,
                           RowLoss.from_optim(cfg.optim)).to(env.device)
     optimizer, scheduler = adamw(draft, cfg.optim)
@@ -66,7 +97,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         heldout_eval=lambda: heldout_accuracy(objective, heldout, steps=cfg.eval.depth)))
     if not env.is_main:
         return {}
-    results = evaluate(cfg, target, objective, heldout)
+    results = evaluate(cfg, target, objective, start.heldout)
     return finish_run(logger, results, _flat(results))
 
 
