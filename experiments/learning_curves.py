@@ -3,8 +3,8 @@ trained tokens and CPU-minutes, from each run's curve.json (`python train.py ...
 curve_every=N`, train.curve), so that a reader sees where each drafter saturates and which
 gives the most acceptance per CPU-hour.
 
-    python -m experiments.learning_curves \\
-        'runs=[results/train/smollm2-135m-instruct/eagle/onpolicy,results/train/smollm2-135m-instruct/eagle3/onpolicy]' \\
+    R=results/train/smollm2-135m-instruct
+    python -m experiments.learning_curves 'runs=[$R/eagle/onpolicy,$R/eagle3/onpolicy]' \\
         name=onpolicy out_dir=experiments/reports/learning-curves
 
 A run is a training out_dir holding curve.json and its checkpoint (whose run_config.json

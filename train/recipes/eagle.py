@@ -94,7 +94,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
         save=lambda folder, state, extra: save_draft(draft, folder, target, extra, state),
         restore=restore, label="step", feature_model=live_target(train_set, target),
-        heldout_eval=lambda: heldout_accuracy(objective, heldout, steps=cfg.eval.depth)))
+        heldout_eval=lambda: heldout_accuracy(objective, start.heldout, steps=cfg.eval.depth)))
     if not env.is_main:
         return {}
     results = evaluate(cfg, target, objective, start.heldout)
