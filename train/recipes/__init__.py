@@ -5,8 +5,9 @@ objective, optimizer), train (train.loop.train_steps, resumable checkpoints), sa
 A new learned drafter is one module here with `run(cfg, env, group) -> results` (and
 `LEARNING_CURVE = True` when it hands common.train a held-out evaluation for curve_every) and
 one entry below; modules are imported only when their drafter is trained. The scaffolding
-every recipe shares (the training target, resuming, checkpoints, eval.json) is train.recipes.common: a recipe
-builds its model, data and objective and hands them to `common.train`.
+every recipe shares (the training target, resuming, checkpoints, eval.json) is
+train.recipes.common: a recipe builds its model, data and objective and hands them to
+`common.train`.
 """
 
 from __future__ import annotations
