@@ -36,6 +36,7 @@ COMMANDS = {
     "train": ("target", "drafter", "data", "optim", "logger", "experiment"),
     "tree_search": ("target", "drafter"),
     "runs_table": (),
+    "learning_curves": (),
     "simulate": (),
     "reproduce": (),
     "step_limit": ("target",),
@@ -112,6 +113,7 @@ WRONGLY_TYPED = {
     "correctness": ("distribution.samples=lots", "distribution.samples"),
     "distill_speed": ("batch_size=big", "batch_size"),
     "export": ("speculative_tokens=three", "speculative_tokens"),
+    "learning_curves": ("plot=perhaps", "plot"),
     "peers": ("max_model_len=huge", "max_model_len"),
     "profile": ("products=maybe", "products"),
     "regenerate": ("regen.temperature=warm", "regen.temperature"),
@@ -148,6 +150,7 @@ def test_every_experiment_command_composes_complete_and_typed(command):
     # (speculators_trainer's folders are named by Hydra's override_dirname, as train.py's:
     # resolved under Hydra's runner only)
     given = {"runs_table": ["runs=[a]", "x=data.sharegpt_tokens"],
+             "learning_curves": ["runs=[a]"],
              "speculators_trainer": ["out_dir=/tmp/unused", "speculators.out_dir=/tmp/unused"]
              }.get(command, [])
     cfg = compose_with(command, *given)
