@@ -73,7 +73,7 @@ def run(cfg: DictConfig) -> dict:
     side = cfg.speculators
     check_settings(cfg)
     check_drafter(cfg)
-    out = Path(side.out_dir)
+    out = Path(side.out_dir).absolute()  # the runner works in a scratch folder of its own
     check_report(out, REPORT, cfg)
     missing = engines_missing(side.venv)
     if missing is not None:

@@ -26,7 +26,8 @@ from verify.target.files import read_json
 CPU = DistEnv(0, 1, torch.device("cpu"))
 
 
-def trainer_cfg(tmp_path: Path, *overrides: str, cache: Path | None = None):
+def trainer_cfg(tmp_path: Path, *overrides: str, cache: Path | None = None,
+                theirs: Path | str | None = None):
     """The smoke EAGLE-3 run on the tiny Llama (two layers: its hidden states 0, 1, 2 are
     three distinct auxiliary layers), writing under tmp_path, its caches in `cache` (default
     tmp_path / "cache")."""
@@ -34,17 +35,20 @@ def trainer_cfg(tmp_path: Path, *overrides: str, cache: Path | None = None):
         return compose("speculators_trainer", [
             "experiment=eagle_smoke", "drafter.feature_layers=[0,1,2]",
             f"out_dir={tmp_path / 'ours'}", f"data.cache_dir={cache or tmp_path / 'cache'}",
-            f"speculators.out_dir={tmp_path / 'theirs'}", *overrides])
+            f"speculators.out_dir={theirs or tmp_path / 'theirs'}", *overrides])
 
 
 @pytest.fixture(scope="module")
 def trained(engine_python, tmp_path_factory):
     """The command run once (4 steps of 4 sequences): its config and report row."""
     tmp_path = tmp_path_factory.mktemp("speculators_trainer")
-    cfg = trainer_cfg(tmp_path)
+    # a relative folder, as users name it: the runner works in a scratch folder of its own
+    cfg = trainer_cfg(tmp_path, theirs="theirs")
     with pytest.MonkeyPatch.context() as patch:  # the runner's threads: one, as pytest's
         patch.setenv("OMP_NUM_THREADS", "1")
+        patch.chdir(tmp_path)
         row = speculators_trainer.run(cfg)
+    cfg.speculators.out_dir = str(tmp_path / "theirs")
     return cfg, row
 
 
