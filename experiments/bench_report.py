@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from experiments.common import save_figure
+from experiments.stats import mean_and_stderr
 from experiments.report_schema import BatchSummary, BenchReport, BenchSummary, MethodFigures
 from experiments.table import cell, markdown_table
 from verify.metrics import acceptance_by_depth, accepted_histogram, tau
@@ -37,6 +38,7 @@ def summarise(records: dict[str, list[dict]], baseline: str,
         steps = [s for r in recs for s in r.get("steps", [])]
         if steps:
             summary.update(_step_figures(steps))
+            summary["acceptance_stderr_per_depth"] = _acceptance_stderr(recs)
             summary.update(_time_per_step(recs, summary))
         summary.update(_draft_memory(recs))
         proposers = _proposers(recs)
@@ -111,6 +113,21 @@ def _step_figures(steps: list[dict]) -> dict:
     }
 
 
+def _acceptance_stderr(records: list[dict]) -> list[float | None]:
+    """Per draft depth: the standard error over prompts (records) of each prompt's acceptance
+    at that depth, None where fewer than two prompts tried it. How far a pooled acceptance
+    rate could move on other prompts of the same kind."""
+    per_prompt = [acceptance_by_depth([s["accepted"] for s in r["steps"]],
+                                      [s["tree_depth"] for s in r["steps"]])
+                  for r in records if r.get("steps")]
+    errors = []
+    for depth in range(max((len(rates) for rates in per_prompt), default=0)):
+        values = [rates[depth] for rates in per_prompt
+                  if depth < len(rates) and rates[depth] is not None]
+        errors.append(mean_and_stderr(values)[1] if len(values) > 1 else None)
+    return errors
+
+
 def _proposers(records: list[dict]) -> dict[str, float]:
     """A combinator's share of steps per member that proposed (or "merged"), pooled."""
     counts: dict[str, int] = {}
@@ -159,6 +176,8 @@ def format_tables(summary: dict) -> str:
     checked = all(m.identical is not None for m in methods.values())  # greedy runs say so
     spread = (f" Speedup: all {bench.runs} runs pooled; median [min, max] of the runs' own "
               "speedups beside it." if bench.runs > 1 else "")
+    if any(m.acceptance_stderr_per_depth for m in methods.values()):
+        spread += " Depth-1 acceptance ± its standard error over the prompts."
     compared = f"identical to {bench.reference}" if bench.reference else "identical to the baseline"
     header = METHOD_HEADER + ([compared] if checked else [])
     lines = [f"Baseline: {bench.baseline}, {bench.prompts} prompts.{spread}", "",
@@ -206,7 +225,10 @@ def method_table(summary: dict) -> list[list]:
 
 def _method_cells(name: str, m: MethodFigures) -> list[str]:
     """One row of the methods table; '-' where a figure does not apply to the method."""
-    rates = ", ".join(cell(r) for r in m.acceptance_per_depth or []) or "-"
+    rates = [cell(r) for r in m.acceptance_per_depth or []]
+    if rates and m.acceptance_stderr_per_depth and m.acceptance_stderr_per_depth[0] is not None:
+        rates[0] += f" ± {m.acceptance_stderr_per_depth[0]:.2f}"  # over prompts
+    rates = ", ".join(rates) or "-"
     times = [cell(t, ".1f") for t in (m.draft_ms_per_step, m.verify_ms_per_step,
                                       m.other_ms_per_step, m.ms_per_draft_forward)]
     speedup = f"{m.speedup['overall']:.2f}x"

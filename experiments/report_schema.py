@@ -64,6 +64,9 @@ class MethodFigures:
     seconds: float
     tau: float | None = None  # tokens per target forward, bonus included (verify.metrics)
     acceptance_per_depth: list[float | None] | None = None  # None: a depth no step tried
+    # the standard error over prompts of each prompt's own acceptance at that depth (None: a
+    # depth fewer than two prompts tried); reports saved before it have none
+    acceptance_stderr_per_depth: list[float | None] | None = None
     accepted_histogram: list[float] | None = None  # share of steps accepting 0, 1, ... drafts
     mean_tree_size: float | None = None  # nodes verified per step, root included
     tree_size_histogram: dict[int, float] | None = None  # {nodes: share of steps}

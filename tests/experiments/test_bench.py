@@ -67,6 +67,15 @@ def test_tau_and_acceptance_per_depth_by_hand():
     assert tree["accepted_histogram"] == pytest.approx([0.2, 0.2, 0.2, 0.4])
 
 
+def test_acceptance_standard_errors_over_prompts_by_hand():
+    tree = summarise(RECORDS, "base")["methods"]["tree"]
+    # depth 1: the qa prompt accepted it on 2 of 3 steps, the rag prompt on 2 of 2: mean 5/6,
+    # sample sd 0.2357, over sqrt(2) prompts; depths 2 and 3: 1 and 1/2 (either order)
+    assert tree["acceptance_stderr_per_depth"] == pytest.approx([1 / 6, 1 / 4, 1 / 4])
+    assert "accept" in format_tables(summarise(RECORDS, "base"))
+    assert "0.80 ± 0.17" in format_tables(summarise(RECORDS, "base"))
+
+
 def test_time_per_step_by_hand():
     tree = summarise(RECORDS, "base")["methods"]["tree"]
     # 5 steps of 10 ms drafting and 100 ms verifying in 2.5 s of wall time; 10 draft forwards
@@ -79,7 +88,8 @@ def test_time_per_step_by_hand():
 def test_tables_and_plot(tmp_path):
     summary = summarise(RECORDS, "base")
     table = format_tables(summary)
-    assert "| tree | 8.0 | 1.20x | 2.80 | 0.80, 0.75, 0.67 | 10.0 | 100.0 | 390.0 | 5.0 |" in table
+    assert ("| tree | 8.0 | 1.20x | 2.80 | 0.80 ± 0.17, 0.75, 0.67 | 10.0 | 100.0 | 390.0 | 5.0 |"
+            in table)
     assert "| base | 6.7 | 1.00x | - | - | - | - | - | - |" in table
     assert "| qa | 1.00x | 2.00x |" in table
     path = plot_speedups(summary, tmp_path / "speedup.png")
