@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from experiments.common import save_figure
-from experiments.stats import mean_and_stderr
 from experiments.report_schema import BatchSummary, BenchReport, BenchSummary, MethodFigures
+from experiments.stats import mean_and_stderr
 from experiments.table import cell, markdown_table
 from verify.metrics import acceptance_by_depth, accepted_histogram, tau
 from verify.target.files import write_text

@@ -116,6 +116,8 @@ KINDS = (
          "experiments.suffix_reference:format_table"),
     Kind("experiments.served", lambda row: "draft" in row and "speculative_tokens" in row,
          "experiments.served:format_table"),
+    Kind("experiments.speculators_trainer", lambda row: "trainer" in row and "status" in row,
+         "experiments.speculators_trainer:format_table"),
     Kind("experiments.learning_curves", lambda row: "curve" in row and "drafter" in row,
          "experiments.learning_curves:format_table"),
     Kind("experiments.runs_table", lambda row: "series" in row and "eval" in row,

@@ -52,6 +52,7 @@ from drafters.eagle import eagle_config
 from drafters.export import export_speculators_eagle3, load_speculators_eagle3
 from experiments.common import CONF_DIR, check_report, write_report
 from experiments.engines import model_folder, run_runner, venv_python
+from experiments.table import markdown_table
 from train.distributed import DistEnv, init_distributed
 from train.features import FeatureSet, LiveFeatures
 from train.loop import batch_indices, chunks, warmup_cosine
@@ -257,6 +258,23 @@ def finish(cfg: DictConfig, row: dict) -> dict:
     print(summary(row))
     print(f"\nJSON: {path}")
     return row
+
+
+def format_table(rows: list[dict]) -> str:
+    """A saved report as a table (the results pages): each run's status, steps, speed, loss and
+    what it trained, with the library's version."""
+    lines = []
+    for row in rows:
+        if row["status"] != "trained":
+            lines.append([row["trainer"], row["status"], "-", "-", "-", "-", "-"])
+            continue
+        versions = ", ".join(f"{k} {v}" for k, v in sorted(row["versions"].items()))
+        lines.append([row["trainer"], row["status"], str(row["steps"]),
+                      f"{row['seconds_per_step']:.2f}",
+                      f"{row['first_loss']:.3f} -> {row['final_loss']:.3f}",
+                      str(len(row["trained_parameters"])), versions])
+    return markdown_table(["trainer", "status", "steps", "s/step", "loss (KL), first -> last",
+                           "trained tensors", "versions"], lines)
 
 
 def summary(row: dict) -> str:

@@ -137,3 +137,14 @@ def test_without_the_library_the_row_says_not_run(tmp_path, venv, reason, capsys
     report = read_json(tmp_path / "theirs" / "speculators_trainer.json", "report")
     assert report["rows"] == [row]
     assert not (tmp_path / "cache").exists()  # said before any work
+
+
+def test_the_report_renders_on_a_results_page(trained):
+    from experiments.results import kind_of
+    cfg, _ = trained
+    path = Path(cfg.speculators.out_dir) / "speculators_trainer.json"
+    report = read_json(path, "report")
+    table = kind_of(report, path).render(report)
+    assert "| speculators | trained | 4 |" in table and "speculators 0.9.0" in table
+    not_run = {**report, "rows": [{"trainer": "speculators", "status": "not run: no env"}]}
+    assert "| speculators | not run: no env | - |" in kind_of(not_run, path).render(not_run)
