@@ -113,7 +113,7 @@ def test_the_runner_trains_on_the_batches_our_loop_trains_on(trained):
     assert row["batches"] != our_batches(other)
 
 
-@pytest.mark.slow  # a second training run (8 s): the attention the library defaults to is sdpa
+@pytest.mark.slow  # a second training run (8 s), with the library's dense eager attention
 def test_their_dense_attention_trains_alike(trained, tmp_path):
     """speculators.attention=eager, the library's dense-mask reference, beside the default
     sdpa: the same losses at every step (float32 here), so the default changes no objective."""
