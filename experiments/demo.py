@@ -78,11 +78,12 @@ def longer_preset_note(depth1: float, report: Path = LONGER_PRESET_REPORT) -> st
             if r["drafter"] == DRAFTER_NAMES[DRAFTER]]
     if not rows:
         return None
-    last = rows[0]["curve"][-1]
+    run, last = rows[0], rows[0]["curve"][-1]
     return (f"This short default reaches held-out depth-1 top-1 {depth1:.3f}. The longer preset "
             f"(python train.py experiment=onpolicy drafter={DRAFTER}: the target's own answers, "
-            f"{last['step']} steps, {last['train_cpu_seconds'] / 60:.0f} CPU-minutes) reached "
-            f"{last['top1'][0]:.3f} ({report}; docs/results/learning-curves.md).")
+            f"{last['step']} of {run['max_steps']} steps, "
+            f"{last['train_cpu_seconds'] / 60:.0f} CPU-minutes) reached {last['top1'][0]:.3f} "
+            f"(docs/results/learning-curves.md).")
 
 
 def size_tree(checkpoint: str) -> list[str]:

@@ -68,11 +68,12 @@ def test_after_training_a_note_quotes_what_the_longer_preset_reached(tmp_path):
     assert longer_preset_note(0.4, report) is None  # no report: no note
     point = {"step": 6000, "train_cpu_seconds": 2700.0, "top1": [0.61, 0.5]}
     rows = [{"drafter": "EAGLE-3", "curve": [dict(point, top1=[0.7])]},
-            {"drafter": "EAGLE-1", "curve": [dict(point, step=100, top1=[0.2]), point]}]
+            {"drafter": "EAGLE-1", "max_steps": 8000,
+             "curve": [dict(point, step=100, top1=[0.2]), point]}]
     report.write_text(json.dumps({"rows": rows}))
     note = longer_preset_note(0.391, report)
     assert "reaches held-out depth-1 top-1 0.391" in note
     assert "experiment=onpolicy drafter=eagle:" in note
-    assert "6000 steps, 45 CPU-minutes) reached 0.610" in note
+    assert "6000 of 8000 steps, 45 CPU-minutes) reached 0.610" in note
     report.write_text(json.dumps({"rows": rows[:1]}))
     assert longer_preset_note(0.4, report) is None  # the demo's drafter not in it
