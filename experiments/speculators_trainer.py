@@ -38,7 +38,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,7 +58,7 @@ from train.loop import batch_indices, chunks, warmup_cosine
 from train.recipes import eagle as eagle_recipe
 from train.schema import check_settings
 from train.speculators_data import LOSS_MASKS, sample_of
-from verify.target.files import read_json, write_atomically
+from verify.target.files import read_json, save_atomically, write_atomically
 from verify.target.model import Target
 
 REPORT = "speculators_trainer"  # <speculators.out_dir>/<REPORT>.json
@@ -140,8 +139,9 @@ def prepare(cfg: DictConfig, start: eagle_recipe.Setup, work: Path, env: DistEnv
                                        speculative_tokens=start.config.ttt_steps,
                                        verifier=model_folder(start.target, work))
     samples = work / "samples.pt"
-    save_atomically(training_samples(start.train_set, start.draft.feature_layers,
-                                     start.target, side.loss_mask), samples)
+    payload = training_samples(start.train_set, start.draft.feature_layers, start.target,
+                               side.loss_mask)
+    save_atomically(samples, lambda tmp: torch.save(payload, tmp))
     return {"draft": str(export), "samples": str(samples), "out": str(work / "trained"),
             "batches": step_batches(len(start.train_set), cfg, env),
             "lrs": learning_rates(cfg), "ttt_steps": start.config.ttt_steps,
@@ -173,19 +173,6 @@ def learning_rates(cfg: DictConfig) -> list[float]:
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
     factor = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps).lr_lambdas[0]
     return [cfg.optim.lr * factor(step) for step in range(cfg.optim.max_steps)]
-
-
-def save_atomically(payload: object, path: Path) -> None:
-    """torch.save through a temporary file renamed into place: whole or not at all (a large
-    payload is streamed, not held twice in memory)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def echo(text: str) -> None:

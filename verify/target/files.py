@@ -119,10 +119,17 @@ def shard_path(folder: Path, index: int) -> Path:
 def save_tensors_atomically(tensors: dict, path: Path) -> None:
     """safetensors `tensors` to `path` through a temporary name and a rename: a file on disk
     is always whole, and an interruption (Ctrl-C included) leaves no half file behind."""
+    save_atomically(path, lambda tmp: save_file(tensors, tmp))
+
+
+def save_atomically(path: Path, save: Callable[[str], None]) -> None:
+    """`save(name)` writes a file at the temporary `name` (safetensors, torch.save: writers
+    that stream to a path, not bytes held in memory), renamed to `path` once whole; an
+    interruption leaves the old file and no temporary one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path))
     os.close(fd)
     try:
-        save_file(tensors, tmp)
+        save(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
