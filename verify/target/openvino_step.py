@@ -177,6 +177,25 @@ class PagedState:
                                      last_only=True)
         return logits, None if features is None else list(features.split(sizes))
 
+    def new_row(self) -> int:
+        """One more empty row; its index."""
+        self.tables.append([])
+        self.used.append(0)
+        return len(self.tables) - 1
+
+    def clear_row(self, row: int) -> None:
+        """Row `row` empty, its blocks back in the pool (the index stays, for reuse)."""
+        self.free.extend(self.tables[row])
+        self.tables[row], self.used[row] = [], 0
+
+    def truncate_row(self, row: int, length: int) -> None:
+        """Row `row` keeps its first `length` slots (later ones are written over)."""
+        self.used[row] = min(self.used[row], length)
+
+    def logits(self) -> torch.Tensor:
+        """(R, V) float logits of the last forward's `logit_rows`."""
+        return torch.from_numpy(self.request.get_tensor("logits").data.copy())
+
     def reset_rows(self, rows: int) -> None:
         """`rows` empty rows; every block back in the pool."""
         self.free.extend(block for table in self.tables for block in table)
@@ -211,12 +230,16 @@ class PagedState:
         begins = np.cumsum([0, *sizes])
         rows = begins[1:] - 1 if last_only else np.arange(begins[-1])
         self.infer(range(len(sizes)), tokens, past, depths, masks, rows)
-        logits = torch.from_numpy(self.request.get_tensor("logits").data.copy())
+        return self.logits(), self.features()
+
+    def features(self) -> torch.Tensor | None:
+        """(T, F * H) hidden states `feature_layers` of every token of the last forward, in
+        the target's dtype (None: the state returns none)."""
         if not self.feature_layers:
-            return logits, None
+            return None
         states = [torch.from_numpy(self.request.get_tensor(f"hidden.{h}").data.copy())
                   for h in self.feature_layers]
-        return logits, torch.cat(states, dim=-1).to(self.dtype)
+        return torch.cat(states, dim=-1).to(self.dtype)
 
     def infer(self, rows: Sequence[int], tokens: torch.Tensor, past: Sequence[int],
               offsets: Sequence[torch.Tensor], masks: Sequence[np.ndarray],
