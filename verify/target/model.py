@@ -72,6 +72,7 @@ class Target:
     adapter: str | None = None  # the LoRA adapter folder merged into `model`, if any
     base_weights: str | None = None  # the weights' digest before `adapter` was merged in
     step: TargetStep | None = field(default=None, repr=False, compare=False)
+    step_name: str = "eager"  # target.step's value: what reports say produced their figures
     _fingerprint: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -163,7 +164,8 @@ def load_target(
         cache_dir: root of the converted-model cache; else $TREEDRAFT_CACHE, else
             ~/.cache/treedraft. Used by the embedded default only.
         tiny: "llama", "qwen2" or "gpt2" for a tiny random model (path is then ignored).
-        dtype: torch dtype name, e.g. "float32" or "bfloat16".
+        dtype: torch dtype name, e.g. "float32" or "bfloat16"; "auto": bfloat16 on a CPU with
+            native bf16 products (AMX or AVX512-BF16), else float32.
         attn_implementation: "sdpa" or "eager".
         seed: init seed for tiny models; equal seeds give identical weights.
         adapter: a peft LoRA adapter folder (a Medusa-2 checkpoint's `adapter/`), merged into
@@ -199,6 +201,7 @@ def load_target(
     target.model.eval()
     target.fingerprint()
     target.step = target_step(target.model, step, packed_rows)
+    target.step_name = step
     return target
 
 
@@ -294,9 +297,28 @@ def _tiny_config(arch: str, vocab_size: int) -> PretrainedConfig:
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+# CPU flags of native bfloat16 products: AMX tiles, or AVX512-BF16 dot products
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def native_bfloat16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU (its /proc/cpuinfo `flags`) multiplies bfloat16 natively."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), [])
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
 def _torch_dtype(name: str) -> torch.dtype:
-    """`target.dtype` as a torch dtype; refused, before anything loads, unless it is one a
+    """`target.dtype` as a torch dtype ("auto": bfloat16 where the CPU multiplies it natively,
+    `native_bfloat16`, else float32); refused, before anything loads, unless it is one a
     cast model computes in (COMPUTE_DTYPES)."""
+    if name == "auto":
+        name = "bfloat16" if native_bfloat16() else "float32"
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as 'float32'")

@@ -51,6 +51,8 @@ class OpenVINOStep:
     embeddings and head; its weights are shared with the graph, not copied."""
 
     extends_prompts = True  # a paged cache takes a prompt after cached tokens
+    # its state serves verify.target.continuous (rows added and freed one at a time)
+    continuous_batching = True
     # torch's threads while decoding on this step (verify.target.step.host_threads): one. The loop's
     # own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's OpenMP
     # workers spinning beside the plugin's on 2 cores starved both: in a profile taken while

@@ -1,0 +1,99 @@
+"""A regeneration folder's features: the target's hidden states over every done conversation as
+training reads it, captured by the forwards that answered it (train.regen_continuous), in
+shards beside the rank logs.
+
+    <folder>/features/rank-<r>-<n>.safetensors   lengths, input_ids, loss_mask, features
+
+A shard holds whole sequences (the layout of train.features' shards: float16 features, one
+row per token, row t predicting token t + 1). It is written atomically *before* the outcomes of
+its conversations go to the rank log, each outcome naming its shard and place: the log is the
+one record of what is done, so a kill between the two leaves a shard some of whose
+sequences no outcome names, and the next run answers those conversations again into a new
+shard. Training reads a sequence only through the outcome that names it (`logged_sequences`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.regen_folder import Outcome, read_outcomes
+from verify.target.files import load_tensors, remove_orphans, save_tensors_atomically
+
+FEATURES_DIR = "features"
+FEATURE_DTYPE = torch.float16  # 16 bits a value; SmolLM2's largest activations (~25k) fit
+
+
+@dataclass
+class _Pending:
+    outcome: Outcome
+    input_ids: torch.Tensor  # (T,)
+    loss_mask: torch.Tensor  # (T,)
+    features: torch.Tensor  # (T, F * H)
+
+
+class FeatureShards:
+    """Rank `rank`'s shards in `folder`: sequences buffered until `shard_tokens` tokens, then
+    written as one shard; `add` returns the outcomes whose shard is now on disk (to log)."""
+
+    def __init__(self, folder: Path, rank: int, shard_tokens: int = 1 << 16):
+        self.dir = folder / FEATURES_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        remove_orphans(self.dir)  # a killed writer's temporary file
+        self.rank, self.shard_tokens = rank, shard_tokens
+        self.next = len(list(self.dir.glob(f"rank-{rank:03d}-*.safetensors")))
+        self.pending: list[_Pending] = []
+        self.bytes = 0  # written by this run
+
+    def add(self, outcome: Outcome, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+            features: torch.Tensor) -> list[Outcome]:
+        """Buffer one done conversation's sequence and features (T, F * H)."""
+        if not torch.isfinite(features).all():
+            raise OverflowError(f"features of {outcome.id} are not finite")
+        self.pending.append(_Pending(outcome, input_ids, loss_mask, features.to(FEATURE_DTYPE)))
+        if sum(len(p.input_ids) for p in self.pending) < self.shard_tokens:
+            return []
+        return self.flush()
+
+    def flush(self) -> list[Outcome]:
+        """Write what is buffered as a shard; its outcomes, each naming its shard and place."""
+        if not self.pending:
+            return []
+        name = f"rank-{self.rank:03d}-{self.next:06d}.safetensors"
+        tensors = {
+            "lengths": torch.tensor([len(p.input_ids) for p in self.pending]),
+            "input_ids": torch.cat([p.input_ids for p in self.pending]).to(torch.long),
+            "loss_mask": torch.cat([p.loss_mask for p in self.pending]).to(torch.bool),
+            "features": torch.cat([p.features for p in self.pending]),
+        }
+        save_tensors_atomically(tensors, self.dir / name)
+        self.bytes += tensors["features"].numel() * tensors["features"].element_size()
+        outcomes = [p.outcome for p in self.pending]
+        for place, outcome in enumerate(outcomes):
+            outcome.shard, outcome.shard_index = name, place
+        self.next += 1
+        self.pending = []
+        return outcomes
+
+
+def logged_sequences(folder: Path) -> list[tuple[Path, int, str]]:
+    """(shard path, place in it, conversation id) of every sequence an outcome of a rank log
+    names, in log order."""
+    found = []
+    for log in sorted((folder / "ranks").glob("rank-*.jsonl")):
+        for outcome in read_outcomes(log):
+            if outcome.shard is not None:
+                found.append((folder / FEATURES_DIR / outcome.shard, outcome.shard_index,
+                              outcome.id))
+    return found
+
+
+def read_sequence(path: Path, place: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids (T,), loss_mask (T,) and features (T, F * H) of sequence `place` of a shard."""
+    tensors = load_tensors(path)
+    lengths = tensors["lengths"].tolist()
+    start = sum(lengths[:place])
+    return tuple(tensors[key][start:start + lengths[place]]
+                 for key in ("input_ids", "loss_mask", "features"))
