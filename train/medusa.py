@@ -60,7 +60,7 @@ def feature_rows(features: FeatureSet, num_heads: int, lm_head: nn.Module | None
                          f"{features.layers}")
     hidden, targets = [], []
     offsets = torch.arange(2, num_heads + 2)
-    for s in features.sequences:
+    for s in features:
         tokens = s.input_ids if lm_head is None else _target_tokens(s, lm_head)
         learned = torch.where(s.loss_mask, tokens, -1)
         padded = torch.cat([learned, learned.new_full((num_heads + 2,), -1)])

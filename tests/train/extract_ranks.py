@@ -23,7 +23,7 @@ def main(cache: str, out: str) -> None:
     found = extract_features(load_target(tiny="llama"), make_sequences(), [-1, 1], cache,
                              tokens_per_batch=16, env=env)
     if env.is_main:
-        torch.save([s.features for s in found.sequences], out)
+        torch.save([s.features for s in found], out)
     close_distributed()
 
 

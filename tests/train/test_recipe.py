@@ -18,6 +18,7 @@ from drafters import build_drafter
 from drafters.medusa import medusa_config
 from experiments.common import CONF_DIR
 from experiments.tree_search import load_accuracies
+from tests.train.test_feature_set import write_feature_set
 from train import run_training
 from train.distributed import DistEnv
 from train.features import FeatureSet, SequenceFeatures, answer_sequences, extract_features
@@ -180,17 +181,17 @@ def test_prefilled_states_give_the_distilled_answers_own_medusa_rows(train_cfg, 
     assert (labelled[known] == targets[known]).float().mean() > 0.95
 
 
-def test_feature_rows_learn_assistant_tokens_only():
+def test_feature_rows_learn_assistant_tokens_only(tmp_path):
     # tokens 10..16; turns: user (10, 11), assistant (12, 13), user (14), assistant (15, 16)
     ids = torch.arange(10, 17)
     mask = torch.tensor([0, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
     states = torch.arange(7, dtype=torch.float16)[:, None].expand(7, 4)
-    features = FeatureSet([SequenceFeatures(ids, mask, states)], (2,), Path("."))
+    features = write_feature_set(tmp_path, [SequenceFeatures(ids, mask, states)], (2,))
     hidden, targets = feature_rows(features, 2)
     assert hidden[:, 0].tolist() == [1, 2, 4, 5]  # the states that predicted 12, 13, 15, 16
     assert targets.tolist() == [[13, -1], [-1, 15], [16, -1], [-1, -1]]
     with pytest.raises(ValueError, match="one state per token"):
-        feature_rows(FeatureSet(features.sequences, (1, 2), Path(".")), 2)
+        feature_rows(FeatureSet(features.entries, (1, 2), tmp_path), 2)
     # labelled by a target whose greedy token after a state of value j is 100 + j
     _, labelled = feature_rows(features, 2, ArgmaxIs100PlusState())
     assert labelled.tolist() == [[102, -1], [-1, 104], [105, -1], [-1, -1]]

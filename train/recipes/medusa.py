@@ -112,7 +112,7 @@ def _prefilled_rows(cfg: DictConfig, target: Target, train_set: list[Answer],
     lm_head = target.model.get_output_embeddings() if mcfg.labels == "target" else None
     print(f"Medusa labels on prefilled text: the {mcfg.labels}'s tokens")
     hidden, targets = feature_rows(features, mcfg.num_heads, lm_head)
-    return Rows(hidden, targets, [s.input_ids for s in features.sequences])
+    return Rows(hidden, targets, [ids for ids, _ in features.token_sequences()])
 
 
 def _build_heads(mcfg: MedusaConfig, target: Target, train_set: list[Answer],
