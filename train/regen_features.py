@@ -24,6 +24,8 @@ from verify.target.files import load_tensors, remove_orphans, save_tensors_atomi
 
 FEATURES_DIR = "features"
 FEATURE_DTYPE = torch.float16  # 16 bits a value; SmolLM2's largest activations (~25k) fit
+# tokens a shard holds (about 300 MB for 4 layers of 576): what a kill can cost to redo
+SHARD_TOKENS = 1 << 16
 
 
 @dataclass
@@ -38,11 +40,11 @@ class FeatureShards:
     """Rank `rank`'s shards in `folder`: sequences buffered until `shard_tokens` tokens, then
     written as one shard; `add` returns the outcomes whose shard is now on disk (to log)."""
 
-    def __init__(self, folder: Path, rank: int, shard_tokens: int = 1 << 16):
+    def __init__(self, folder: Path, rank: int, shard_tokens: int | None = None):
         self.dir = folder / FEATURES_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         remove_orphans(self.dir)  # a killed writer's temporary file
-        self.rank, self.shard_tokens = rank, shard_tokens
+        self.rank, self.shard_tokens = rank, shard_tokens or SHARD_TOKENS
         self.next = len(list(self.dir.glob(f"rank-{rank:03d}-*.safetensors")))
         self.pending: list[_Pending] = []
         self.bytes = 0  # written by this run
