@@ -37,11 +37,14 @@ class SequenceFeatures:
 
 @dataclass(frozen=True)
 class ShardEntry:
-    """Where one sequence lies: its shard file, its first row there and its length T."""
+    """Where one sequence lies: its shard file, its first row there and its length T; and,
+    for a shard holding more layers than read, the (start, stop) feature columns to read, in
+    order (None: every column)."""
 
     path: Path
     start: int
     length: int
+    columns: tuple[tuple[int, int], ...] | None = None
 
 
 def shard_entries(path: Path) -> list[ShardEntry]:
@@ -115,7 +118,11 @@ class FeatureSet:
         must not outlive the shard's place among the open ones, nor take a caller's writes."""
         shard = self._shard(entry.path)
         rows = slice(entry.start, entry.start + entry.length)
-        return [shard.get_slice(field)[rows].clone() for field in fields]
+        read = [shard.get_slice(field)[rows].clone() for field in fields]
+        if entry.columns is not None and "features" in fields:
+            at = fields.index("features")
+            read[at] = torch.cat([read[at][:, a:b] for a, b in entry.columns], dim=-1)
+        return read
 
     def _shard(self, path: Path):
         """The open shard at `path`, opening it (and closing the least recently used one past

@@ -27,6 +27,7 @@ from train.distributed import DistEnv, all_reduce_sum
 from train.feature_set import FeatureSet, SequenceFeatures, shard_entries
 from train.lock import run_lock
 from train.loop import batch_indices, chunks
+from train.regen_features import corpus_features
 from train.regen_folder import conversation_file
 from verify.target.features import num_layers, resolve_layers, select_features
 from verify.target.files import (
@@ -50,7 +51,7 @@ class LiveFeatures:
     it once). `take` and `learned_tokens` as FeatureSet's."""
 
     def __init__(self, target: Target, sequences: Sequence[TokenSequence], layers: Sequence[int]):
-        self.model, self.sequences = target.model, list(sequences)
+        self.target, self.sequences = target, list(sequences)
         self.layers = resolve_layers(layers, num_layers(target.model.config))
 
     def __len__(self) -> int:
@@ -58,7 +59,7 @@ class LiveFeatures:
 
     def take(self, indices: Sequence[int]) -> list[SequenceFeatures]:
         chosen = [self.sequences[i] for i in indices]
-        states = prefill_features(self.model, [ids for ids, _ in chosen], self.layers)
+        states = target_features(self.target, [ids for ids, _ in chosen], self.layers)
         return [SequenceFeatures(ids, mask, f) for (ids, mask), f in zip(chosen, states)]
 
     def learned_tokens(self) -> Iterator[torch.Tensor]:
@@ -83,8 +84,9 @@ def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
 def training_features(data, target: Target, answers: list[Answer], heldout: list[Answer],
                       layers: Sequence[int], env: DistEnv | None = None
                       ) -> tuple[FeatureSet | LiveFeatures, FeatureSet]:
-    """Features at `layers` of the training sequences (self-distilled `answers`, then
-    `data.sharegpt_tokens` tokens of ShareGPT conversations prefilled) and of the held-out
+    """Features at `layers` of the training sequences (a regeneration's captured features,
+    data.corpus; self-distilled `answers`; then `data.sharegpt_tokens` tokens of ShareGPT
+    conversations prefilled) and of the held-out
     answers. `data`: the run's data config (sharegpt_tokens, max_sequence_tokens, seed,
     cache_dir, cache_hidden: false computes the training features live, batch by batch; the
     held-out ones, a few thousand tokens, are cached either way). Under torchrun (`env`), the
@@ -96,14 +98,19 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
         sources.append(list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
                                                data.sharegpt_tokens, seed=data.seed, path=path)))
     sources = [source for source in sources if source]
-    if not sources:
-        raise ValueError("no training data: set data.sharegpt_tokens or data.num_prompts")
+    corpus = [corpus_features(data.corpus, target, layers)] if data.get("corpus") else []
+    if not sources and not corpus:
+        raise ValueError("no training data: set data.corpus, data.sharegpt_tokens or "
+                         "data.num_prompts")
     cache = None if data.cache_dir is None else Path(data.cache_dir) / "features"
-    if not data.cache_hidden:
+    if not data.cache_hidden and not corpus:
         train = LiveFeatures(target, [s for source in sources for s in source], layers)
     else:  # one cache per source, so that a mix reuses what each source alone extracted
+        if not data.cache_hidden:
+            raise ValueError("data.corpus holds its features on disk: train on it with "
+                             "data.cache_hidden=true")
         parts = [extract_features(target, source, layers, cache, env=env) for source in sources]
-        train = FeatureSet.join(parts)
+        train = FeatureSet.join(corpus + parts)
     return train, extract_features(target, answer_sequences(heldout), layers, cache, env=env)
 
 
@@ -224,10 +231,21 @@ def _extract(target: Target, layers: tuple[int, ...], todo: dict[int, list[Token
     with tqdm(total=tokens, unit="tok", desc="extracting features",
               disable=not env.is_main) as bar:
         for b, batch in todo.items():
-            states = prefill_features(target.model, [ids for ids, _ in batch], layers)
+            states = target_features(target, [ids for ids, _ in batch], layers)
             _write_shard(shard_path(folder, b), [SequenceFeatures(ids, mask, f)
                                                   for (ids, mask), f in zip(batch, states)])
             bar.update(token_count([batch]))
+
+
+def target_features(target: Target, input_ids: list[torch.Tensor], layers: Sequence[int]
+                    ) -> list[torch.Tensor]:
+    """(T_i, F * H) float16 CPU features of each (T_i,) sequence, on the target's step: one
+    paged prefill where the step serves one (target.step=openvino: OpenVINO's kernels, 1.2-4x
+    Hugging Face's forward here), else Hugging Face's forward (`prefill_features`)."""
+    if not getattr(target.step, "continuous_batching", False):
+        return prefill_features(target.model, input_ids, layers)
+    _, states = target.step.new_state(tuple(layers)).prefill_rows(input_ids)
+    return [_stored(state, layers) for state in states]
 
 
 @torch.no_grad()
@@ -247,12 +265,18 @@ def prefill_features(model: torch.nn.Module, input_ids: list[torch.Tensor], laye
     out = model.base_model(input_ids=padded.to(model.device),
                            attention_mask=attention_mask.to(model.device),
                            output_hidden_states=True)
-    # float16 halves the cache; drafters train under bf16 autocast anyway
-    features = select_features(out.hidden_states, layers).to(torch.float16).cpu()  # (B, W, F*H)
-    # Some layers carry "massive activations" (SmolLM2-135M: ~25k, float16 ends at 65,504).
-    if not torch.isfinite(features).all():
-        raise OverflowError(f"features of layers {tuple(layers)} overflow float16")
+    features = _stored(select_features(out.hidden_states, layers), layers)  # (B, W, F*H)
     return [features[row, :len(ids)] for row, ids in enumerate(input_ids)]
+
+
+def _stored(features: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """Features as the cache stores them: float16 on the CPU (half the bytes; drafters train
+    under bf16 autocast anyway). Some layers carry "massive activations" (SmolLM2-135M: ~25k,
+    float16 ends at 65,504): OverflowError where one does not fit."""
+    stored = features.to(torch.float16).cpu()
+    if not torch.isfinite(stored).all():
+        raise OverflowError(f"features of layers {tuple(layers)} overflow float16")
+    return stored
 
 
 def feature_folder(cache_dir: str | Path | None, target: Target, layers: tuple[int, ...],
@@ -260,9 +284,10 @@ def feature_folder(cache_dir: str | Path | None, target: Target, layers: tuple[i
     """A folder named by everything the shards depend on: the target's fingerprint (weights,
     dtype, adapter, config), the layers, the batching, every token. Token ids and masks are
     hashed as bytes: a JSON list of a million ids would cost seconds."""
-    digest = hashlib.sha256(json.dumps({
-        "target": target.fingerprint(), "layers": layers,
-        "tokens_per_batch": tokens_per_batch}).encode())
+    made = {"target": target.fingerprint(), "layers": layers, "tokens_per_batch": tokens_per_batch}
+    if target.step_name != "eager":  # another step's kernels round otherwise
+        made["step"] = target.step_name
+    digest = hashlib.sha256(json.dumps(made).encode())
     for ids, mask in sequences:
         digest.update(len(ids).to_bytes(8, "little"))
         digest.update(ids.to(torch.int64).numpy().tobytes())

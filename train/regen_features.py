@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch
 
-from train.regen_folder import Outcome, read_outcomes
-from verify.target.files import load_tensors, remove_orphans, save_tensors_atomically
+from train.feature_set import FeatureSet, ShardEntry, shard_entries
+from train.regen_folder import MANIFEST_FILE, Outcome, conversation_file, read_outcomes
+from verify.target.features import num_layers, resolve_layers
+from verify.target.files import load_tensors, read_json, remove_orphans, save_tensors_atomically
+from verify.target.model import Target
 
 FEATURES_DIR = "features"
 FEATURE_DTYPE = torch.float16  # 16 bits a value; SmolLM2's largest activations (~25k) fit
@@ -99,3 +102,29 @@ def read_sequence(path: Path, place: int) -> tuple[torch.Tensor, torch.Tensor, t
     start = sum(lengths[:place])
     return tuple(tensors[key][start:start + lengths[place]]
                  for key in ("input_ids", "loss_mask", "features"))
+
+
+def corpus_features(folder: str | Path, target: Target, layers: tuple[int, ...]) -> FeatureSet:
+    """The features a finished regeneration captured (`data.corpus=<folder>`), read as a
+    FeatureSet of `layers`, in log order. Refused, naming the folder: one that another
+    target made (train.regen_folder.conversation_file), one without features, and layers it
+    did not capture."""
+    folder = Path(folder).expanduser()
+    conversation_file(folder, target)  # finished, and by this target
+    regen = read_json(folder / MANIFEST_FILE, "regeneration manifest")["regen"]
+    total = num_layers(target.model.config)
+    stored = resolve_layers(regen.get("feature_layers") or [], total)
+    wanted = resolve_layers(layers, total)
+    if not stored or any(layer not in stored for layer in wanted):
+        raise ValueError(f"{folder} holds the features of layers {list(stored)}, not "
+                         f"{list(wanted)}: regenerate with regen.feature_layers naming them")
+    width = target.model.config.hidden_size
+    columns = tuple((stored.index(layer) * width, (stored.index(layer) + 1) * width)
+                    for layer in wanted)
+    entries, by_shard = [], {}
+    for path, place, _ in logged_sequences(folder):
+        if path not in by_shard:
+            by_shard[path] = shard_entries(path)
+        entry = by_shard[path][place]
+        entries.append(ShardEntry(entry.path, entry.start, entry.length, columns))
+    return FeatureSet(entries, wanted, folder)

@@ -323,3 +323,21 @@ def test_on_a_gpu_batches_land_on_it_equal_to_the_host_batch(cuda_device, tmp_pa
     for key, value in host.items():
         assert batch[key].device == cuda_device
         assert torch.equal(batch[key].cpu(), value)
+
+
+def test_features_on_the_openvino_step_equal_the_eager_forwards_in_a_folder_of_their_own(
+        target, tmp_path):
+    from train.features import LiveFeatures
+
+    fast = load_target(tiny="llama", step="openvino")
+    sequences = make_sequences()
+    eager = extract_features(target, sequences, [1, -1], cache_dir=tmp_path)
+    paged = extract_features(fast, sequences, [1, -1], cache_dir=tmp_path)
+    live = LiveFeatures(fast, sequences, [1, -1]).take(range(len(sequences)))
+    assert eager.folder != paged.folder  # another step's kernels: another cache
+    for ours, theirs, alive in zip(paged, eager, live):
+        scale = theirs.features.float().abs().max()
+        # float16 storage: a few ulps of the largest value apart, from float32 sums in
+        # another order
+        assert (ours.features.float() - theirs.features.float()).abs().max() < 2e-3 * scale
+        assert torch.equal(alive.features, ours.features)

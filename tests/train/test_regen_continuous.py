@@ -105,3 +105,25 @@ def test_the_folder_key_holds_the_step_and_the_feature_settings():
     captured = regeneration_folder(RegenConfig(**REGEN, feature_layers=LAYERS),
                                    on_openvino(target), input_key(None))
     assert len({eager, fast, captured}) == 3
+
+
+def test_training_reads_the_captured_features_of_the_layers_it_asks(tmp_path):
+    from omegaconf import OmegaConf
+
+    from train.features import training_features
+    from train.schema import DataConfig
+
+    target = on_openvino(chat_target())
+    run(target, tmp_path, feature_layers=[1, -1])
+    data = OmegaConf.merge(OmegaConf.structured(DataConfig),
+                           {"name": "corpus", "corpus": str(tmp_path), "num_prompts": 0})
+    train_set, _ = training_features(data, target, [], [], layers=[-1, 1])
+    assert len(train_set) == len(records()) and train_set.layers == (2, 1)
+    width = target.model.config.hidden_size
+    for sequence, (path, place, _) in zip(train_set, logged_sequences(tmp_path)):
+        ids, _, stored = read_sequence(path, place)  # columns: layers 1, 2
+        assert torch.equal(sequence.input_ids, ids)
+        assert torch.equal(sequence.features, torch.cat([stored[:, width:],
+                                                         stored[:, :width]], -1))
+    with pytest.raises(ValueError, match="holds the features of layers \\[1, 2\\], not \\[0\\]"):
+        training_features(data, target, [], [], layers=[0])
