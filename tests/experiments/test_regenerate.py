@@ -53,7 +53,7 @@ def test_the_command_and_the_data_option_compose():
 def fake_vllm(tmp_path, monkeypatch):
     """regen.engine=vllm served by the fake server (fake_vllm_server.py) in an environment
     whose python is this one; returns the RegenConfig settings that pick it."""
-    monkeypatch.setattr(regenerate_command, "VLLM_SERVER", HERE / "fake_vllm_server.py")
+    monkeypatch.setitem(regenerate_command.ENGINE_SERVERS, "vllm", HERE / "fake_vllm_server.py")
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
     (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
@@ -63,7 +63,7 @@ def fake_vllm(tmp_path, monkeypatch):
 
 def regenerate_with_engine(target, records, folder, engine_settings):
     regen = RegenConfig(**{**REGEN, **engine_settings})
-    with regenerate_command.VllmAnswers(target, "float32", regen) as answer:
+    with regenerate_command.EngineAnswers(target, "float32", regen) as answer:
         return regenerate(target, records, regen, folder, FakeRanks(0, 1, torch.device("cpu")),
                           answer)
 
@@ -146,7 +146,7 @@ def test_a_server_that_never_answers_or_writes_no_json_is_stopped_with_a_clear_e
     monkeypatch.setenv("FAKE_VLLM", behaviour)
     target = chat_target()
     regen = RegenConfig(**{**REGEN, **fake_vllm})
-    engine = regenerate_command.VllmAnswers(target, "float32", regen, timeout_s=timeout_s)
+    engine = regenerate_command.EngineAnswers(target, "float32", regen, timeout_s=timeout_s)
     with pytest.raises(RuntimeError, match=error):
         with engine as answer:
             regenerate(target, [conversation(0)], regen, tmp_path,
