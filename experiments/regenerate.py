@@ -46,8 +46,8 @@ from train.regenerate import (
     ENGINES,
     Answer,
     RegenConfig,
-    first_records,
-    input_key,
+    records_key,
+    regen_records,
     regenerate,
     regeneration_folder,
     settings,
@@ -81,9 +81,9 @@ def run(cfg: DictConfig) -> dict:
                              "the rounds itself); run it without torchrun")
         target = load_target_from_config(cfg.target, packed_rows=None)
         target.model.to(env.device)
-        folder = regeneration_folder(regen, target, input_key(regen.input))
+        folder = regeneration_folder(regen, target, records_key(regen))
         check_report(folder, REPORT_STEM)  # a folder it cannot write in, before any answer
-        records = first_records(regen.input, regen.conversations)
+        records = regen_records(regen)
         if env.is_main:
             print(f"regenerating {len(records)} conversations with {target.name} "
                   f"({target.fingerprint()['dtype']}, {target.step_name} step, {regen.engine}) "
@@ -333,7 +333,24 @@ def _format_sum(account: dict, run: dict) -> str:
             f"dropped at max_context_tokens)\n"
             f"this run: {run['conversations']} conversations on {run['ranks']} rank(s), "
             f"{run['tokens']:,} tokens in {run['seconds']} s = {run['tokens_per_s']} tokens/s"
-            f" ({run.get('engine', 'builtin')})")
+            f" ({_how(run)})" + _format_corpus(account))
+
+
+def _how(run: dict) -> str:
+    """What answered: the engine, and for the built-in one its step, dtype and batching."""
+    engine = run.get("engine", "builtin")
+    if engine != "builtin" or "step" not in run:
+        return engine
+    return f"builtin, {run['step']} step, {run['dtype']}, {run['batching']} batching"
+
+
+def _format_corpus(account: dict) -> str:
+    """The corpus's tokens with features and the hours every run took, where it has them."""
+    if "corpus_tokens" not in account:
+        return ""
+    hours = account.get("all_runs", {}).get("hours")
+    return (f"\ncorpus: {account['corpus_tokens']:,} tokens with features"
+            + (f", {hours:.2f} hours over {account['all_runs']['runs']} run(s)" if hours else ""))
 
 
 @hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base=None)

@@ -265,3 +265,17 @@ def sharegpt_sequences(tokenizer: PreTrainedTokenizerBase, max_tokens: int,
     print(f"sequences: {taken:,} ({tokens:,} tokens, {loss_tokens:,} on assistant turns); "
           f"{passed:,} conversations passed over (no assistant token within max_tokens, or "
           "refused by the template)")
+
+
+def first_records(path: str | None, count: int) -> list[Record]:
+    """The first `count` complete conversations of the input, with unique ids."""
+    records: list[Record] = []
+    seen: set[str] = set()
+    for record_id, turns in read_records(path):
+        if record_id in seen:  # ShareGPT repeats a few ids; the log needs them unique
+            record_id = f"{record_id}#{len(records)}"
+        seen.add(record_id)
+        records.append((record_id, turns))
+        if len(records) == count:
+            break
+    return records

