@@ -256,3 +256,16 @@ def test_the_export_command_checks_its_own_round_trip(tiny, tmp_path):
     heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 1))
     save_heads(heads, tmp_path / "medusa", target)
     assert export(tmp_path / "medusa", "vllm_medusa", tmp_path / "m", target) == 0.0
+
+
+def test_an_export_leaves_the_folder_beside_its_out_alone(tiny, tmp_path):
+    """A first export to out=export deleted export.old/, a folder it was never given."""
+    users = tmp_path / "export.old"
+    users.mkdir()
+    (users / "precious.txt").write_text("keep")
+    target = tiny("llama")
+    heads = MedusaHeads(target.model.get_output_embeddings(), 2, 1)
+    for _ in range(2):  # a first export, then one replacing it
+        export_vllm_medusa(heads, tmp_path / "export", target)
+    assert (users / "precious.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "export.old"]
