@@ -22,7 +22,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import check_report, file_stem, publish
+from experiments.common import check_report, own_report_name, publish
 from experiments.table import markdown_table
 from train.checkpoint import RUN_FILE
 from train.curve import CURVE_FILE, read_curve
@@ -143,7 +143,7 @@ def curve_rows(cfg: DictConfig) -> list[dict]:
 def write_curves(cfg: DictConfig) -> Path:
     """The command: the runs' curves printed as tables, written as <out_dir>/<name>.json and
     plotted beside it; returns the JSON's path."""
-    stem = file_stem(cfg.name)
+    stem = own_report_name(cfg)
     check_report(cfg.out_dir, stem, cfg)
     return publish(cfg, stem, curve_rows(cfg), format_table, plot_curves)
 
