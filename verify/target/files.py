@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,22 @@ def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device=device)
     except Exception as error:  # safetensors' own errors name no file
-        raise UnreadableFileError(f"{path} cannot be read (truncated or corrupt?): "
-                                  f"{error}") from error
+        raise _unreadable(path, error) from error
+
+
+def check_tensors_file(path: Path) -> None:
+    """UnreadableFileError naming safetensors file `path` when its header does not open (a
+    truncated or corrupt file), without reading its tensors: what finds the file behind an
+    error of a loader that names none (`from_pretrained`)."""
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except Exception as error:
+        raise _unreadable(path, error) from error
+
+
+def _unreadable(path: Path, error: Exception) -> UnreadableFileError:
+    return UnreadableFileError(f"{path} cannot be read (truncated or corrupt?): {error}")
 
 
 def check_tensors(found: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
