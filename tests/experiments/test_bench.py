@@ -8,6 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import experiments.methods
 from drafters.draft_model import DraftModelConfig, save_draft_model
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from experiments.bench import log_results
@@ -203,6 +204,29 @@ def test_a_sequence_rule_is_refused_before_decoding_for_trees_it_cannot_verify(e
                                    "draft_model:chain4:iid_siblings=true,rule=spectr"])
 def test_a_sequence_rule_stays_for_a_drafter_that_draws_what_it_needs(entry):
     assert parse_compare(entry).rule == entry.rsplit("=", 1)[1]
+
+
+@pytest.mark.parametrize("entry, rule", [
+    ("draft_model:tree8:rule=traversal", "traversal"),
+    ("draft_model:tree8:iid_siblings=true,rule=spectr", "spectr")])
+def test_a_rule_for_sampled_drafts_at_temperature_0_is_refused_before_anything_loads(
+        entry, rule, monkeypatch):
+    """rule=traversal at temperature 0 was refused only once the target had loaded and the
+    drafter was built; the greedy rule above temperature 0 likewise."""
+    monkeypatch.setattr(experiments.methods, "load_target_from_config", no_target)
+    for temperature, refusal in ((0, f"the {rule!r} rule verifies sampled drafts, but "
+                                     "decoding is greedy"),
+                                 (1, "the greedy rule needs temperature 0")):
+        asked = entry if temperature == 0 else "draft_model:chain4:rule=greedy"
+        cfg = bench_config(f"temperature={temperature}", f"compare=['{asked}']")
+        with pytest.raises(ValueError, match=re.escape(f"compare entry {asked!r}: {refusal}")):
+            run_benchmark(cfg)
+    assert [c.rule for c in contenders(bench_config("temperature=1",
+                                                    f"compare=['{entry}']"))] == [None, rule]
+
+
+def no_target(*args, **kwargs):
+    raise AssertionError("the target loaded before the rule was checked")
 
 
 def test_method_names_stay_distinct_and_the_main_drafter_comes_first():
