@@ -308,15 +308,25 @@ def assistant_layers(asked: int | None, config) -> int:
     return asked
 
 
-def run_benchmark(cfg: DictConfig) -> dict:
-    """Time every method on every prompt; returns the summary (see bench_report.summarise)."""
-    if cfg.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
-    drafters = contenders(cfg)  # a bad compare entry fails before the target loads
+def check_bench(cfg: DictConfig) -> list[Contender]:
+    """Refuse what the config of a bench (or batch_bench, context_sweep: the same schema)
+    cannot mean, before the command makes its out_dir or loads anything: repeats or
+    max_new_tokens below 1 (transformers refused 0 only inside the timed baseline), a
+    reference other than the baseline or plain_loop in peers, a bad compare entry; returns
+    the contenders."""
+    for key in ("repeats", "max_new_tokens"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
     if cfg.reference not in (None, "plain_loop") or (cfg.reference and
                                                     cfg.reference not in cfg.peers):
         raise ValueError(f"reference must be null (the baseline) or plain_loop with plain_loop "
                          f"in peers, got reference={cfg.reference!r}, peers={list(cfg.peers)}")
+    return contenders(cfg)
+
+
+def run_benchmark(cfg: DictConfig) -> dict:
+    """Time every method on every prompt; returns the summary (see bench_report.summarise)."""
+    drafters = check_bench(cfg)  # before the target loads
     # picked before the target loads: a bad count or category fails at once
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories, cfg.warmup)
     target = load_target_from_config(cfg.target)

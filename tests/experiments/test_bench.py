@@ -1,6 +1,7 @@
 """Benchmark figures on hand-made records, compare entries, and end-to-end runs on a tiny
 target."""
 
+import importlib
 import json
 import re
 
@@ -226,7 +227,7 @@ def test_a_rule_for_sampled_drafts_at_temperature_0_is_refused_before_anything_l
 
 
 def no_target(*args, **kwargs):
-    raise AssertionError("the target loaded before the rule was checked")
+    raise AssertionError("the target loaded before the settings were checked")
 
 
 def test_method_names_stay_distinct_and_the_main_drafter_comes_first():
@@ -588,3 +589,20 @@ def test_identity_is_counted_against_the_reference_method_when_one_is_named():
 def test_a_reference_that_is_not_plain_decoding_in_this_run_is_refused(overrides):
     with pytest.raises(ValueError, match="reference must be null"):
         run_benchmark(bench_config(*overrides, "target.path=/nowhere"))
+
+
+@pytest.mark.parametrize("command", ["bench", "batch_bench", "context_sweep"])
+@pytest.mark.parametrize("setting", ["max_new_tokens=0", "repeats=0", "reference=hf_sample"])
+def test_settings_a_bench_cannot_mean_are_refused_before_its_out_dir_is_made(
+        command, setting, tmp_path, monkeypatch):
+    """max_new_tokens=0 was refused by transformers inside the timed baseline, leaving an
+    empty out_dir behind."""
+    module = importlib.import_module(f"experiments.{command}")
+    for loader in (module, experiments.methods):
+        monkeypatch.setattr(loader, "load_target_from_config", no_target, raising=False)
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose(command, ["target=tiny_llama", setting, f"out_dir={tmp_path / 'out'}"])
+    key, value = setting.split("=")
+    with pytest.raises(ValueError, match=rf"{key}.*{value}"):
+        module.main.__wrapped__(cfg)
+    assert not (tmp_path / "out").exists()
