@@ -333,19 +333,24 @@ def check_export_folder(folder: str | Path, reads: Sequence[str | Path] = ()) ->
     name: a temporary folder beside it would be `..tmp-*`): one that does not exist, an
     empty one, or an earlier export (its EXPORT_MANIFEST, and no other files). ValueError,
     before anything is written, naming the folder and why, when it is the current folder or
-    one above it, is or holds a folder the export reads (`reads`: the checkpoint), or holds
-    anything else."""
+    one above it, is, holds or lies inside a folder the export reads (`reads`: the
+    checkpoint), is a file or lies below one, or holds anything else."""
     dest = Path(folder).expanduser().resolve()
     for source in map(lambda p: Path(p).expanduser().resolve(), reads):
         if dest == source or dest in source.parents:
             raise ValueError(f"out={folder} {'is' if dest == source else 'holds'} the "
                              f"checkpoint it exports ({source}): an export replaces its out "
                              "folder; give a new folder, e.g. out=<run>/export")
+        if source in dest.parents:
+            raise ValueError(f"out={folder} lies inside the checkpoint it exports ({source}): "
+                             "a checkpoint holds a drafter's files alone; give a folder "
+                             "outside it, e.g. out=<run>/export")
     if dest == Path.cwd().resolve() or dest in Path.cwd().resolve().parents:
         raise ValueError(f"out={folder} is the folder this command runs in or one above it: "
                          "an export replaces its out folder; give a new folder's name")
-    if dest.exists() and not dest.is_dir():
-        raise ValueError(f"out={folder} is a file: give a folder's name")
+    file = next((p for p in (dest, *dest.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:  # out=<file>/sub would fail making its folder, naming nothing
+        raise ValueError(f"out={folder}: {file} is a file, not a folder: give a folder's name")
     others = sorted(p.name for p in dest.iterdir()) if dest.is_dir() else []
     if others and set(others) - _earlier_export(dest):
         raise ValueError(f"out={folder} holds files that are no earlier export of this command "

@@ -37,7 +37,7 @@ from experiments.common import (
     single_thread,
     write_report,
 )
-from experiments.methods import contenders, forget_memories, report_stem
+from experiments.methods import check_bench, contenders, forget_memories, report_stem
 from experiments.report_schema import BatchFigures, BatchSummary
 from verify.accept import Acceptance
 from verify.loop import generate_batch, until_eos
@@ -245,6 +245,7 @@ def plot(summary: dict, path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="batch_bench", version_base=None)
 def main(cfg: DictConfig) -> None:
+    check_bench(cfg)  # before check_report makes out_dir
     stem = report_stem(cfg, "batch")
     check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(cfg.seed)

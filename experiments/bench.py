@@ -35,12 +35,13 @@ from experiments.bench_report import (
     write_tables,
 )
 from experiments.common import check_report, write_report
-from experiments.methods import report_stem, run_benchmark
+from experiments.methods import check_bench, report_stem, run_benchmark
 from train.logger import build_logger
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
+    check_bench(cfg)  # before check_report makes out_dir
     stem = report_stem(cfg)
     check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(cfg.seed)

@@ -63,12 +63,46 @@ def report_name(cfg: Mapping, *parts: str, lead: Sequence[str] = ()) -> str:
     (verify.target.model.target_name: a folder or hub id as given, never conf's `name`, which stays
     the default's whatever target.path says), then `parts` (what the command measures), then
     each of NAMED_SETTINGS that cfg sets otherwise than its default and `parts` do not
-    already say, joined by "-" (`file_stem`). Two configs that differ in any of these get two
-    names: a bench at temperature 1 does not overwrite one at 0."""
+    already say, then, in a `-m` sweep, the job's overrides (`sweep_tags`), joined by "-"
+    (`file_stem`). Two configs that differ in any of these get two names: a bench at
+    temperature 1 does not overwrite one at 0, nor one job of a sweep another."""
     target = cfg["target"]
-    said = [*lead, target_name(target.get("path"), target.get("tiny")), *parts]
+    return _name(cfg, [*lead, target_name(target.get("path"), target.get("tiny")), *parts])
+
+
+def own_report_name(cfg: Mapping) -> str:
+    """The report name of a command whose config names its report (`name`: simulate,
+    runs_table, learning_curves), with what `report_name` adds to it."""
+    return _name(cfg, [cfg["name"]])
+
+
+def _name(cfg: Mapping, said: list[str]) -> str:
     tags = [tag for tag in setting_tags(cfg).values() if tag not in said]
-    return file_stem("-".join([*said, *tags]))
+    return file_stem("-".join([*said, *tags, *sweep_tags()]))
+
+
+# Settings that say where a report goes or how it is shown, not what it holds: a key with
+# one of these among its dotted parts (speculators.out_dir, logger.mode). A rerun that
+# changes only them replaces its report; a sweep over them needs no name of its own.
+PLACEMENT = frozenset({"out_dir", "out", "plot", "logger"})
+
+
+def _placement(key: str) -> bool:
+    return not PLACEMENT.isdisjoint(key.split("."))
+
+
+def sweep_tags() -> list[str]:
+    """Under Hydra's `-m`, this job's overrides ("alpha=0.6"), sorted, those of PLACEMENT
+    settings left out: the jobs of one sweep write to one out_dir (conf/hydra_files.yaml
+    gives them one folder) and differ in these, which a name that said only the settings
+    above would not. Empty outside a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return []
+    return sorted(o for o in HydraConfig.get().overrides.task
+                  if not _placement(o.lstrip("+~").split("=", 1)[0]))
 
 
 def setting_tags(cfg: Mapping) -> dict[str, str]:
@@ -114,9 +148,10 @@ def check_report(out_dir: str | Path, stem: str, cfg: Mapping | None = None) -> 
     is (or can be made) a folder it can write in, and that `<stem>.json` there is not
     another command's report (a second command would overwrite it: two benches given one
     out_dir and the same methods), nor, given this run's config `cfg`, a report of this
-    command made with other NAMED_SETTINGS (one named before names said them: a rerun with
-    the same settings replaces its report, one with others would lose it). ValueError
-    naming the folder or file, and the settings; returns the report's path."""
+    command made with other settings than a name says (`figure_settings`: max_new_tokens,
+    or NAMED_SETTINGS in a report named before names said them): a rerun with the same
+    settings replaces its report, one with others would lose it. ValueError naming the
+    folder or file, and the settings; returns the report's path."""
     folder = Path(out_dir).expanduser()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -137,7 +172,9 @@ def check_report(out_dir: str | Path, stem: str, cfg: Mapping | None = None) -> 
 
 def _check_same_settings(path: Path, saved: object, cfg: Mapping) -> None:
     """Refuse to replace report `path`, made with config `saved`, by a run with config `cfg`
-    that differs in a setting that changes its figures (the target or NAMED_SETTINGS)."""
+    that differs in a setting that changes its figures: any setting but PLACEMENT ones
+    (max_new_tokens, another `runs=` list), of those both configs hold (a report made
+    before a setting existed was made without it)."""
     if not isinstance(saved, Mapping):
         return  # a report that recorded no config: nothing to compare
     theirs, ours = figure_settings(saved), figure_settings(cfg)
@@ -150,16 +187,18 @@ def _check_same_settings(path: Path, saved: object, cfg: Mapping) -> None:
 
 
 def figure_settings(cfg: Mapping) -> dict[str, object]:
-    """The settings of `cfg` that change a report's figures and its name (`report_name`):
-    the target's name and each of NAMED_SETTINGS that cfg holds."""
+    """The settings of config `cfg` (resolved; a report's saved one or a run's) that change a
+    report's figures, by dotted key: every one but the PLACEMENT ones, lists as values."""
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
     found: dict[str, object] = {}
-    target = _setting(cfg, "target")
-    if isinstance(target, Mapping):
-        found["target"] = target_name(target.get("path"), target.get("tiny"))
-    for key in NAMED_SETTINGS:
-        value = _setting(cfg, key)
-        if value is not _ABSENT:
-            found[key] = list(value) if OmegaConf.is_list(value) else value
+    for key, value in cfg.items():
+        if _placement(str(key)):
+            continue
+        if isinstance(value, Mapping):
+            found.update({f"{key}.{k}": v for k, v in figure_settings(value).items()})
+        else:
+            found[str(key)] = list(value) if isinstance(value, tuple) else value
     return found
 
 

@@ -33,6 +33,7 @@ from experiments.methods import (
     Prompt,
     baseline_name,
     build_methods,
+    check_bench,
     contenders,
     sampling_params,
     time_methods,
@@ -166,6 +167,7 @@ def plot(rows: list[dict], path: Path, baseline: str) -> Path:
 
 @hydra.main(config_path="../conf", config_name="context_sweep", version_base=None)
 def main(cfg: DictConfig) -> None:
+    check_bench(cfg)  # before check_report makes out_dir
     stem = report_name(cfg, "context", cfg.drafter.name, cfg.tree.name)
     check_report(cfg.out_dir, stem, cfg)
     torch.manual_seed(cfg.seed)

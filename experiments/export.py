@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from drafters.checkpoint import read_config
+from drafters.checkpoint import check_kind, read_config
 from drafters.dflash import DFlashDraft, block_inputs
 from drafters.dflash import load_draft as load_dflash
 from drafters.eagle import EagleDraft, load_draft
@@ -37,6 +37,9 @@ from verify.target.model import Target, load_target_from_config
 
 FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medusa heads",
            "speculators_dflash": "DFlash draft (drafter=dflash)"}
+# The checkpoint kinds some format exports (drafters.checkpoint.FOLDER_KINDS); an EAGLE-1
+# draft is among them so that format=speculators says what it cannot hold of one
+EXPORTED_KINDS = ("eagle1", "eagle3", "medusa", "dflash")
 
 
 def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
@@ -45,9 +48,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
     """Write `checkpoint` to `out` in format `fmt`; returns the largest draft-logit difference
     between the checkpoint and the folder read back (0 for an exact copy). A DFlash export
     drafts block_size - 1 tokens (its block), whatever `speculative_tokens` says."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
-    out = check_export_folder(out, reads=[checkpoint])  # before any loading or writing
+    out = check_request(checkpoint, fmt, out)  # before any loading or writing
     saved = read_config(checkpoint)
     is_dflash = saved.get("drafter") == "dflash"
     if fmt == "speculators_dflash":
@@ -74,6 +75,17 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
     draft = load_draft(checkpoint, target)
     export_speculators_eagle3(draft, out, target, speculative_tokens, verifier, embedding)
     return eagle_logit_gap(draft, load_speculators_eagle3(out, target))
+
+
+def check_request(checkpoint: str | Path, fmt: str, out: str | Path) -> Path:
+    """The folder to write (check_export_folder), once `fmt` is a format and `checkpoint` a
+    folder of a kind some format exports (a run's folder is refused pointing at its
+    checkpoint/, an export pointing at the checkpoint it came from); ValueError naming what
+    is wrong, before anything loads."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
+    check_kind(checkpoint, "experiments.export", EXPORTED_KINDS)
+    return check_export_folder(out, reads=[checkpoint])
 
 
 @torch.no_grad()
@@ -134,7 +146,7 @@ def logit_gap(a: torch.Tensor, b: torch.Tensor) -> float:
 def main(cfg: DictConfig) -> None:
     if cfg.checkpoint is None or cfg.out is None:
         raise SystemExit("give checkpoint=<run>/checkpoint and out=<folder>")
-    check_export_folder(cfg.out, reads=[cfg.checkpoint])  # before the target loads
+    check_request(cfg.checkpoint, cfg.format, cfg.out)  # before the target loads
     target = load_target_from_config(cfg.target)
     gap = export(cfg.checkpoint, cfg.format, cfg.out, target, cfg.speculative_tokens,
                  cfg.verifier, cfg.embedding, cfg.mask_token_id)

@@ -7,10 +7,12 @@ gives the most acceptance per CPU-hour.
     python -m experiments.learning_curves 'runs=[$R/eagle/onpolicy,$R/eagle3/onpolicy]' \\
         name=onpolicy out_dir=experiments/reports/learning-curves
 
-A run is a training out_dir holding curve.json and its checkpoint (whose run_config.json
-names the drafter); a run still training is read as far as it got. Held-out top-1 at depth 1
-is the share of the target's own greedy answers (held-out prompts, never trained on) whose
-next token the draft's first guess matches: greedy decoding's depth-1 acceptance on a chain.
+A run is a training out_dir holding curve.json (whose recorded config names the drafter; for
+a curve written before curves recorded it, its checkpoint's run_config.json does); a run still
+training, its first checkpoint not yet saved among them, is read as far as it got. Held-out
+top-1 at depth 1 is the share of the target's own greedy answers (held-out prompts, never
+trained on) whose next token the draft's first guess matches: greedy decoding's depth-1
+acceptance on a chain.
 CPU-minutes are the training process's CPU time (all its threads; evaluations and the
 feature prefill excluded). The figures are the runs' own: nothing is re-measured here.
 """
@@ -22,10 +24,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import check_report, file_stem, publish
+from experiments.common import check_report, own_report_name, publish
 from experiments.table import markdown_table
 from train.checkpoint import RUN_FILE
-from train.curve import CURVE_FILE, read_curve
+from train.curve import CURVE_FILE, curve_config, read_curve
 from verify.target.files import read_json
 
 DRAFTER_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
@@ -35,15 +37,29 @@ MILESTONES = 6  # curve rows a run's table shows, evenly spaced, the last always
 def run_row(folder: str | Path) -> dict:
     """One run's curve and what it is: its drafter, data and optimiser settings."""
     folder = Path(folder)
-    curve = read_curve(folder / CURVE_FILE)
-    if not curve:
+    path = folder / CURVE_FILE
+    if not path.is_file():
         raise FileNotFoundError(f"{folder} holds no {CURVE_FILE}: train it with curve_every=N "
                                 "(python train.py ... curve_every=100)")
-    config = read_json(folder / "checkpoint" / RUN_FILE, "the run's config")
+    curve = read_curve(path)
+    if not curve:
+        raise ValueError(f"{path} holds no rows yet: its run has not finished its first "
+                         "held-out evaluation (after curve_every steps)")
+    config = run_config(folder)
     name = config["drafter"]["name"]
     return {"run": str(folder), "drafter": DRAFTER_NAMES.get(name, name),
             "data": config["data"]["name"], "max_steps": config["optim"]["max_steps"],
             "batch_sequences": config["optim"]["batch_sequences"], "curve": curve}
+
+
+def run_config(folder: Path) -> dict:
+    """A run's resolved config as its curve.json records it (a run still training has no
+    checkpoint before its first save), else as its checkpoint does (a curve written before
+    curves recorded it)."""
+    recorded = curve_config(folder / CURVE_FILE)
+    if recorded is not None:
+        return recorded
+    return read_json(folder / "checkpoint" / RUN_FILE, "the run's config")
 
 
 def cpu_minutes(point: dict) -> float:
@@ -143,7 +159,7 @@ def curve_rows(cfg: DictConfig) -> list[dict]:
 def write_curves(cfg: DictConfig) -> Path:
     """The command: the runs' curves printed as tables, written as <out_dir>/<name>.json and
     plotted beside it; returns the JSON's path."""
-    stem = file_stem(cfg.name)
+    stem = own_report_name(cfg)
     check_report(cfg.out_dir, stem, cfg)
     return publish(cfg, stem, curve_rows(cfg), format_table, plot_curves)
 

@@ -31,7 +31,7 @@ from experiments.common import CONF_DIR, pick_questions, report_name
 from experiments.data import Question
 from verify.loop import generate
 from verify.protocol import Drafter, DraftStats, ProposalCounts, Resettable
-from verify.rules import RuleConfig, check_rule, rule_parts
+from verify.rules import RuleConfig, check_rule, rule_for_decoding, rule_parts
 from verify.sampling import SamplingParams
 from verify.target.model import Target, hf_generate, load_target_from_config
 from verify.target.timing import device_clock
@@ -160,11 +160,12 @@ def own_weights_bytes(drafter: Drafter, target_model: torch.nn.Module) -> int:
     return sum(own.values())
 
 
-def parse_compare(entry: str) -> Contender:
+def parse_compare(entry: str, greedy: bool | None = None) -> Contender:
     """One `compare` entry, "<drafter>:<tree>[:key=value,...]": conf/drafter/<drafter>.yaml with
     the keys overridden (each must be one of its keys), conf/tree/<tree>.yaml, and the method
     name "<drafter>/<tree>", or "<drafter>/<tree> (<label>)" given `label=<label>`.
-    Raises ValueError for a malformed entry, an unknown drafter, tree or key."""
+    Raises ValueError for a malformed entry, an unknown drafter, tree or key, or a rule
+    that does not fit the drafter or, where `greedy` says how the run decodes, the decoding."""
     parts = entry.split(":", 2)  # the overrides may hold colons (paths)
     if len(parts) < 2 or not all(parts[:2]):
         raise ValueError(f"compare entry {entry!r} is not {COMPARE_FORMAT}")
@@ -177,18 +178,21 @@ def parse_compare(entry: str) -> Contender:
     _check_keys(entry, parts[1], tree_overrides, set(tree_cfg) - {"name", "choices"}, "tree.")
     name = f"{drafter_cfg.name}/{tree_cfg.name}" + (f" ({label})" if label else "")
     drafter_cfg, tree_cfg = _merged(drafter_cfg, overrides), _merged(tree_cfg, tree_overrides)
-    _check_rule(entry, rule, drafter_cfg, tree_cfg)
+    _check_rule(entry, rule, drafter_cfg, tree_cfg, greedy)
     return Contender(name, drafter_cfg, tree_cfg, rule)
 
 
 def _check_rule(entry: str, rule: RuleConfig, drafter_cfg: DictConfig,
-                tree_cfg: DictConfig) -> None:
+                tree_cfg: DictConfig, greedy: bool | None) -> None:
     """`rule=<name>`, or `rule.name=<name>,rule.<setting>=<value>` (verify.rules.RuleConfig):
     refused here, before anything loads, when the rule, a setting or its value is unknown or
-    wrong, or when the rule verifies chains only and the drafter's trees may branch."""
+    wrong, when the rule verifies chains only and the drafter's trees may branch, or when it
+    does not fit greedy decoding (`greedy`; None: not known here)."""
     try:
         check_rule(*rule_parts(rule))
         check_rule_fits(rule, drafter_cfg, tree_cfg)
+        if greedy is not None:
+            rule_for_decoding(rule_parts(rule)[0], greedy)
     except ValueError as error:
         raise ValueError(f"compare entry {entry!r}: {error}") from None
 
@@ -247,7 +251,7 @@ def contenders(cfg: DictConfig) -> list[Contender]:
     already taken (the same drafter and tree twice, no label) gets " #2", " #3", ..."""
     found = [Contender(f"{cfg.drafter.name}/{cfg.tree.name}", cfg.drafter, cfg.tree)]
     for entry in cfg.compare:
-        contender = parse_compare(entry)
+        contender = parse_compare(entry, sampling_params(cfg).greedy)
         taken, name, suffix = {c.name for c in found}, contender.name, 2
         while name in taken:
             name, suffix = f"{contender.name} #{suffix}", suffix + 1
@@ -304,15 +308,25 @@ def assistant_layers(asked: int | None, config) -> int:
     return asked
 
 
-def run_benchmark(cfg: DictConfig) -> dict:
-    """Time every method on every prompt; returns the summary (see bench_report.summarise)."""
-    if cfg.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
-    drafters = contenders(cfg)  # a bad compare entry fails before the target loads
+def check_bench(cfg: DictConfig) -> list[Contender]:
+    """Refuse what the config of a bench (or batch_bench, context_sweep: the same schema)
+    cannot mean, before the command makes its out_dir or loads anything: repeats or
+    max_new_tokens below 1 (transformers refused 0 only inside the timed baseline), a
+    reference other than the baseline or plain_loop in peers, a bad compare entry; returns
+    the contenders."""
+    for key in ("repeats", "max_new_tokens"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
     if cfg.reference not in (None, "plain_loop") or (cfg.reference and
                                                     cfg.reference not in cfg.peers):
         raise ValueError(f"reference must be null (the baseline) or plain_loop with plain_loop "
                          f"in peers, got reference={cfg.reference!r}, peers={list(cfg.peers)}")
+    return contenders(cfg)
+
+
+def run_benchmark(cfg: DictConfig) -> dict:
+    """Time every method on every prompt; returns the summary (see bench_report.summarise)."""
+    drafters = check_bench(cfg)  # before the target loads
     # picked before the target loads: a bad count or category fails at once
     questions = pick_questions(cfg.data_root, cfg.num_prompts, cfg.categories, cfg.warmup)
     target = load_target_from_config(cfg.target)
@@ -398,7 +412,7 @@ def treedraft_records(cfg: DictConfig, target: Target, prompts: list[Prompt],
     params = SamplingParams()  # greedy
     methods = {"treedraft/plain_loop": treedraft_method(target, None, params)} if plain else {}
     for entry in entries:
-        contender = parse_compare(entry)
+        contender = parse_compare(entry, params.greedy)
         drafter = build_drafter(contender.drafter, contender.tree, target)
         methods[f"treedraft/{contender.name}"] = treedraft_method(target, drafter, params,
                                                                  contender.rule)

@@ -24,7 +24,7 @@ import hydra
 import yaml
 from omegaconf import DictConfig
 
-from experiments.common import check_report, file_stem, save_figure, write_report
+from experiments.common import check_report, own_report_name, save_figure, write_report
 from experiments.table import markdown_table
 from verify.target.files import read_json
 
@@ -175,17 +175,18 @@ def plot_runs(rows: list[dict], x: str, series: str | None, path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="runs_table", version_base=None)
 def main(cfg: DictConfig) -> None:
-    check_report(cfg.out_dir, file_stem(cfg.name), cfg)
+    stem = own_report_name(cfg)
+    check_report(cfg.out_dir, stem, cfg)
     runs = [r for r in find_runs(list(cfg.runs))
             if matches(fill_absent(r, list(cfg.absent)), list(cfg.where))]
     if not runs:
         raise SystemExit(f"no eval.json under {list(cfg.runs)} matches {list(cfg.where)}")
     rows = table_rows(runs, cfg.x, cfg.series)
     print(format_table(rows, cfg.x, cfg.series))
-    path = write_report(Path(cfg.out_dir), cfg.name, rows, cfg)
+    path = write_report(Path(cfg.out_dir), stem, rows, cfg)
     print(f"\nJSON: {path}")
     if cfg.plot:
-        print(f"plot: {plot_runs(rows, cfg.x, cfg.series, Path(cfg.out_dir) / f'{cfg.name}.png')}")
+        print(f"plot: {plot_runs(rows, cfg.x, cfg.series, Path(cfg.out_dir) / f'{stem}.png')}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import check_report, file_stem, save_figure, write_report
+from experiments.common import check_report, own_report_name, save_figure, write_report
 from experiments.report_schema import BenchReport, BenchSummary, summary_type
 from experiments.stats import leviathan_expected_tokens
 from experiments.table import markdown_table
@@ -213,14 +213,15 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="simulate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    check_report(cfg.out_dir, file_stem(cfg.name), cfg)
+    stem = own_report_name(cfg)
+    check_report(cfg.out_dir, stem, cfg)
     rows = simulate(cfg)
     print(format_table(rows))
     out = Path(cfg.out_dir)
-    path = write_report(out, cfg.name, rows, cfg)
+    path = write_report(out, stem, rows, cfg)
     print(f"\nJSON: {path}")
     if cfg.plot:
-        print(f"plot: {plot(rows, out / f'{cfg.name}.png')}")
+        print(f"plot: {plot(rows, out / f'{stem}.png')}")
 
 
 if __name__ == "__main__":

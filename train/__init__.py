@@ -27,6 +27,7 @@ def run_training(cfg: DictConfig, group: str | None = None) -> dict:
               f"weights. Trainable: {sorted(RECIPES)}")
         return {}
     check_settings(cfg)
+    recipe.drafter_config(cfg)  # the drafter's own refusals, before out_dir is made
     if cfg.get("curve_every") and not getattr(recipe, "LEARNING_CURVE", False):
         raise ValueError(f"curve_every={cfg.curve_every}: the {cfg.drafter.name} recipe has no "
                          "held-out evaluation to record a learning curve with (EAGLE's and "

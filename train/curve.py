@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from verify.target.files import read_json, write_json
+from verify.target.files import UnreadableFileError, read_json, write_json
 
 CURVE_FILE = "curve.json"
 COUNTERS = ("tokens", "train_seconds", "train_cpu_seconds")
+ROW_KEYS = ("step", *COUNTERS, "top1")  # what every row holds (its readers count on them)
 
 
 class Curve:
@@ -29,12 +30,14 @@ class Curve:
 
     `evaluate()` returns the recipe's held-out accuracy ({"top1": [per depth], "alpha": ...},
     train.features.heldout_accuracy) and leaves the module it evaluates in eval mode; `train`
-    is that module, put back in training mode after each evaluation."""
+    is that module, put back in training mode after each evaluation. `config`, the run's
+    resolved config, is written beside the rows: a reader of a run still training (no
+    checkpoint yet) learns from it what the run is."""
 
     def __init__(self, folder: Path, every: int, evaluate: Callable[[], dict],
-                 train: torch.nn.Module, start_step: int):
+                 train: torch.nn.Module, start_step: int, config: dict):
         self.path = Path(folder) / CURVE_FILE
-        self.every, self.evaluate, self.module = every, evaluate, train
+        self.every, self.evaluate, self.module, self.config = every, evaluate, train, config
         self.rows = [r for r in read_curve(self.path) if r["step"] <= start_step]
         self.carried = {key: self.rows[-1][key] if self.rows else 0 for key in COUNTERS}
         self.tokens, self.excluded_wall, self.excluded_cpu = 0, 0.0, 0.0
@@ -65,10 +68,30 @@ class Curve:
         self.excluded_wall += time.perf_counter() - wall
         self.excluded_cpu += time.process_time() - cpu
         self.rows.append(row)
-        write_json(self.path, {"rows": self.rows})
+        write_json(self.path, {"config": self.config, "rows": self.rows})
         return row
 
 
 def read_curve(path: Path) -> list[dict]:
-    """The rows of a curve.json, [] when there is none yet."""
-    return read_json(path, "learning curve")["rows"] if Path(path).is_file() else []
+    """The rows of a curve.json, [] when there is none yet; UnreadableFileError naming the
+    file and what is wrong when it holds no "rows" list, or a row without ROW_KEYS or
+    whose top1 is no list of per-depth accuracies."""
+    if not Path(path).is_file():
+        return []
+    rows = read_json(path, "learning curve").get("rows")
+    if not isinstance(rows, list):
+        raise UnreadableFileError(f'learning curve file {path} holds no "rows" list')
+    for number, row in enumerate(rows, start=1):
+        missing = [key for key in ROW_KEYS if key not in row] if isinstance(row, dict) else ["all"]
+        if missing:
+            raise UnreadableFileError(f"learning curve file {path}, row {number}: "
+                                      f"{', '.join(missing)} missing (a row has {ROW_KEYS})")
+        if not isinstance(row["top1"], list) or not row["top1"]:
+            raise UnreadableFileError(f"learning curve file {path}, row {number}: top1 is "
+                                      f"{row['top1']!r}, not a list of accuracies per depth")
+    return rows
+
+
+def curve_config(path: Path) -> dict | None:
+    """The run config a curve.json records (None: a curve written before curves did)."""
+    return read_json(path, "learning curve").get("config")

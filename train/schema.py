@@ -34,8 +34,9 @@ class TargetConfig:
     # "auto", a list of row counts or null (verify/target/packed.py); training loads the
     # target unpacked
     packed_rows: Any = None
-    # "eager" or "compiled" (verify/target/compiled.py): the decoding step that
-    # self-distillation runs; a target that trains (Medusa-2's adapter) always loads eager
+    # eager | compiled | compiled_one_graph | openvino (verify/target/step.py STEPS): the
+    # decoding step that self-distillation runs; a target that trains (Medusa-2's adapter)
+    # always loads eager
     step: str = "eager"
 
 

@@ -34,14 +34,22 @@ def make_rule(name: str | None, params: SamplingParams, **settings) -> Acceptanc
     temperature 0 and exact sampling otherwise. ValueError for an unknown rule or setting, the
     greedy rule at a temperature above 0, or a sampling-only rule at temperature 0."""
     check_rule(name, settings)
+    return RULES[rule_for_decoding(name, params.greedy)](**settings)
+
+
+def rule_for_decoding(name: str | None, greedy: bool) -> str:
+    """The rule's name for decoding greedily (temperature 0) or not: `name`, or by default
+    greedy at temperature 0 and exact sampling otherwise. ValueError for the greedy rule at
+    a temperature above 0, RuleRefusal for a sampling-only rule at temperature 0: what a
+    command asks before anything loads, and `make_rule` again."""
     if name is None:
-        name = "greedy" if params.greedy else "sampling"
-    if name == "greedy" and not params.greedy:
+        return "greedy" if greedy else "sampling"
+    if name == "greedy" and not greedy:
         raise ValueError("the greedy rule needs temperature 0; use 'sampling' or 'typical'")
-    if RULES[name].sampling_only and params.greedy:
+    if RULES[name].sampling_only and greedy:
         raise RuleRefusal(f"the {name!r} rule verifies sampled drafts, but decoding is greedy "
                           "(temperature 0): use 'greedy' (or no rule) there")
-    return RULES[name](**settings)
+    return name
 
 
 def check_rule(name: str | None, settings: Mapping) -> None:

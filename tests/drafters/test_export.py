@@ -5,8 +5,10 @@ import json
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
+import experiments.export
 from drafters import build_drafter
 from drafters.eagle import EagleDraft, save_draft
 from drafters.export import (
@@ -16,6 +18,7 @@ from drafters.export import (
     load_vllm_medusa,
 )
 from drafters.medusa import MedusaHeads, save_heads
+from experiments.common import CONF_DIR
 from experiments.export import eagle_logit_gap, export, medusa_logit_gap
 from verify.loop import generate
 from verify.target.features import eagle3_layers
@@ -256,3 +259,53 @@ def test_the_export_command_checks_its_own_round_trip(tiny, tmp_path):
     heads = randomize(MedusaHeads(target.model.get_output_embeddings(), 2, 1))
     save_heads(heads, tmp_path / "medusa", target)
     assert export(tmp_path / "medusa", "vllm_medusa", tmp_path / "m", target) == 0.0
+
+
+def test_an_export_leaves_the_folder_beside_its_out_alone(tiny, tmp_path):
+    """A first export to out=export deleted export.old/, a folder it was never given."""
+    users = tmp_path / "export.old"
+    users.mkdir()
+    (users / "precious.txt").write_text("keep")
+    target = tiny("llama")
+    heads = MedusaHeads(target.model.get_output_embeddings(), 2, 1)
+    for _ in range(2):  # a first export, then one replacing it
+        export_vllm_medusa(heads, tmp_path / "export", target)
+    assert (users / "precious.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "export.old"]
+
+
+def export_config(tmp_path, checkpoint, out):
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("export", ["target=tiny_llama", f"checkpoint={checkpoint}",
+                                  f"out={out}"])
+
+
+def no_target(*args, **kwargs):
+    raise AssertionError("the target loaded before the request was checked")
+
+
+def test_a_run_folder_given_as_the_checkpoint_points_at_its_checkpoint(tiny, tmp_path,
+                                                                      monkeypatch):
+    """checkpoint=<run> said "no trained drafter in <run> (config.json missing)"."""
+    save_draft(eagle3_draft(tiny("llama")), tmp_path / "run" / "checkpoint", tiny("llama"))
+    monkeypatch.setattr(experiments.export, "load_target_from_config", no_target)
+    with pytest.raises(ValueError, match=rf"give its checkpoint, {tmp_path}/run/checkpoint"):
+        experiments.export.main.__wrapped__(export_config(tmp_path, tmp_path / "run",
+                                                          tmp_path / "out"))
+    with pytest.raises(ValueError, match=rf"give its checkpoint, {tmp_path}/run/checkpoint"):
+        export(tmp_path / "run", "speculators", tmp_path / "out", tiny("llama"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_below_a_file_or_inside_the_checkpoint_is_refused_by_name(tiny, tmp_path,
+                                                                        monkeypatch):
+    """out=<file>/sub: a raw FileExistsError; out=<checkpoint>/exp: written inside it."""
+    save_draft(eagle3_draft(tiny("llama")), tmp_path / "ckpt", tiny("llama"))
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(experiments.export, "load_target_from_config", no_target)
+    for out, refusal in ((tmp_path / "file" / "sub", rf"{tmp_path}/file is a file"),
+                         (tmp_path / "ckpt" / "exp", "lies inside the checkpoint it exports")):
+        with pytest.raises(ValueError, match=rf"out={out}.*{refusal}"):
+            experiments.export.main.__wrapped__(export_config(tmp_path, tmp_path / "ckpt", out))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json",
+                                                                    "draft.safetensors"]

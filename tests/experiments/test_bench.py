@@ -1,6 +1,7 @@
 """Benchmark figures on hand-made records, compare entries, and end-to-end runs on a tiny
 target."""
 
+import importlib
 import json
 import re
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import experiments.methods
 from drafters.draft_model import DraftModelConfig, save_draft_model
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from experiments.bench import log_results
@@ -203,6 +205,29 @@ def test_a_sequence_rule_is_refused_before_decoding_for_trees_it_cannot_verify(e
                                    "draft_model:chain4:iid_siblings=true,rule=spectr"])
 def test_a_sequence_rule_stays_for_a_drafter_that_draws_what_it_needs(entry):
     assert parse_compare(entry).rule == entry.rsplit("=", 1)[1]
+
+
+@pytest.mark.parametrize("entry, rule", [
+    ("draft_model:tree8:rule=traversal", "traversal"),
+    ("draft_model:tree8:iid_siblings=true,rule=spectr", "spectr")])
+def test_a_rule_for_sampled_drafts_at_temperature_0_is_refused_before_anything_loads(
+        entry, rule, monkeypatch):
+    """rule=traversal at temperature 0 was refused only once the target had loaded and the
+    drafter was built; the greedy rule above temperature 0 likewise."""
+    monkeypatch.setattr(experiments.methods, "load_target_from_config", no_target)
+    for temperature, refusal in ((0, f"the {rule!r} rule verifies sampled drafts, but "
+                                     "decoding is greedy"),
+                                 (1, "the greedy rule needs temperature 0")):
+        asked = entry if temperature == 0 else "draft_model:chain4:rule=greedy"
+        cfg = bench_config(f"temperature={temperature}", f"compare=['{asked}']")
+        with pytest.raises(ValueError, match=re.escape(f"compare entry {asked!r}: {refusal}")):
+            run_benchmark(cfg)
+    assert [c.rule for c in contenders(bench_config("temperature=1",
+                                                    f"compare=['{entry}']"))] == [None, rule]
+
+
+def no_target(*args, **kwargs):
+    raise AssertionError("the target loaded before the settings were checked")
 
 
 def test_method_names_stay_distinct_and_the_main_drafter_comes_first():
@@ -564,3 +589,20 @@ def test_identity_is_counted_against_the_reference_method_when_one_is_named():
 def test_a_reference_that_is_not_plain_decoding_in_this_run_is_refused(overrides):
     with pytest.raises(ValueError, match="reference must be null"):
         run_benchmark(bench_config(*overrides, "target.path=/nowhere"))
+
+
+@pytest.mark.parametrize("command", ["bench", "batch_bench", "context_sweep"])
+@pytest.mark.parametrize("setting", ["max_new_tokens=0", "repeats=0", "reference=hf_sample"])
+def test_settings_a_bench_cannot_mean_are_refused_before_its_out_dir_is_made(
+        command, setting, tmp_path, monkeypatch):
+    """max_new_tokens=0 was refused by transformers inside the timed baseline, leaving an
+    empty out_dir behind."""
+    module = importlib.import_module(f"experiments.{command}")
+    for loader in (module, experiments.methods):
+        monkeypatch.setattr(loader, "load_target_from_config", no_target, raising=False)
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose(command, ["target=tiny_llama", setting, f"out_dir={tmp_path / 'out'}"])
+    key, value = setting.split("=")
+    with pytest.raises(ValueError, match=rf"{key}.*{value}"):
+        module.main.__wrapped__(cfg)
+    assert not (tmp_path / "out").exists()

@@ -4,13 +4,17 @@ names the command that wrote it."""
 import importlib
 import importlib.machinery
 import json
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import matplotlib
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
 
 import verify.target.model
 from experiments.common import (
@@ -170,3 +174,69 @@ def test_every_command_checks_its_out_dir_before_any_work(tmp_path, monkeypatch,
         cfg = compose(command, [*tiny, f"out_dir={tmp_path / 'file'}"])
     with pytest.raises(ValueError, match="is not a folder this command can write"):
         module.main.__wrapped__(cfg)
+
+
+ROOT = Path(CONF_DIR).parent
+
+
+def simulate_sweep(tmp_path) -> dict[str, float]:
+    """`python -m experiments.simulate -m alpha=0.6,0.7 ...` (the issue's sweep): each
+    report's file name -> the alpha it holds."""
+    subprocess.run([sys.executable, "-m", "experiments.simulate", "-m", "alpha=0.6,0.7",
+                    "cost_ratio=0.05", f"out_dir={tmp_path / 'sim'}", "plot=false",
+                    f"hydra.sweep.dir={tmp_path / 'multirun'}"],
+                   cwd=ROOT, capture_output=True, text=True, check=True)
+    return {p.name: json.loads(p.read_text())["config"]["alpha"]
+            for p in (tmp_path / "sim").glob("*.json")}
+
+
+def test_each_job_of_a_sweep_keeps_its_report_and_a_rerun_replaces_them(tmp_path):
+    """Both jobs wrote simulate.json: the sweep kept only the last one's."""
+    first = simulate_sweep(tmp_path)
+    assert sorted(first.values()) == [0.6, 0.7]
+    assert simulate_sweep(tmp_path) == first  # the same sweep again: no refusal, no new files
+
+
+@pytest.fixture
+def sweep_job():
+    """compose(command, overrides) as Hydra sets up one job of a `-m` sweep (HydraConfig in
+    multirun mode, the job's overrides); HydraConfig cleared afterwards."""
+    def job(command: str, *overrides: str):
+        with initialize_config_dir(CONF_DIR, version_base=None):
+            cfg = compose(command, list(overrides), return_hydra_config=True)
+        cfg.hydra.mode = RunMode.MULTIRUN
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+    yield job
+    HydraConfig.instance().cfg = None
+
+
+def test_two_jobs_of_a_sweep_get_two_names(sweep_job):
+    """`bench -m max_new_tokens=8,16`: both jobs' reports were named by target and methods."""
+    from experiments.methods import report_stem
+
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        alone = report_stem(compose("bench", ["target=tiny_llama", "out_dir=/tmp/unused"]))
+    names = {report_stem(sweep_job("bench", "target=tiny_llama", f"max_new_tokens={n}",
+                                   "out_dir=/tmp/unused", "plot=false")) for n in (8, 16)}
+    assert names == {f"{alone}-max_new_tokens-8-target-tiny_llama",
+                     f"{alone}-max_new_tokens-16-target-tiny_llama"}
+
+
+def test_a_setting_outside_the_name_is_not_overwritten(tmp_path, monkeypatch):
+    """max_new_tokens (bench), another runs= list (learning_curves): the name says neither,
+    and a rerun replaced the report; the same settings, or another plot=, still replace."""
+    for command, made, other in (("bench", "max_new_tokens=8", "max_new_tokens=16"),
+                                 ("learning_curves", "runs=[a]", "runs=[b]")):
+        running(monkeypatch, f"experiments.{command}")
+        with initialize_config_dir(CONF_DIR, version_base=None):
+            cfg, same, changed = (compose(command, ["target=tiny_llama"] * (command == "bench")
+                                          + overrides) for overrides in
+                                  ([made], [made, "plot=false"], [other]))
+        write_report(tmp_path, command, [], cfg)
+        assert check_report(tmp_path, command, same) == tmp_path / f"{command}.json"
+        key = made.split("=")[0]
+        with pytest.raises(ValueError, match=rf"{command}\.json is a report made with {key}="):
+            check_report(tmp_path, command, changed)

@@ -4,6 +4,7 @@ reaches 95% of its best, its late gain per CPU-hour), the plot, and clear refusa
 import json
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.common import CONF_DIR
@@ -17,6 +18,7 @@ from experiments.learning_curves import (
     write_curves,
 )
 from experiments.results import kind_of
+from train.curve import Curve
 from verify.target.files import read_json
 
 
@@ -75,3 +77,32 @@ def test_a_run_without_a_curve_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="bare holds no curve.json: train it with "
                                                 "curve_every"):
         run_row(tmp_path / "bare")
+
+
+@pytest.mark.parametrize("content, problem", [
+    ({}, r'holds no "rows" list'),
+    ({"rows": [{k: v for k, v in CURVE[0].items() if k != "top1"}]},
+     r"row 1: top1 missing"),
+    ({"rows": [CURVE[0], {**CURVE[1], "top1": 0.4}]}, r"row 2: top1 is 0\.4, not a list"),
+    ({"rows": []}, r"holds no rows yet")])
+def test_a_malformed_curve_is_named_with_what_is_wrong(tmp_path, content, problem):
+    """A bare KeyError ('rows', 'top1'), and for no rows "holds no curve.json"."""
+    run = _run(tmp_path, "a", "eagle")
+    (run / "curve.json").write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=rf"{run / 'curve.json'}.*{problem}"):
+        run_row(run)
+
+
+def test_a_run_still_training_is_read_as_far_as_it_got(tmp_path):
+    """A run's first curve rows come before its first checkpoint: the run was refused."""
+    config = {"drafter": {"name": "eagle"}, "data": {"name": "sharegpt"},
+              "optim": {"max_steps": 400, "batch_sequences": 8}}
+    curve = Curve(tmp_path / "run", 100, lambda: {"top1": [0.3, 0.1]}, torch.nn.Linear(1, 1),
+                  0, config)
+    curve.count(5000)
+    curve.record(100)
+    row = run_row(tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoint").exists()
+    assert (row["drafter"], row["data"], row["max_steps"]) == ("EAGLE-1", "sharegpt", 400)
+    assert [(p["step"], p["tokens"], p["top1"]) for p in row["curve"]] == [(100, 5000,
+                                                                            [0.3, 0.1])]

@@ -110,6 +110,21 @@ def test_settings_a_run_cannot_mean_are_refused_by_name(train_cfg, override, mes
         run_training(train_cfg(override))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["drafter=dflash", "drafter.loss_decay=0"], "drafter.loss_decay must be > 0"),
+    (["drafter=pard", "eval.chain=99"], "eval.chain=99 is deeper than a block"),
+    (["drafter=draft_model", "drafter.path=/some/model"], "drafter.path names a draft"),
+    (["drafter=medusa", "drafter.variant=medusa2", "data.sharegpt_tokens=64"],
+     "data.sharegpt_tokens trains Medusa-1"),
+])
+def test_a_recipes_refusal_leaves_no_out_dir(train_cfg, tmp_path, overrides, message):
+    """Each recipe refused these once it ran, inside the out_dir lock: an empty out_dir
+    stayed behind (Medusa's after distilling its answers)."""
+    with pytest.raises(ValueError, match=message):
+        run_training(train_cfg(*overrides))
+    assert not (tmp_path / "run").exists()
+
+
 def test_medusa2_adapter_and_heads_load_together_and_stay_lossless(train_cfg, tmp_path):
     stage1 = run_training(train_cfg(out="stage1"))["checkpoint"]
     with pytest.raises(ValueError, match="init_heads"):

@@ -1,4 +1,4 @@
-"""Files written whole or not at all: atomic folders and their .old fallback, the umask, orphaned
+"""Files written whole or not at all: atomic folders and their backup fallback, the umask, orphaned
 temporary files, and strict reads."""
 
 import os
@@ -55,9 +55,42 @@ def test_an_overwrite_replaces_whole_and_a_crash_between_renames_stays_readable(
     with pytest.raises(RuntimeError):  # a failing write keeps the previous folder
         write_atomically(dest, lambda tmp: (_ for _ in ()).throw(RuntimeError()), overwrite=True)
     assert (dest / "b").read_text() == "second"
-    dest.rename(tmp_path / "ckpt.old")  # as a crash between the two renames leaves it
-    assert readable_folder(dest) == tmp_path / "ckpt.old"
+    assert readable_folder(dest) == dest
     assert readable_folder(tmp_path / "none") is None
+
+
+def test_a_crash_between_the_two_renames_leaves_the_old_folder_readable(tmp_path,
+                                                                        monkeypatch):
+    dest = tmp_path / "ckpt"
+    write_atomically(dest, lambda tmp: (tmp / "a").write_text("first"), overwrite=True)
+    real_replace = os.replace
+
+    def crash_on_the_second_rename(source, target):
+        if Path(target) == dest:
+            raise KeyboardInterrupt  # the process dies with `dest` moved aside
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", crash_on_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(dest, lambda tmp: (tmp / "a").write_text("second"), overwrite=True)
+    monkeypatch.undo()
+    found = readable_folder(dest)
+    assert not dest.exists() and found is not None and (found / "a").read_text() == "first"
+
+
+def test_a_writer_removes_only_the_folders_it_made(tmp_path):
+    """`<dest>.old` is a name a user may own: every write, a first one included, deleted it
+    (a first `experiments.export out=export` took the user's export.old/ with it)."""
+    users = tmp_path / "ckpt.old"
+    users.mkdir()
+    (users / "precious.txt").write_text("keep")
+    dest = tmp_path / "ckpt"
+    for text in ("first", "second"):
+        write_atomically(dest, lambda tmp, text=text: (tmp / "a").write_text(text),
+                         overwrite=True)
+    assert (users / "precious.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.old"]
+    assert readable_folder(dest) == dest and (dest / "a").read_text() == "second"
 
 
 @pytest.fixture
@@ -151,3 +184,16 @@ def test_orphans_of_a_dead_writer_go_and_a_live_writers_stay(tmp_path):
     assert remove_orphans(tmp_path) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ours.name,
                                                                   "shard-00000.safetensors"])
+
+
+def test_a_dead_writers_backup_goes_only_once_its_folder_is_whole_again(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "ckpt").mkdir()
+    for name in (f".ckpt.old-{dead}-x1", f".lost.old-{dead}-x2", f".ckpt.old-{os.getpid()}-x3",
+                 "ckpt.old"):
+        (tmp_path / name).mkdir()
+    assert remove_orphans(tmp_path) == 1  # .lost's backup is all there is of it: it stays
+    assert readable_folder(tmp_path / "lost") == tmp_path / f".lost.old-{dead}-x2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".lost.old-{dead}-x2", f".ckpt.old-{os.getpid()}-x3", "ckpt", "ckpt.old"])

@@ -2,6 +2,7 @@
 
 import builtins
 import json
+import re
 from pathlib import Path
 
 import huggingface_hub
@@ -25,6 +26,7 @@ from transformers import (
 )
 
 from drafters.draft_model import load_draft_model
+from verify.target.files import UnreadableFileError
 from verify.target.loading import looks_local
 from verify.target.model import build_tiny_model, load_target
 
@@ -200,3 +202,26 @@ def test_a_float8_dtype_is_refused_before_anything_loads(dtype, monkeypatch):
     with pytest.raises(ValueError, match=f"target.dtype={dtype} is not a floating-point dtype "
                                          "a model computes in: use float32, bfloat16 or float16"):
         load_target(tiny="llama", dtype=dtype)
+
+
+@pytest.mark.parametrize("keep", [100, -40])  # a cut header, a cut body
+def test_a_truncated_weights_file_is_named(llama_folder, keep):
+    """safetensors' own error ("incomplete metadata") named no file."""
+    weights = llama_folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:keep])
+    with pytest.raises(UnreadableFileError, match=rf"{re.escape(str(weights))} cannot be read "
+                                                  r"\(truncated or corrupt\?\)"):
+        load_target(str(llama_folder))
+
+
+@pytest.mark.parametrize("left", [[], ["tokenizer_config.json"]])
+def test_a_folder_without_its_tokenizer_files_is_named(llama_folder, left):
+    """transformers said "need sentencepiece or tiktoken installed", naming neither the
+    folder nor the files it lacks."""
+    for file in llama_folder.iterdir():
+        if "token" in file.name and file.name not in left:
+            file.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"target in {re.escape(str(llama_folder))} "
+                                                r"holds no tokenizer: none of tokenizer\.json, "
+                                                r"tokenizer\.model"):
+        load_target(str(llama_folder))

@@ -138,7 +138,7 @@ def learning_curve(cfg: DictConfig, env: DistEnv, training: Training, start: int
                          f"evaluates and counts the tokens), not {env.world_size} ranks; set "
                          "curve_every=0 under torchrun")
     return Curve(Path(cfg.out_dir), cfg.curve_every, training.heldout_eval,
-                 training.objective, start)
+                 training.objective, start, OmegaConf.to_container(cfg, resolve=True))
 
 
 def resume_step(cfg: DictConfig, restore: Callable[[Path], int]) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.dflash import WEIGHTS_FILE, DFlashDraft, dflash_config, save_draft
+from drafters.dflash import WEIGHTS_FILE, DFlashConfig, DFlashDraft, dflash_config, save_draft
 from drafters.vocab import coverage, most_frequent_tokens
 from train.checkpoint import check_resumable, load_checkpoint
 from train.dflash import DFlashLoss
@@ -42,9 +42,14 @@ from verify.target.model import Target
 LEARNING_CURVE = True
 
 
+def drafter_config(cfg: DictConfig) -> DFlashConfig:
+    """The draft's settings, refused (ValueError) from cfg alone, before anything is made."""
+    return dflash_config(cfg.drafter)
+
+
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train a DFlash draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
-    dcfg = dflash_config(cfg.drafter)
+    dcfg = drafter_config(cfg)
     target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
     layers = resolve_layers(dcfg.feature_layers or eagle3_layers(total), total)

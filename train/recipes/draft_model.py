@@ -52,12 +52,18 @@ from verify.target.model import Target
 from verify.tree import TreeTopology
 
 
-def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
-    """Distil a draft model as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+def drafter_config(cfg: DictConfig) -> DraftModelConfig:
+    """The draft's settings, refused (ValueError) from cfg alone, before anything is made."""
     config = draft_model_config(cfg.drafter)
     if config.path is not None:
         raise ValueError("drafter.path names a draft to decode with; training builds its own "
                          "(drafter.init, drafter.num_layers): leave drafter.path null")
+    return config
+
+
+def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
+    """Distil a draft model as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+    config = drafter_config(cfg)
     target = common.training_target(cfg, env)
     last = resolve_layers(LAST, num_layers(target.model.config))
     train_set, heldout = common.feature_sets(cfg, target, last, env)

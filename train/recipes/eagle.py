@@ -62,12 +62,17 @@ class Setup:
     draft: EagleDraft
 
 
+def drafter_config(cfg: DictConfig) -> EagleConfig:
+    """The draft's settings, refused (ValueError) from cfg alone, before anything is made."""
+    return eagle_config(cfg.drafter)
+
+
 def setup(cfg: DictConfig, env: DistEnv) -> Setup:
     """The target (seeded with cfg.seed), the features of cfg.data at the draft's layers (the
     shared cache) and the step-0 draft, in the order `run` makes them: the torch generator has
     drawn the same numbers before the draft's initialisation, so it gets the same weights.
     experiments.speculators_trainer starts the speculators library's trainer from it."""
-    ecfg = eagle_config(cfg.drafter)
+    ecfg = drafter_config(cfg)
     target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
     layers = resolve_layers(ecfg.feature_layers or default_layers(ecfg.variant, total), total)

@@ -60,14 +60,20 @@ class Rows(NamedTuple):
     sequences: list[torch.Tensor]
 
 
-def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
-    """Train Medusa heads as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+def drafter_config(cfg: DictConfig) -> MedusaConfig:
+    """The heads' settings, refused (ValueError) from cfg alone, before anything is made."""
     mcfg = medusa_config(cfg.drafter)
-    target = common.training_target(cfg, env, frozen=False)  # Medusa-2 adapts it
-    train_set, heldout = distilled_data(cfg.data, target, env)
     if cfg.data.sharegpt_tokens and mcfg.variant == "medusa2":
         raise ValueError("data.sharegpt_tokens trains Medusa-1 on prefilled states; Medusa-2 "
                          "trains the target too and reads distilled answers (data.num_prompts)")
+    return mcfg
+
+
+def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
+    """Train Medusa heads as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+    mcfg = drafter_config(cfg)
+    target = common.training_target(cfg, env, frozen=False)  # Medusa-2 adapts it
+    train_set, heldout = distilled_data(cfg.data, target, env)
     rows = _prefilled_rows(cfg, target, train_set, heldout, mcfg, env)
     heads = _build_heads(mcfg, target, train_set, rows)
     peft_model = _add_lora(target, mcfg) if mcfg.variant == "medusa2" else None

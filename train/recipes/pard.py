@@ -39,12 +39,18 @@ from verify.target.features import LAST, num_layers, resolve_layers
 MODEL_PREFIX = "model."  # PardDraft's causal LM, in the trained module's state dict
 
 
-def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
-    """Train a PARD draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+def drafter_config(cfg: DictConfig) -> PardConfig:
+    """The draft's settings, refused (ValueError) from cfg alone, before anything is made."""
     config = pard_config(cfg.drafter)
     if cfg.eval.chain > config.block_size:
         raise ValueError(f"eval.chain={cfg.eval.chain} is deeper than a block "
                          f"(drafter.block_size={config.block_size})")
+    return config
+
+
+def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
+    """Train a PARD draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
+    config = drafter_config(cfg)
     target = common.training_target(cfg, env)
     last = resolve_layers(LAST, num_layers(target.model.config))
     train_set, heldout = common.feature_sets(cfg, target, last, env)

@@ -2,8 +2,9 @@
 
 Everything written here is written whole or not at all: a crash leaves the previous file or
 folder, never half of one (interrupted training runs and extractions resume from them). A
-temporary name carries its writer's pid (`.<name>.tmp-<pid>-<random>`), so the next start
-removes what a killed writer left (`remove_orphans`); files and folders get the process's
+temporary name carries its writer's pid (`.<name>.tmp-<pid>-<random>`, a folder's backup
+`.<name>.old-<pid>-<random>`), so the next start removes what a killed writer left
+(`remove_orphans`), and nothing a writer did not name itself; files and folders get the process's
 umask, as a plain `open` would give them, not mkstemp's private 0600/0700. Reading is strict
 too: a JSON file that is truncated, not UTF-8 or not an object names its file and the problem
 (`read_json`), a malformed JSON line its file and line, an unreadable safetensors file its path,
@@ -12,6 +13,7 @@ and a set of tensors that is not the expected one names the tensors (`check_tens
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
@@ -162,8 +165,22 @@ def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device=device)
     except Exception as error:  # safetensors' own errors name no file
-        raise UnreadableFileError(f"{path} cannot be read (truncated or corrupt?): "
-                                  f"{error}") from error
+        raise _unreadable(path, error) from error
+
+
+def check_tensors_file(path: Path) -> None:
+    """UnreadableFileError naming safetensors file `path` when its header does not open (a
+    truncated or corrupt file), without reading its tensors: what finds the file behind an
+    error of a loader that names none (`from_pretrained`)."""
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except Exception as error:
+        raise _unreadable(path, error) from error
+
+
+def _unreadable(path: Path, error: Exception) -> UnreadableFileError:
+    return UnreadableFileError(f"{path} cannot be read (truncated or corrupt?): {error}")
 
 
 def check_tensors(found: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
@@ -188,9 +205,10 @@ def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool 
 
     An interrupted or failing write leaves `dest` as it was and no temp folder behind. Without
     `overwrite`, a `dest` already there (another process renamed its copy into place first) is
-    kept and ours discarded. With it, the old `dest` is swapped out to `<dest>.old` for the
-    instant between two renames and then deleted; `readable_folder` finds it there if a crash
-    falls into that instant.
+    kept and ours discarded. With it, the old `dest` is swapped out to a backup folder of our
+    own (`.<name>.old-<pid>-<random>`) for the instant between two renames and then deleted;
+    `readable_folder` finds it there if a crash falls into that instant. Only the folders made
+    here are ever removed: never a sibling such as `<dest>.old`, which may be a user's.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest), dir=dest.parent))
@@ -200,17 +218,30 @@ def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = _old_copy(dest)
-    if overwrite and dest.is_dir():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
+    backup = _move_aside(dest) if overwrite else None
     try:
         os.replace(tmp, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not dest.is_dir():
             raise
-    shutil.rmtree(old, ignore_errors=True)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def _move_aside(dest: Path) -> Path | None:
+    """Rename folder `dest` to a new, uniquely named backup beside it (mkdtemp makes the name
+    ours; a rename may replace that empty folder); the backup, or None without a `dest`."""
+    if not dest.is_dir():
+        return None
+    backup = Path(tempfile.mkdtemp(prefix=f"{_backup_stem(dest)}{os.getpid()}-",
+                                   dir=dest.parent))
+    try:
+        os.replace(dest, backup)
+    except BaseException:
+        backup.rmdir()
+        raise
+    return backup
 
 
 def _umask_modes(folder: Path) -> None:
@@ -227,19 +258,23 @@ def _umask_modes(folder: Path) -> None:
 
 
 def readable_folder(dest: Path) -> Path | None:
-    """`dest`, or the copy an interrupted overwrite left at `<dest>.old`, or None."""
-    for folder in (dest, _old_copy(dest)):
-        if folder.is_dir():
-            return folder
-    return None
+    """`dest`, or the backup an overwrite interrupted between its two renames left beside it
+    (the newest, should there be several), or None."""
+    if dest.is_dir():
+        return dest
+    backups = [p for p in dest.parent.glob(f"{glob.escape(_backup_stem(dest))}*") if p.is_dir()]
+    return max(backups, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def _old_copy(dest: Path) -> Path:
-    return dest.with_name(f"{dest.name}.old")
+def _backup_stem(dest: Path) -> str:
+    """How the backups of `dest` that `write_atomically` makes begin (then `<pid>-<random>`)."""
+    return f".{dest.name}.old-"
 
 
 # `.<name>.tmp-<pid>-<random>`: the writer's pid tells an orphan from a write in progress
 _TEMP_NAME = re.compile(r"^\..+\.tmp-(\d+)-")
+# `.<name>.old-<pid>-<random>`: a backup, an orphan only once `<name>` is whole again
+_BACKUP_NAME = re.compile(r"^\.(.+)\.old-(\d+)-")
 
 
 def _temp_prefix(dest: Path) -> str:
@@ -248,14 +283,14 @@ def _temp_prefix(dest: Path) -> str:
 
 def remove_orphans(folder: Path) -> int:
     """Remove the temporary files and folders in `folder` whose writer (by its pid, on this
-    machine) is dead: a killed extraction may leave a shard of hundreds of MB. Returns how
-    many went."""
+    machine) is dead, and the backups such writers left of a folder that is whole again: a
+    killed extraction may leave a shard of hundreds of MB. A backup whose folder is missing
+    stays: it is what `readable_folder` reads. Returns how many went."""
     if not folder.is_dir():
         return 0
     removed = 0
     for entry in folder.iterdir():
-        match = _TEMP_NAME.match(entry.name)
-        if match is None or process_alive(int(match.group(1))):
+        if not _orphan(entry):
             continue
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
@@ -264,6 +299,17 @@ def remove_orphans(folder: Path) -> int:
         log.warning("removed %s, left behind by a writer that died", entry)
         removed += 1
     return removed
+
+
+def _orphan(entry: Path) -> bool:
+    """Whether `entry` is a temporary name or a backup that a dead writer left for nothing."""
+    temp, backup = _TEMP_NAME.match(entry.name), _BACKUP_NAME.match(entry.name)
+    if temp is not None:
+        return not process_alive(int(temp.group(1)))
+    if backup is not None:
+        whole = (entry.parent / backup.group(1)).is_dir()
+        return whole and entry.is_dir() and not process_alive(int(backup.group(2)))
+    return False
 
 
 def process_alive(pid: int) -> bool:

@@ -14,7 +14,9 @@ project loads from a path goes through here instead:
   folder's code never runs on a keystroke;
 - the weights must fill the model exactly (no missing, unexpected or misshapen tensors), and
   the model must be causal: a later token may not change an earlier position's logits
-  (checked by one tiny forward at load, whatever the model's modules are called).
+  (checked by one tiny forward at load, whatever the model's modules are called);
+- a weights file that does not open (truncated, corrupt) and a folder holding no tokenizer
+  files are errors naming the file or the folder and the files it lacks.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from verify.target.files import check_tensors_file
 
 # The causality probe (`check_causal`): tokens per row, and how far (relative to the logits'
 # scale) earlier positions may move when only the last token changes: far below one bfloat16
@@ -71,19 +76,42 @@ def load_causal_lm(path: str | Path, what: str, *, trust_remote_code: bool = Fal
     """The causal LM in folder or hub id `path` (`what` names it in errors: "target",
     "draft model"), `kwargs` passed to `from_pretrained` (dtype=, gguf_file=, ...); refused
     unless its weights fill it exactly and its attention is causal."""
-    model, loading = AutoModelForCausalLM.from_pretrained(
-        pretrained_source(path, what), output_loading_info=True,
-        trust_remote_code=trust_remote_code, **kwargs)
+    source = pretrained_source(path, what)
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            source, output_loading_info=True, trust_remote_code=trust_remote_code, **kwargs)
+    except SafetensorError:  # it names no file: find the one that does not open
+        for weights in sorted(Path(source).glob("*.safetensors")):
+            check_tensors_file(weights)
+        raise
     check_loaded_whole(loading, path, what)
     check_causal(model, path, what)
     return model
 
 
+# The files a saved tokenizer's vocabulary is read from, one at least: a fast tokenizer's
+# serialization, a sentencepiece model, a BPE or WordPiece vocabulary, T5's sentencepiece.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model")
+
+
 def load_tokenizer(path: str | Path, what: str, *, trust_remote_code: bool = False,
                    **kwargs) -> PreTrainedTokenizerBase:
-    """The tokenizer in folder or hub id `path`, under the same rules as `load_causal_lm`."""
-    return AutoTokenizer.from_pretrained(pretrained_source(path, what),
-                                         trust_remote_code=trust_remote_code, **kwargs)
+    """The tokenizer in folder or hub id `path`, under the same rules as `load_causal_lm`;
+    FileNotFoundError naming the folder and the files it lacks when it holds none of
+    VOCABULARY_FILES (transformers' own error asks for sentencepiece or tiktoken)."""
+    source = pretrained_source(path, what)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                             **kwargs)
+    except (ValueError, OSError) as error:
+        folder = Path(source)
+        if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
+            raise FileNotFoundError(
+                f"the {what} in {path} holds no tokenizer: none of "
+                f"{', '.join(VOCABULARY_FILES)}; copy the tokenizer files of the model it was "
+                "saved from into it") from error
+        raise
 
 
 def check_loaded_whole(loading: dict, path: str | Path, what: str) -> None:
