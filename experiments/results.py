@@ -94,6 +94,8 @@ KINDS = (
          "experiments.regenerate:format_table"),
     Kind("experiments.regenerate", lambda row: "skipped_by_reason" in row,
          "experiments.regenerate:format_table"),
+    Kind("experiments.onpolicy_data", lambda row: "batch_size" in row and "engine" in row,
+         "experiments.onpolicy_data:format_table"),
     Kind("experiments.scale_speed", lambda row: "part" in row and "tokens_per_s" in row,
          "experiments.scale_speed:format_table"),
     Kind("experiments.context_sweep", lambda row: "length" in row and "t_ms" in row,

@@ -235,6 +235,20 @@ class RegenerateConfig:
 
 
 @dataclass
+class OnpolicyDataConfig:
+    """conf/onpolicy_data.yaml (experiments.onpolicy_data): the regeneration settings every
+    way shares, the rows of each, and the engines."""
+
+    target: TargetConfig = MISSING
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    conversations: int = MISSING
+    batch_size: int = MISSING
+    batch_sizes: list[int] = MISSING
+    engines: list[str] = MISSING
+    out_dir: str = MISSING
+
+
+@dataclass
 class ReproduceConfig:
     """conf/reproduce.yaml (experiments.reproduce)."""
 
@@ -459,6 +473,7 @@ SCHEMAS = {
     "distill_speed": DistillSpeedConfig,
     "export": ExportConfig,
     "learning_curves": LearningCurvesConfig,
+    "onpolicy_data": OnpolicyDataConfig,
     "peers": PeersConfig,
     "profile": ProfileConfig,
     "regenerate": RegenerateConfig,

@@ -45,6 +45,7 @@ COMMANDS = {
     "suffix_reference": ("target", "drafter", "tree"),
     "distill_speed": ("target",),
     "regenerate": ("target",),
+    "onpolicy_data": ("target",),
     "scale_speed": ("target",),
     "results": (),
 }
@@ -119,6 +120,7 @@ WRONGLY_TYPED = {
     "peers": ("max_model_len=huge", "max_model_len"),
     "profile": ("products=maybe", "products"),
     "regenerate": ("regen.temperature=warm", "regen.temperature"),
+    "onpolicy_data": ("batch_sizes=[16,lots]", "batch_sizes"),
     "reproduce": ("paper=[eagle,medusa]", "paper"),
     "results": ("check=sometimes", "check"),
     "runs_table": ("plot=perhaps", "plot"),
