@@ -2,6 +2,8 @@
 answers rounds write, captures each done conversation's features as training reads it (equal
 to Hugging Face's eager forward), and a killed run resumes to the same files."""
 
+import json
+
 import pytest
 import torch
 
@@ -127,3 +129,14 @@ def test_training_reads_the_captured_features_of_the_layers_it_asks(tmp_path):
                                                          stored[:, :width]], -1))
     with pytest.raises(ValueError, match="holds the features of layers \\[1, 2\\], not \\[0\\]"):
         training_features(data, target, [], [], layers=[0])
+
+
+def test_the_report_says_which_step_and_dtype_made_its_figures(tmp_path):
+    from experiments.regenerate import format_account, write_account_report
+
+    target = on_openvino(chat_target())
+    account = run(target, tmp_path)
+    report = json.loads(write_account_report(tmp_path, target, RegenConfig(), account).read_text())
+    assert report["config"]["step"] == "openvino"  # issue 63 item 13
+    assert report["rows"][0]["this_run"]["step"] == "openvino"
+    assert "(builtin, openvino step, float32, continuous batching)" in format_account(account)
