@@ -9,7 +9,7 @@ a block drafter (one forward gives every depth's distribution) subclasses
 drafters.block.BlockDrafter, writes `begin`, `block_marginals` and `draft_cache_bytes`, and joins
 BLOCK_DRAFTERS.
 tests/drafters/toy_drafter.py follows the recipe.
-The drafter owns its tree policy (drafters.block.TreePolicy): `tree` is a static TreeTopology
+The drafter owns its tree policy (drafters.trees.TreePolicy): `tree` is a static TreeTopology
 (conf/tree with `choices`), EAGLE-2's DynamicTree (conf/tree with `depth`, `top_k`,
 `total_tokens`) or, for a block drafter only, a DDTree (`policy: ddtree`); a drafter that
 cannot grow a dynamic tree refuses one with a TreeError. A combinator (COMBINATORS: hybrid)
@@ -32,14 +32,14 @@ from drafters import (
     recycling,
     suffix,
 )
-from drafters.adaptive import measured_cost
-from drafters.block import DDTree, TreePolicy
-from drafters.dynamic_tree import DynamicTree
 from drafters.paged_drafts import draft_step, on_openvino
+from drafters.trees import TreePolicy, is_chain, is_static, tree_policy
+from drafters.trees.cost import measured_cost
+from drafters.trees.ddtree import DDTree
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts
 from verify.target.model import Target
-from verify.tree import TreeError, TreeTopology
+from verify.tree import TreeError
 
 # Drafters whose one forward gives every depth's distribution (drafters.block): the only ones
 # that can fill a DDTree.
@@ -89,29 +89,10 @@ def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Dr
     return on_openvino(drafter, target.step) if openvino else drafter
 
 
-def tree_policy(tree_cfg: Mapping) -> TreePolicy:
-    """A static topology for a config with `choices`, a DDTree for one with `policy: ddtree`,
-    a DynamicTree for one with `total_tokens`."""
-    if "choices" in tree_cfg:
-        if tree_cfg.get("cost"):
-            raise TreeError("a static tree has no node scores to size by cost: give `cost` to "
-                            "a dynamic tree (depth, top_k, total_tokens)")
-        return TreeTopology.from_choices(tree_cfg["choices"])
-    if tree_cfg.get("policy") == "ddtree":
-        return DDTree.from_config(tree_cfg)
-    if "total_tokens" in tree_cfg:
-        return DynamicTree.from_config(tree_cfg)
-    raise TreeError(f"tree config {dict(tree_cfg)} has neither `choices` (a static tree) nor "
-                    "`depth`, `top_k` and `total_tokens` (a dynamic tree)")
-
-
 def proposes_chains(drafter_cfg: Mapping, tree_cfg: Mapping) -> bool:
     """Whether the drafter proposes chains only: one drafter filling a static topology that
     is a chain (a combinator's merged trees may branch, dynamic trees do)."""
-    if drafter_cfg["name"] in COMBINATORS or "choices" not in tree_cfg:
-        return False
-    topology = TreeTopology.from_choices(tree_cfg["choices"])
-    return all(len(topology.children(node)) <= 1 for node in range(topology.size))
+    return drafter_cfg["name"] not in COMBINATORS and is_chain(tree_cfg)
 
 
 # Drafters that, when sampling on a static tree, draw a node's children from a draft
@@ -144,7 +125,7 @@ def tree_traits(drafter_cfg: Mapping, tree_cfg: Mapping) -> TreeTraits:
         picks = config.policy == "pick"
         return TreeTraits(chains=False, drawn=picks and all(m.drawn for m in members),
                           iid=picks and all(m.iid for m in members))
-    drawn = name in DRAWING_DRAFTERS and "choices" in tree_cfg  # a static tree
+    drawn = name in DRAWING_DRAFTERS and is_static(tree_cfg)
     iid = drawn and name in IID_DRAFTERS and bool(drafter_cfg.get("iid_siblings", False))
     return TreeTraits(chains=proposes_chains(drafter_cfg, tree_cfg), drawn=drawn, iid=iid)
 

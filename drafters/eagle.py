@@ -9,7 +9,7 @@ time, with its own KV cache (drafters.engine).
 - EAGLE-1 (`variant: eagle1`): f is the target's last (normed) state; the draft is a linear
   layer over [embedding, feature] (2H -> H) and one decoder layer of the target's own
   architecture, built from its config (no copied modeling file); trained with a feature
-  regression plus cross-entropy. EAGLE-2 is a tree policy (drafters.dynamic_tree) on top.
+  regression plus cross-entropy. EAGLE-2 is a tree policy (drafters.trees.dynamic) on top.
 - EAGLE-3 (`variant: eagle3`): f concatenates a low, a middle and a high layer, fused 3H -> H;
   trained on its own unrolled outputs (training-time test) with cross-entropy only, and a
   trainable head over a reduced draft vocabulary. Its draft layer (`layout: eagle3`, the
@@ -44,10 +44,10 @@ from drafters.checkpoint import (
     target_record,
 )
 from drafters.config import shallow_config, typed_config
-from drafters.dynamic_tree import DynamicTree
 from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
 from drafters.speculators import check_eagle3_forward, load_eagle3_weights, read_speculators
+from drafters.trees.dynamic import DynamicTree
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.protocol import DraftContext
 from verify.target.features import LAST, eagle3_layers, num_layers, resolve_layers
@@ -212,7 +212,7 @@ class EagleDrafter(EngineDrafter):
 
     Static trees with sampling draw each node's children without replacement from the draft's
     warped distribution and record it (exact tree sampling); dynamic trees pick children by
-    top-k (see drafters.dynamic_tree for why). A batch of B sequences drafts together
+    top-k (see drafters.trees.dynamic for why). A batch of B sequences drafts together
     (`begin_batch`, `propose_batch`): one draft forward per tree level for all rows.
     """
 

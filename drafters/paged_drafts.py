@@ -22,13 +22,13 @@ from transformers import PreTrainedModel
 from drafters.block import table_with_mask
 from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter
-from drafters.dynamic_tree import DynamicTree
 from drafters.eagle import EagleDraft, EagleDrafter
 from drafters.engine import LevelAnswer, LevelRequest
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from drafters.openvino_dflash import OpenVINODFlashDrafter
 from drafters.paged_engine import PagedDraftEngine
 from drafters.pard import PardDraft, PardDrafter, common_prefix
+from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext, Drafter
 from verify.target.model import Target
 from verify.target.openvino_graph import (

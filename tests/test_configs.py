@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 import experiments  # noqa: F401  (registers the <command>_schema nodes conf/<command>.yaml name)
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
-from drafters import tree_policy
-from drafters.adaptive import measured_cost
+from drafters.trees import tree_policy
+from drafters.trees.cost import measured_cost
 from experiments.common import CONF_DIR
 from experiments.methods import contenders, parse_compare, report_stem
 from verify.target.model import load_target, load_target_from_config

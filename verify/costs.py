@@ -1,7 +1,7 @@
 """The target's measured step cost t(n): one verification step of n tree tokens, timed.
 
 Every cost-aware choice reads it: tree_search's offline budget, the per-step adaptive tree
-(drafters.adaptive), the speed model (experiments.simulate), the context sweep and the profile.
+(drafters.trees.cost), the speed model (experiments.simulate), the context sweep and the profile.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext
 from verify.target.model import Target
 from verify.tree import TokenTree, TreeTopology

@@ -17,7 +17,7 @@ import torch
 
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
 from verify.target.model import Target
