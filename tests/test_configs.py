@@ -96,6 +96,17 @@ def test_tiny_target_configs_load(target):
     assert load_target_from_config(cfg.target).model.config.vocab_size == 256
 
 
+def test_step_options_reach_the_step_typed_and_a_step_refuses_ones_it_does_not_take():
+    cfg = compose_with("bench", "target=tiny_llama", "target.step=openvino",
+                       "target.step_options.threads=1")
+    assert load_target_from_config(cfg.target).step.threads == 1
+    with pytest.raises(ValueError, match=r"target.step=eager takes no options \['threads'\]"):
+        load_target_from_config(compose_with("bench", "target=tiny_llama",
+                                             "target.step_options.threads=1").target)
+    with pytest.raises(Exception, match="threads"):  # typed: a count, not a word
+        compose_with("bench", "target.step_options.threads=two")
+
+
 def test_the_train_schema_type_checks_overrides():
     with pytest.raises(Exception, match="optim.lr"):
         compose_with("train", "optim.lr=fast")

@@ -68,8 +68,8 @@ def training_target(cfg: DictConfig, env: DistEnv, frozen: bool = True) -> Targe
     keeps `target.step` for the decoding that self-distillation runs; one that trains loads
     eager (a compiled step freezes the weights it sees at its first call)."""
     torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target, packed_rows=None,
-                                     step=cfg.target.get("step", "eager") if frozen else "eager")
+    eager = {} if frozen else {"step": "eager", "step_options": None}
+    target = load_target_from_config(cfg.target, packed_rows=None, **eager)
     target.model.to(env.device)
     if frozen:
         target.model.requires_grad_(False)
