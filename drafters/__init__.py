@@ -71,6 +71,7 @@ class DrafterEntry:
     iid: bool = False  # it can draw a node's siblings i.i.d. (its `iid_siblings`)
 
 
+# eagle and eagle3: one drafter (drafters.eagle), two shipped configs
 EAGLE = DrafterEntry(eagle.from_config, PagedEagleDrafter.from_torch, draws=True)
 DRAFTERS: dict[str, DrafterEntry] = {
     "dflash": DrafterEntry(dflash.from_config, OpenVINODFlashDrafter.from_torch, block=True,
