@@ -1,19 +1,19 @@
 """Drafters: each proposes a TokenTree for the shared verifier (see verify.protocol).
 
-A new drafter is one module here with a `from_config(cfg, tree, target)` builder, one entry
-in DRAFTERS, one YAML in conf/drafter/, and one row in tests/drafters/test_drafter_table.py.
-A model-free drafter subclasses drafters.base.StatelessDrafter and writes `propose` (or
-StatelessBatchDrafter and `propose_batch`); one running a model over the tree with a draft KV
-cache subclasses drafters.engine.EngineDrafter and writes its catch-up and per-level forward;
-a block drafter (one forward gives every depth's distribution) subclasses
-drafters.block.BlockDrafter, writes `begin`, `block_marginals` and `draft_cache_bytes`, and joins
-BLOCK_DRAFTERS.
-tests/drafters/toy_drafter.py follows the recipe.
-The drafter owns its tree policy (drafters.block.TreePolicy): `tree` is a static TreeTopology
-(conf/tree with `choices`), EAGLE-2's DynamicTree (conf/tree with `depth`, `top_k`,
-`total_tokens`) or, for a block drafter only, a DDTree (`policy: ddtree`); a drafter that
-cannot grow a dynamic tree refuses one with a TreeError. A combinator (COMBINATORS: hybrid)
-builds its member drafters through `build_drafter` itself.
+DRAFTERS is the one table of them: per drafter its builder, its OpenVINO form and its traits
+(a block drafter, draws its children, draws siblings i.i.d.), from which every check here
+reads. A new drafter is one module here with a `from_config(cfg, tree, target)` builder, one
+DrafterEntry in DRAFTERS, one YAML in conf/drafter/, and one row in
+tests/drafters/test_drafter_table.py (docs/extending.md; tests/drafters/toy_drafter.py follows
+the recipe). A model-free drafter subclasses drafters.base.StatelessDrafter and writes
+`propose` (or StatelessBatchDrafter and `propose_batch`); one running a model over the tree with
+a draft KV cache subclasses drafters.engine.EngineDrafter and writes its catch-up and per-level
+forward; a block drafter (one forward gives every depth's distribution) subclasses
+drafters.block.BlockDrafter and writes `begin`, `block_marginals` and `draft_cache_bytes`.
+The drafter owns its tree policy (drafters.trees): a static TreeTopology, EAGLE-2's DynamicTree
+or, for a block drafter only, a DDTree; a drafter that cannot grow a dynamic tree refuses one
+with a TreeError. A combinator (COMBINATORS: hybrid) builds its member drafters through
+`build_drafter` itself.
 """
 
 from __future__ import annotations
@@ -32,36 +32,67 @@ from drafters import (
     recycling,
     suffix,
 )
-from drafters.adaptive import measured_cost
-from drafters.block import DDTree, TreePolicy
-from drafters.dynamic_tree import DynamicTree
-from drafters.paged_drafts import draft_step, on_openvino
+from drafters.openvino_dflash import OpenVINODFlashDrafter
+from drafters.paged_drafts import (
+    OpenVINOMedusaDrafter,
+    PagedDraftModelDrafter,
+    PagedEagleDrafter,
+    PagedPardDrafter,
+)
+from drafters.trees import TreePolicy, is_chain, is_static, tree_policy
+from drafters.trees.cost import measured_cost
+from drafters.trees.ddtree import DDTree
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts
 from verify.target.model import Target
-from verify.tree import TreeError, TreeTopology
+from verify.target.step import TargetStep
+from verify.tree import TreeError
 
-# Drafters whose one forward gives every depth's distribution (drafters.block): the only ones
-# that can fill a DDTree.
-BLOCK_DRAFTERS = ("dflash", "pard")
 DrafterBuilder = Callable[[Mapping, TreePolicy, Target], Drafter]
+DRAFT_STEPS = ("torch", "openvino")  # drafter.step values; null: the target step's own
 
-DRAFTERS: dict[str, DrafterBuilder] = {
-    "dflash": dflash.from_config,
-    "draft_model": draft_model.from_config,
-    "eagle": eagle.from_config,
-    "eagle3": eagle.from_config,
-    "medusa": medusa.from_config,
-    "pard": pard.from_config,
-    "prompt_lookup": prompt_lookup.from_config,
-    "recycling": recycling.from_config,
-    "suffix": suffix.from_config,
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    """One drafter: how it is built and what it can do."""
+
+    build: DrafterBuilder
+    # the same drafter with its draft's forwards on the target step's OpenVINO kernels
+    # (drafter.step=openvino), made from what `build` made; None: a drafter without a model,
+    # whose work runs in PyTorch beside any step
+    openvino: Callable[[Drafter, TargetStep], Drafter] | None = None
+    # one forward gives every depth's distribution (drafters.block): it can fill a DDTree
+    block: bool = False
+    # sampling on a static tree, it draws a node's children from a draft distribution it
+    # records (TokenTree.draft_probs); the others choose theirs (n-gram matches, a suffix trie,
+    # recycled successors), and so does every drafter on a dynamic tree or a DDTree (top-k by
+    # score): their trees are one-hot proposals
+    draws: bool = False
+    iid: bool = False  # it can draw a node's siblings i.i.d. (its `iid_siblings`)
+
+
+# eagle and eagle3: one drafter (drafters.eagle), two shipped configs
+EAGLE = DrafterEntry(eagle.from_config, PagedEagleDrafter.from_torch, draws=True)
+DRAFTERS: dict[str, DrafterEntry] = {
+    "dflash": DrafterEntry(dflash.from_config, OpenVINODFlashDrafter.from_torch, block=True,
+                           draws=True),
+    "draft_model": DrafterEntry(draft_model.from_config, PagedDraftModelDrafter.from_torch,
+                                draws=True, iid=True),
+    "eagle": EAGLE,
+    "eagle3": EAGLE,
+    "medusa": DrafterEntry(medusa.from_config, OpenVINOMedusaDrafter.from_torch, draws=True),
+    "pard": DrafterEntry(pard.from_config, PagedPardDrafter.from_torch, block=True, draws=True),
+    "prompt_lookup": DrafterEntry(prompt_lookup.from_config),
+    "recycling": DrafterEntry(recycling.from_config),
+    "suffix": DrafterEntry(suffix.from_config),
 }
-# Drafters that run a draft model: `drafter.step` says whether its forwards run in PyTorch or on
-# the OpenVINO target step's kernels (drafters.paged_drafts.on_openvino)
-MODEL_DRAFTERS = ("dflash", "draft_model", "eagle", "eagle3", "medusa", "pard")
 # Combinators build their members through build_drafter, from the raw tree config.
 COMBINATORS = {"hybrid": hybrid.from_config}
+
+
+def drafters_that(trait: str) -> list[str]:
+    """The registered drafters whose DrafterEntry has `trait` ("block", "draws", "iid")."""
+    return [name for name, entry in DRAFTERS.items() if getattr(entry, trait)]
 
 
 def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Drafter:
@@ -78,49 +109,35 @@ def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Dr
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; known drafters: "
                          f"{sorted([*DRAFTERS, *COMBINATORS])}")
-    policy = tree_policy(tree_cfg)
-    if isinstance(policy, DDTree) and name not in BLOCK_DRAFTERS:
+    entry, policy = DRAFTERS[name], tree_policy(tree_cfg)
+    if isinstance(policy, DDTree) and not entry.block:
         raise TreeError(f"tree {tree_cfg.get('name')!r} is a DDTree, built from a block "
                         f"drafter's per-position marginals: drafter {name!r} has none (block "
-                        f"drafters: {list(BLOCK_DRAFTERS)})")
-    openvino = (name in MODEL_DRAFTERS
-                and draft_step(drafter_cfg.get("step"), target, name) == "openvino")
-    drafter = DRAFTERS[name](drafter_cfg, policy, target)
-    return on_openvino(drafter, target.step) if openvino else drafter
+                        f"drafters: {drafters_that('block')})")
+    openvino = (entry.openvino is not None
+                and draft_step(drafter_cfg.get("step"), target.step, name) == "openvino")
+    drafter = entry.build(drafter_cfg, policy, target)
+    return entry.openvino(drafter, target.step) if openvino else drafter
 
 
-def tree_policy(tree_cfg: Mapping) -> TreePolicy:
-    """A static topology for a config with `choices`, a DDTree for one with `policy: ddtree`,
-    a DynamicTree for one with `total_tokens`."""
-    if "choices" in tree_cfg:
-        if tree_cfg.get("cost"):
-            raise TreeError("a static tree has no node scores to size by cost: give `cost` to "
-                            "a dynamic tree (depth, top_k, total_tokens)")
-        return TreeTopology.from_choices(tree_cfg["choices"])
-    if tree_cfg.get("policy") == "ddtree":
-        return DDTree.from_config(tree_cfg)
-    if "total_tokens" in tree_cfg:
-        return DynamicTree.from_config(tree_cfg)
-    raise TreeError(f"tree config {dict(tree_cfg)} has neither `choices` (a static tree) nor "
-                    "`depth`, `top_k` and `total_tokens` (a dynamic tree)")
+def draft_step(requested: str | None, step: TargetStep, name: str) -> str:
+    """Where drafter `name`'s draft forwards run: `requested` (drafter.step), or, when null,
+    where the target's `step` runs drafts by default (the first of its `draft_steps`)."""
+    if requested is None:
+        return step.draft_steps[0]
+    if requested not in DRAFT_STEPS:
+        raise ValueError(f"drafter.step must be one of {DRAFT_STEPS} or null, got {requested!r}")
+    if requested not in step.draft_steps:
+        raise ValueError(f"drafter.step={requested} runs {name}'s draft on the target step's "
+                         "OpenVINO kernels, precision and threads: set target.step=openvino "
+                         "too (or drafter.step=torch)")
+    return requested
 
 
 def proposes_chains(drafter_cfg: Mapping, tree_cfg: Mapping) -> bool:
     """Whether the drafter proposes chains only: one drafter filling a static topology that
     is a chain (a combinator's merged trees may branch, dynamic trees do)."""
-    if drafter_cfg["name"] in COMBINATORS or "choices" not in tree_cfg:
-        return False
-    topology = TreeTopology.from_choices(tree_cfg["choices"])
-    return all(len(topology.children(node)) <= 1 for node in range(topology.size))
-
-
-# Drafters that, when sampling on a static tree, draw a node's children from a draft
-# distribution they record (TokenTree.draft_probs). The others choose theirs (n-gram matches,
-# a suffix trie, recycled successors), and so does every drafter on a dynamic tree or a DDTree
-# (top-k by score): their trees are one-hot proposals.
-DRAWING_DRAFTERS = ("dflash", "draft_model", "eagle", "eagle3", "medusa", "pard")
-# Drafters that can draw a node's siblings i.i.d. (with replacement): their `iid_siblings`
-IID_DRAFTERS = ("draft_model",)
+    return drafter_cfg["name"] not in COMBINATORS and is_chain(tree_cfg)
 
 
 @dataclass(frozen=True)
@@ -133,9 +150,10 @@ class TreeTraits:
 
 
 def tree_traits(drafter_cfg: Mapping, tree_cfg: Mapping) -> TreeTraits:
-    """The traits of the trees drafter `drafter_cfg` proposes on tree `tree_cfg` (see
-    DRAWING_DRAFTERS). A hybrid that picks a member's tree as it is has the traits all its
-    members share; one that merges them proposes one-hot trees."""
+    """The traits of the trees drafter `drafter_cfg` proposes on tree `tree_cfg`: its
+    DrafterEntry's, drawn on a static tree only (DrafterEntry.draws). A hybrid that picks a
+    member's tree as it is has the traits all its members share; one that merges them
+    proposes one-hot trees."""
     name = drafter_cfg["name"]
     if name in COMBINATORS:
         config = hybrid.hybrid_config(drafter_cfg)
@@ -144,8 +162,9 @@ def tree_traits(drafter_cfg: Mapping, tree_cfg: Mapping) -> TreeTraits:
         picks = config.policy == "pick"
         return TreeTraits(chains=False, drawn=picks and all(m.drawn for m in members),
                           iid=picks and all(m.iid for m in members))
-    drawn = name in DRAWING_DRAFTERS and "choices" in tree_cfg  # a static tree
-    iid = drawn and name in IID_DRAFTERS and bool(drafter_cfg.get("iid_siblings", False))
+    entry = DRAFTERS.get(name)
+    drawn = entry is not None and entry.draws and is_static(tree_cfg)
+    iid = drawn and entry.iid and bool(drafter_cfg.get("iid_siblings", False))
     return TreeTraits(chains=proposes_chains(drafter_cfg, tree_cfg), drawn=drawn, iid=iid)
 
 
@@ -163,14 +182,14 @@ def rule_refusal(rule: RuleConfig, drafter_cfg: Mapping, tree_cfg: Mapping) -> s
         return (f"the {name!r} rule verifies chains only, but {drafter} may propose trees "
                 "that branch: give it a chain tree (chain1..chain8) or use the 'sampling' rule")
     if needs.needs_draws and not traits.drawn:
+        drawing = ", ".join(drafters_that("draws"))
         return (f"the {name!r} rule verifies sampled trees, but {drafter} chooses its "
                 "children (no draft probabilities): use 'sampling', which is optimal for "
-                f"chosen drafts, or a drafter that draws them ({', '.join(DRAWING_DRAFTERS)} "
-                "on a static tree)")
+                f"chosen drafts, or a drafter that draws them ({drawing} on a static tree)")
     if needs.needs_iid and not traits.iid:
         return (f"the {name!r} rule selects among siblings drawn i.i.d., but {drafter} "
                 "draws them without replacement: set drafter.iid_siblings=true (a "
-                f"{' or '.join(IID_DRAFTERS)} on a static tree), or use 'sampling' or "
+                f"{' or '.join(drafters_that('iid'))} on a static tree), or use 'sampling' or "
                 "'traversal'")
     return None
 

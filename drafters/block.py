@@ -13,13 +13,8 @@ parent holds:
   they were drawn; that it ignores the parent's token costs acceptance, never exactness;
 - EAGLE-2's dynamic tree (`depth`, `top_k`, `total_tokens`): expansion reads row d for every
   frontier node at depth d; top-k children, deterministic;
-- DDTree (`policy: ddtree`, `total_tokens`): best-first over the marginals. A path's score is
-  the product of its tokens' marginals, which never rises along a path, so the N best paths
-  form a tree; it is the tree of N nodes with the most expected accepted tokens *if* the
-  marginals were the target's acceptance probabilities and depths independent (DDTree's
-  factorised objective). Its children are chosen (top-k), so the tree carries no draft rows:
-  every rule treats them as one-hot proposals, which is exact. Giving them their marginal rows
-  as if drawn would not be (tests/drafters/test_block_trees.py measures the bias).
+- DDTree (`policy: ddtree`, `total_tokens`): best-first over the marginals, the N paths with
+  the highest product of marginals (drafters.trees.ddtree); chosen, so one-hot proposals.
 
 Shapes: `marginals` is (D, V) draft logits over the target's vocabulary (-inf for tokens the
 draft cannot propose), row d for depth d + 1.
@@ -31,17 +26,15 @@ feeds it as one more row of the table (`table_with_mask`).
 
 from __future__ import annotations
 
-import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from drafters.adaptive import StepCost, cut_to_cost, step_cost
-from drafters.dynamic_tree import DynamicTree, draft_log_probs
-from drafters.tree_steps import add_children, run_steps
+from drafters.trees import TreePolicy
+from drafters.trees.ddtree import DDTree
+from drafters.trees.dynamic import DynamicTree, draft_log_probs
+from drafters.trees.steps import add_children, run_steps
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
@@ -64,77 +57,6 @@ def table_with_mask(table: torch.Tensor, mask_embedding: torch.Tensor) -> torch.
     """The (V, H) token table with the learned mask embedding as row V: a graph (the OpenVINO
     drafts) feeds MASK as id V = len(table) and gathers its input like any token's."""
     return torch.cat([table, mask_embedding.detach().to(table)[None]])
-
-
-@dataclass(frozen=True)
-class DDTree:
-    """Best-first tree over a block's marginals: the `total_tokens` draft nodes (root not
-    counted) whose paths have the highest product of marginals, no deeper than `depth` (None:
-    the block's depth). With a measured `cost`, each step keeps only the nodes that pay for
-    their verification (drafters.adaptive.cut_to_cost, on the path scores)."""
-
-    total_tokens: int
-    depth: int | None = None
-    cost: StepCost | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("total_tokens", "depth"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"DDTree.{name} must be an integer >= 1, got {value!r}")
-
-    @staticmethod
-    def from_config(cfg: Mapping) -> DDTree:
-        """conf/tree/ddtree*.yaml: `policy: ddtree`, `total_tokens`, optionally `depth` and
-        `cost` (drafters.adaptive.step_cost)."""
-        depth = cfg.get("depth")
-        return DDTree(int(cfg["total_tokens"]), None if depth is None else int(depth),
-                      step_cost(cfg.get("cost")))
-
-    def grow(self, root: int, log_probs: torch.Tensor) -> TokenTree:
-        """The tree below `root` from (D, V) marginal log-probabilities."""
-        depth = log_probs.shape[0] if self.depth is None else min(self.depth, log_probs.shape[0])
-        builder = best_first(root, log_probs[:depth], self.total_tokens)
-        tree = builder.build()
-        return tree if self.cost is None else cut_to_cost(tree, self.cost, draft_forwards=1)
-
-
-def best_first(root: int, log_probs: torch.Tensor, budget: int) -> TreeBuilder:
-    """A scored TreeBuilder of the `budget` best paths by summed (D, V) log-probabilities.
-
-    Each depth's candidates are its `budget` best tokens (no kept path can use a worse one:
-    its better siblings would outscore it), ranked once by topk, not a sort of the whole
-    vocabulary (~15 ms for 7 x 49k here); a popped node (path ..., rank r at depth d) queues
-    its next sibling (rank r + 1, same parent) and its first child (rank 0 at depth d + 1):
-    every node enters the heap once, after its parent and its better sibling. Ties pop
-    shallower, then earlier, first. Tokens the draft cannot propose never enter."""
-    ranked = log_probs.float().topk(min(max(budget, 1), log_probs.shape[-1]), dim=-1)
-    values, tokens = ranked.values.tolist(), ranked.indices.tolist()
-    builder = TreeBuilder(root, scored=True)
-    heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, order, parent, rank)
-    pushed = 0
-
-    def push(parent: int, depth: int, rank: int) -> None:
-        nonlocal pushed
-        if depth < len(values) and rank < len(values[depth]) and \
-                values[depth][rank] > float("-inf"):
-            score = builder.log_scores[parent] + values[depth][rank]
-            heapq.heappush(heap, (-score, depth, pushed, parent, rank))
-            pushed += 1
-
-    push(0, 0, 0)
-    while heap and len(builder) <= budget:
-        negative, depth, _, parent, rank = heapq.heappop(heap)
-        node = builder.add(parent, tokens[depth][rank], -negative)
-        push(parent, depth, rank + 1)
-        push(node, depth + 1, 0)
-    return builder
-
-
-# The tree policies a drafter can be given (drafters.tree_policy reads one from conf/tree): a
-# static topology, EAGLE-2's dynamic tree, or DDTree (block drafters only).
-TreePolicy = TreeTopology | DynamicTree | DDTree
 
 
 def check_block_tree(tree: TreePolicy, max_depth: int, drafter: str, limit: str) -> None:

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from drafters.block import MASK, BlockDrafter, TreePolicy, embed_with_masks
+from drafters.block import MASK, BlockDrafter, embed_with_masks
 from drafters.checkpoint import (
     check_kind,
     check_target,
@@ -41,6 +41,7 @@ from drafters.checkpoint import (
 )
 from drafters.config import typed_config
 from drafters.eagle3_layer import eagle3_layer_config
+from drafters.trees import TreePolicy
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.protocol import DraftContext
 from verify.target.features import eagle3_layers, num_layers, resolve_layers

@@ -4,7 +4,7 @@ Leviathan et al. 2023 / Chen et al. 2023 draft a chain with a small model; SpecI
 tree from its top-k. With a static topology the child of rank r under a node is the draft
 model's r-th best proposal after the path to that node (greedy: its top-k tokens; sampling:
 draws without replacement from its warped distribution, recorded for exact acceptance); with
-EAGLE-2's dynamic tree its confidence decides where the tree grows (drafters.dynamic_tree).
+EAGLE-2's dynamic tree its confidence decides where the tree grows (drafters.trees.dynamic).
 
 The draft can be any compatible model; the target itself cut to its first layers
 (`truncated_copy`, a self-draft that needs no training); or a draft distilled from the target
@@ -32,8 +32,8 @@ from drafters.checkpoint import (
     target_record,
 )
 from drafters.config import shallow_config, typed_config
-from drafters.dynamic_tree import DynamicTree
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
+from drafters.trees.dynamic import DynamicTree
 from drafters.vocab import check_vocab_ids, copy_linear
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
@@ -56,7 +56,7 @@ class DraftModelDrafter(EngineDrafter):
     Proposing appends the tree's levels to the cache; `update` keeps the entries of the path
     the target accepted, so the next proposal only feeds what the draft has not seen (the
     bonus token, and accepted leaves that were never fed). The tree is a static topology
-    (filled level by level) or EAGLE-2's dynamic tree (drafters.dynamic_tree).
+    (filled level by level) or EAGLE-2's dynamic tree (drafters.trees.dynamic).
 
     vocab_ids (V',): the draft's reduced vocabulary, when its LM head has only those rows
     (a distilled draft, train.draft_model); None when it projects onto the whole vocabulary.

@@ -9,7 +9,7 @@ time, with its own KV cache (drafters.engine).
 - EAGLE-1 (`variant: eagle1`): f is the target's last (normed) state; the draft is a linear
   layer over [embedding, feature] (2H -> H) and one decoder layer of the target's own
   architecture, built from its config (no copied modeling file); trained with a feature
-  regression plus cross-entropy. EAGLE-2 is a tree policy (drafters.dynamic_tree) on top.
+  regression plus cross-entropy. EAGLE-2 is a tree policy (drafters.trees.dynamic) on top.
 - EAGLE-3 (`variant: eagle3`): f concatenates a low, a middle and a high layer, fused 3H -> H;
   trained on its own unrolled outputs (training-time test) with cross-entropy only, and a
   trainable head over a reduced draft vocabulary. Its draft layer (`layout: eagle3`, the
@@ -44,9 +44,10 @@ from drafters.checkpoint import (
     target_record,
 )
 from drafters.config import shallow_config, typed_config
-from drafters.dynamic_tree import DynamicTree
 from drafters.eagle3_layer import Eagle3Layer, eagle3_layer_config
 from drafters.engine import EngineDrafter, LevelAnswer, LevelRequest
+from drafters.speculators import check_eagle3_forward, load_eagle3_weights, read_speculators
+from drafters.trees.dynamic import DynamicTree
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.protocol import DraftContext
 from verify.target.features import LAST, eagle3_layers, num_layers, resolve_layers
@@ -211,7 +212,7 @@ class EagleDrafter(EngineDrafter):
 
     Static trees with sampling draw each node's children without replacement from the draft's
     warped distribution and record it (exact tree sampling); dynamic trees pick children by
-    top-k (see drafters.dynamic_tree for why). A batch of B sequences drafts together
+    top-k (see drafters.trees.dynamic for why). A batch of B sequences drafts together
     (`begin_batch`, `propose_batch`): one draft forward per tree level for all rows.
     """
 
@@ -354,11 +355,26 @@ def trained_draft(folder: str | Path, target: Target, allow_other_target: bool =
                   ) -> EagleDraft:
     """The draft in `folder`: one `save_draft` wrote, or an EAGLE-3 draft in the speculators
     layout (an export of ours, or a draft the speculators library trained and saved:
-    experiments.speculators_trainer), read by drafters.export.load_speculators_eagle3."""
+    experiments.speculators_trainer), read by `load_speculators_eagle3`."""
     if checkpoint_kind(folder) == "speculators":
-        from drafters.export import load_speculators_eagle3  # drafters.export imports this module
         return load_speculators_eagle3(folder, target, allow_other_target)
     return load_draft(folder, target, allow_other_target)
+
+
+def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_target: bool = False
+                            ) -> EagleDraft:
+    """An EAGLE-3 draft from a speculators eagle3 folder (drafters.export writes one), on
+    `target` (whose embedding it shares); ValueError for another format, a draft of another
+    target (fingerprint where exported here, else sizes and embedding) or tensors that are
+    not exactly the draft's."""
+    folder = Path(folder)
+    config, state, vocab_ids = read_speculators(folder, "eagle3", target, allow_other_target)
+    check_eagle3_forward(config, folder)
+    draft = EagleDraft(target.model, tuple(config["eagle_aux_hidden_state_layer_ids"]),
+                       vocab_ids, train_lm_head=True, layout="eagle3")
+    draft.body.norm_before_residual = bool(config.get("norm_before_residual", True))
+    load_eagle3_weights(draft, state, target, folder)
+    return draft
 
 
 def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) -> EagleDrafter:

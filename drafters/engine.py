@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
-from drafters.dynamic_tree import DynamicTree, draft_log_probs
-from drafters.tree_steps import Steps, check_depth, fill_steps, relay, run_lockstep
+from drafters.trees.dynamic import DynamicTree, draft_log_probs
+from drafters.trees.steps import Steps, check_depth, fill_steps, relay, run_lockstep
 from drafters.vocab import target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.protocol import DraftContext, DraftStats
@@ -372,7 +372,7 @@ class EngineDrafter(DraftStats, ABC):
 
     def _static_steps(self, ctx: DraftContext, root_state: torch.Tensor | None,
                       root_logits: torch.Tensor, depth: int) -> Steps:
-        """Steps (drafters.tree_steps) filling the static topology below the root, `depth` levels
+        """Steps (drafters.trees.steps) filling the static topology below the root, `depth` levels
         at most."""
         states = {0: root_state}  # tree node -> the state its children are drafted from
 

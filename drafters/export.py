@@ -26,9 +26,10 @@
   (Facts from vllm-project/speculators at commit c05b95b3 and release 0.9.0, `models/eagle3`
   and `model.py`.)
 
-`load_vllm_medusa` and `load_speculators_eagle3` read such folders back into our modules (the
-round trips the tests check: the same draft logits), so drafts trained elsewhere in those
-layouts decode here too.
+`load_vllm_medusa` and drafters.eagle's `load_speculators_eagle3` read such folders back into
+our modules (the round trips the tests check: the same draft logits), so drafts trained
+elsewhere in those layouts decode here too; what reader and writer share of the formats is in
+drafters.speculators.
 """
 
 from __future__ import annotations
@@ -41,9 +42,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from drafters.checkpoint import check_target, target_record
+from drafters.checkpoint import target_record
 from drafters.eagle import EagleDraft
 from drafters.medusa import MedusaHeads
+from drafters.speculators import (
+    EAGLE3_NAMES,
+    SPECULATORS_SCHEMA,
+    VLLM_WEIGHTS,
+    check_export_target,
+)
 from verify.target.files import (
     UnreadableFileError,
     check_tensors,
@@ -53,18 +60,6 @@ from verify.target.files import (
     write_json,
 )
 from verify.target.model import Target
-
-VLLM_WEIGHTS = "model.safetensors"
-SPECULATORS_SCHEMA = "0.7.0"  # the speculators release whose eagle3 format this writes
-# our Eagle3Layer's parameter names -> the speculators checkpoint's
-EAGLE3_NAMES = {"body.input_layernorm.weight": "layers.0.input_layernorm.weight",
-                "body.hidden_norm.weight": "layers.0.hidden_norm.weight",
-                "body.post_attention_layernorm.weight": "layers.0.post_attention_layernorm.weight",
-                "body.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
-                **{f"body.self_attn.{p}.weight": f"layers.0.self_attn.{p}.weight"
-                   for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-                **{f"body.mlp.{p}.weight": f"layers.0.mlp.{p}.weight"
-                   for p in ("gate_proj", "up_proj", "down_proj")}}
 
 
 def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -> Path:
@@ -149,18 +144,6 @@ def _vllm_medusa_name(ours: str) -> str:
     return re.sub(r"^blocks\.(\d+)\.(\d+)\.linear\.", r"blocks.\1.layers.\2.", ours)
 
 
-def check_export_target(config: dict, hidden_size: int, vocab_size: int, target: Target,
-                         folder: Path, allow_other_target: bool) -> None:
-    """An export of ours records its target (check_target); one made elsewhere (or before
-    fingerprints) is checked by sizes, all it says."""
-    saved = config.get("treedraft", {}).get("target")
-    if not isinstance(saved, dict):
-        saved = {"name": target.name if saved is None else saved, "hidden_size": hidden_size,
-                 "vocab_size": vocab_size}
-        allow_other_target = True  # nothing but the sizes to compare
-    check_target(saved, target, folder, "exported draft", allow_other_target)
-
-
 def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Target,
                               speculative_tokens: int = 3, verifier: str | None = None,
                               embedding: bool = True) -> Path:
@@ -218,88 +201,6 @@ def export_speculators_eagle3(draft: EagleDraft, folder: str | Path, target: Tar
         "treedraft": {"target": target_record(target, hidden, draft.target_vocab_size)},
     }
     return write_folder(folder, tensors, config)
-
-
-def read_speculators(folder: Path, model_type: str, target: Target, allow_other_target: bool
-                     ) -> tuple[dict, dict, torch.Tensor | None]:
-    """A speculators folder's config.json, its weights (on the target's device) and the draft
-    vocabulary its d2t offsets give (None: the whole vocabulary); ValueError for another
-    `speculators_model_type` or a folder exported for another target."""
-    config = read_json(folder / "config.json", "speculators config")
-    if config.get("speculators_model_type") != model_type:
-        raise ValueError(f"{folder} is not a speculators {model_type} folder "
-                         f"(speculators_model_type {config.get('speculators_model_type')!r})")
-    layer = config["transformer_layer_config"]
-    check_export_target(config, layer["hidden_size"], layer["vocab_size"], target, folder,
-                        allow_other_target)
-    device = str(target.model.get_output_embeddings().weight.device)
-    state = load_tensors(folder / VLLM_WEIGHTS, device=device)
-    vocab_ids = (state["d2t"] + torch.arange(len(state["d2t"]), device=device)
-                 if "d2t" in state else None)
-    return config, state, vocab_ids
-
-
-def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_target: bool = False
-                            ) -> EagleDraft:
-    """An EAGLE-3 draft from a speculators eagle3 folder, on `target` (whose embedding it
-    shares); ValueError for another format, a draft of another target (fingerprint where
-    exported here, else sizes and embedding) or tensors that are not exactly the draft's."""
-    folder = Path(folder)
-    config, state, vocab_ids = read_speculators(folder, "eagle3", target, allow_other_target)
-    check_eagle3_forward(config, folder)
-    draft = EagleDraft(target.model, tuple(config["eagle_aux_hidden_state_layer_ids"]),
-                       vocab_ids, train_lm_head=True, layout="eagle3")
-    draft.body.norm_before_residual = bool(config.get("norm_before_residual", True))
-    check_tensors(state, _speculators_shapes(draft, target, state), folder / VLLM_WEIGHTS)
-    check_embedding(state, target, folder)
-    params = dict(draft.named_parameters())
-    with torch.no_grad():
-        for ours, theirs in EAGLE3_NAMES.items():
-            params[ours].copy_(state[theirs])
-        if draft.fuse is not None:
-            draft.fuse.weight.copy_(state["fc.weight"])
-    return draft
-
-
-# speculators' EAGLE-3 options that change the draft's forward beyond our layer's (EAGLE 3.1's
-# normed inputs and outputs; facts from speculators 0.9.0, models/eagle3/core.py): a draft
-# trained with one would load here and draft as another function
-EAGLE3_FORWARD_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
-
-
-def check_eagle3_forward(config: dict, folder: Path) -> None:
-    """Refuse a speculators eagle3 config.json asking for a forward ours does not run
-    (ValueError naming the options)."""
-    asked = [option for option in EAGLE3_FORWARD_OPTIONS if config.get(option)]
-    if asked:
-        raise ValueError(f"{folder} holds an EAGLE-3 draft with {', '.join(asked)} set, which "
-                         "treedraft's EAGLE-3 layer does not compute (it would draft as "
-                         "another function): train it with them off (the speculators "
-                         "trainer turns norm_before_fc and norm_output on for eagle3 unless "
-                         "told otherwise)")
-
-
-def _speculators_shapes(draft: EagleDraft, target: Target, state: dict) -> dict:
-    """The tensors a speculators eagle3 file of `draft` holds, by name -> shape: the layer's,
-    `fc`, and, where the file has a draft vocabulary or an embedding, those."""
-    params = dict(draft.named_parameters())
-    hidden = draft.lm_head.weight.shape[1]
-    shapes = {theirs: params[ours].shape for ours, theirs in EAGLE3_NAMES.items()}
-    shapes["fc.weight"] = draft.fuse.weight.shape if draft.fuse is not None else (hidden, hidden)
-    if draft.vocab_ids is not None:
-        shapes.update({"d2t": draft.vocab_ids.shape, "t2d": (draft.target_vocab_size,)})
-    if "embed_tokens.weight" in state:
-        shapes["embed_tokens.weight"] = target.model.get_input_embeddings().weight.shape
-    return shapes
-
-
-def check_embedding(state: dict, target: Target, folder: Path) -> None:
-    """The embedding a draft read must be the target's (a draft for another fine-tune)."""
-    if "embed_tokens.weight" in state:
-        ours = target.model.get_input_embeddings().weight
-        if not torch.allclose(state["embed_tokens.weight"].to(ours.dtype), ours):
-            raise ValueError(f"{folder}'s token embedding is not {target.name}'s: a draft for "
-                             "another target (or another fine-tune of it)")
 
 
 # What every export writes beside its files: the files it wrote. A folder holding it and

@@ -37,13 +37,12 @@ import torch
 
 from drafters.checkpoint import target_record
 from drafters.dflash import DFlashDraft
-from drafters.export import (
+from drafters.export import own_copies, write_folder
+from drafters.speculators import (
     SPECULATORS_SCHEMA,
     VLLM_WEIGHTS,
     check_embedding,
-    own_copies,
     read_speculators,
-    write_folder,
 )
 from verify.target.files import check_tensors
 from verify.target.model import Target

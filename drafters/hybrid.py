@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from drafters.adaptive import cut_to_cost, ranked_nodes
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees.cost import cut_to_cost, ranked_nodes
+from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.predictions import TargetPredictions
 from verify.protocol import DraftContext, Drafter, ProposalCounts, Resettable

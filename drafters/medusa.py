@@ -33,7 +33,7 @@ from drafters.checkpoint import (
     target_record,
 )
 from drafters.config import typed_config
-from drafters.tree_steps import add_children, check_depth
+from drafters.trees.steps import add_children, check_depth
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.protocol import DraftContext
 from verify.target.features import LAST

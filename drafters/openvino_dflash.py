@@ -123,6 +123,12 @@ class OpenVINODFlashDrafter(DFlashDrafter):
         self.rotary = RotaryTables(draft.rotary)
         self.begin(torch.empty(0, dtype=torch.long))
 
+    @classmethod
+    def from_torch(cls, drafter: DFlashDrafter, step: OpenVINOStep) -> OpenVINODFlashDrafter:
+        """`drafter` (drafters.dflash.from_config's) with its block forward on `step`'s
+        kernels."""
+        return cls(drafter.draft, drafter.tree, drafter.name, step)
+
     def begin(self, prompt: torch.Tensor) -> None:
         self.held, self.kv = 0, None
 

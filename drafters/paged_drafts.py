@@ -7,7 +7,9 @@ forward is a paged graph built from its own weights with the target's graph piec
 (verify.target.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention), compiled by
 the target's step (its precision and threads), and run by drafters.paged_engine. Everything
 above the forward (catch-up spans, tree policies, commits) is the PyTorch drafter's own: these
-classes override only the two forwards.
+classes override only the two forwards. Each one's `from_torch` makes it from the PyTorch
+drafter its module's `from_config` built: drafters.DRAFTERS names it as that drafter's
+OpenVINO form.
 """
 
 from __future__ import annotations
@@ -20,17 +22,14 @@ import torch
 from transformers import PreTrainedModel
 
 from drafters.block import table_with_mask
-from drafters.dflash import DFlashDrafter
 from drafters.draft_model import DraftModelDrafter
-from drafters.dynamic_tree import DynamicTree
 from drafters.eagle import EagleDraft, EagleDrafter
 from drafters.engine import LevelAnswer, LevelRequest
 from drafters.medusa import MedusaDrafter, MedusaHeads
-from drafters.openvino_dflash import OpenVINODFlashDrafter
 from drafters.paged_engine import PagedDraftEngine
 from drafters.pard import PardDraft, PardDrafter, common_prefix
-from verify.protocol import DraftContext, Drafter
-from verify.target.model import Target
+from drafters.trees.dynamic import DynamicTree
+from verify.protocol import DraftContext
 from verify.target.openvino_graph import (
     F32,
     attention_shape,
@@ -46,40 +45,6 @@ from verify.target.openvino_graph import (
 )
 from verify.target.openvino_step import OpenVINOStep
 from verify.tree import TreeTopology
-
-STEPS = ("torch", "openvino")  # drafter.step values; null follows the target's step
-
-
-def draft_step(requested: str | None, target: Target, name: str) -> str:
-    """Where the draft's forwards run: `requested`, or the target's kind of step when null."""
-    on_openvino = isinstance(target.step, OpenVINOStep)
-    if requested is None:
-        return "openvino" if on_openvino else "torch"
-    if requested not in STEPS:
-        raise ValueError(f"drafter.step must be one of {STEPS} or null, got {requested!r}")
-    if requested == "openvino" and not on_openvino:
-        raise ValueError(f"drafter.step=openvino runs {name}'s draft on the target step's "
-                         "OpenVINO kernels, precision and threads: set target.step=openvino "
-                         "too (or drafter.step=torch)")
-    return requested
-
-
-def on_openvino(drafter: Drafter, step: OpenVINOStep) -> Drafter:
-    """`drafter`, a learned PyTorch drafter as its module's `from_config` builds it, with its
-    forwards on `step`'s kernels: the same draft weights, tree and name."""
-    if isinstance(drafter, EagleDrafter):
-        return PagedEagleDrafter(drafter.draft, drafter.tree, drafter.name, step)
-    if isinstance(drafter, DraftModelDrafter):
-        return PagedDraftModelDrafter(drafter.model, drafter.tree, drafter.name, step,
-                                      vocab_ids=drafter.vocab_ids,
-                                      iid_siblings=drafter.iid_siblings)
-    if isinstance(drafter, PardDrafter):
-        return PagedPardDrafter(drafter.draft, drafter.tree, drafter.name, step)
-    if isinstance(drafter, DFlashDrafter):
-        return OpenVINODFlashDrafter(drafter.draft, drafter.tree, drafter.name, step)
-    if isinstance(drafter, MedusaDrafter):
-        return OpenVINOMedusaDrafter(drafter.heads, drafter.topology, drafter.name, step)
-    raise TypeError(f"no OpenVINO draft step for {type(drafter).__name__}")
 
 
 def eagle_graph(draft: EagleDraft) -> ov.Model:
@@ -125,6 +90,11 @@ class PagedEagleDrafter(EagleDrafter):
         self.engine = PagedDraftEngine(step.compile(eagle_graph(draft)), rotary,
                                        draft.lm_head.weight.dtype)
 
+    @classmethod
+    def from_torch(cls, drafter: EagleDrafter, step: OpenVINOStep) -> PagedEagleDrafter:
+        """`drafter` (drafters.eagle.from_config's) with its forwards on `step`'s kernels."""
+        return cls(drafter.draft, drafter.tree, drafter.name, step)
+
     def _catch_up(self, ctxs: list[DraftContext]) -> LevelAnswer:
         """EagleDrafter._catch_up on the draft graph: every row's spans in one forward, the
         first one (the prompts) too, since rows run unpadded."""
@@ -151,6 +121,14 @@ class PagedDraftModelDrafter(DraftModelDrafter):
         self.engine = PagedDraftEngine(step.compile(build_graph(model)),
                                        model.model.rotary_emb, model.dtype)
 
+    @classmethod
+    def from_torch(cls, drafter: DraftModelDrafter, step: OpenVINOStep
+                   ) -> PagedDraftModelDrafter:
+        """`drafter` (drafters.draft_model.from_config's) with its forwards on `step`'s
+        kernels: the same draft vocabulary and sibling draws."""
+        return cls(drafter.model, drafter.tree, drafter.name, step,
+                   vocab_ids=drafter.vocab_ids, iid_siblings=drafter.iid_siblings)
+
     def _catch_up(self, ctxs: list[DraftContext]) -> LevelAnswer:
         contexts, keeps = self._crop_to_common_prefix(ctxs)
         _, logits = self.engine.feed_chains([tokens[keep:]
@@ -176,6 +154,11 @@ class PagedPardDrafter(PardDrafter):
         self.engine = PagedDraftEngine(step.compile(build_graph(model, input_table=inputs)),
                                        model.model.rotary_emb, model.dtype)
         self.begin(torch.empty(0, dtype=torch.long))
+
+    @classmethod
+    def from_torch(cls, drafter: PardDrafter, step: OpenVINOStep) -> PagedPardDrafter:
+        """`drafter` (drafters.pard.from_config's) with its block forward on `step`'s kernels."""
+        return cls(drafter.draft, drafter.tree, drafter.name, step)
 
     def begin(self, prompt: torch.Tensor) -> None:
         if hasattr(self, "engine"):  # PardDrafter.__init__ calls begin before it exists
@@ -227,6 +210,11 @@ class OpenVINOMedusaDrafter(MedusaDrafter):
         super().__init__(heads, topology, name)
         compiled = step.compile(medusa_graph(heads, max(topology.depth, 1)))
         self.request = compiled.create_infer_request()
+
+    @classmethod
+    def from_torch(cls, drafter: MedusaDrafter, step: OpenVINOStep) -> OpenVINOMedusaDrafter:
+        """`drafter` (drafters.medusa.from_config's) with its heads on `step`'s kernels."""
+        return cls(drafter.heads, drafter.topology, drafter.name, step)
 
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.topology.depth == 0:  # a root-only tree drafts nothing

@@ -31,10 +31,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from drafters.block import MASK, BlockDrafter, TreePolicy, embed_with_masks
+from drafters.block import MASK, BlockDrafter, embed_with_masks
 from drafters.checkpoint import PARD_MASK_FILE, check_kind
 from drafters.config import typed_config
 from drafters.draft_model import DraftModelConfig, load_draft_model, truncated_copy
+from drafters.trees import TreePolicy
 from drafters.vocab import check_vocab_ids, to_target_vocab
 from verify.protocol import DraftContext
 from verify.target.cache import allocated_bytes

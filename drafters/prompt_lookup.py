@@ -16,7 +16,7 @@ import torch
 
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
-from drafters.tree_steps import check_depth
+from drafters.trees.steps import check_depth
 from verify.protocol import DraftContext
 from verify.target.model import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology

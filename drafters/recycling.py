@@ -17,7 +17,7 @@ Two tree policies (the drafter's `tree`):
 - a DynamicTree (the default: conf/tree/recycling.yaml): best first by the product of the
   recorded probabilities along a path, the estimate that the whole path is accepted, at most
   `top_k` children per node, `depth` levels and `total_tokens` nodes, then cut to the nodes
-  that pay for their verification when the tree has a measured `cost` (drafters.adaptive).
+  that pay for their verification when the tree has a measured `cost` (drafters.trees.cost).
 
 The children are chosen deterministically (draft_probs None: one-hot proposals), so greedy and
 sampled decoding stay exact.
@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from drafters.adaptive import cut_to_cost
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import warm_start
+from drafters.trees.cost import cut_to_cost
+from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.predictions import TargetPredictions
 from verify.protocol import DraftContext, Resettable

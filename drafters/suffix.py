@@ -31,11 +31,11 @@ from typing import Protocol
 
 import torch
 
-from drafters.adaptive import cut_to_cost
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
 from drafters.suffix_trie import SuffixTrie
+from drafters.trees.cost import cut_to_cost
+from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.protocol import DraftContext, Resettable
 from verify.target.files import read_json, read_jsonl, write_json

@@ -23,12 +23,11 @@ from omegaconf import DictConfig
 from drafters.checkpoint import check_kind, read_config
 from drafters.dflash import DFlashDraft, block_inputs
 from drafters.dflash import load_draft as load_dflash
-from drafters.eagle import EagleDraft, load_draft
+from drafters.eagle import EagleDraft, load_draft, load_speculators_eagle3
 from drafters.export import (
     check_export_folder,
     export_speculators_eagle3,
     export_vllm_medusa,
-    load_speculators_eagle3,
     load_vllm_medusa,
 )
 from drafters.export_dflash import export_speculators_dflash, load_speculators_dflash

@@ -89,9 +89,8 @@ KINDS = (
          "experiments.step_limit:format_table"),
     Kind("experiments.distill_speed", lambda row: "warmup_s" in row,
          "experiments.distill_speed:format_table"),
-    # reports saved before regeneration's command moved to experiments/ (they name no command)
-    Kind("train.regenerate", lambda row: "skipped_by_reason" in row,
-         "experiments.regenerate:format_table"),
+    # reports saved before regeneration's command moved to experiments/ name no command: their
+    # rows say which
     Kind("experiments.regenerate", lambda row: "skipped_by_reason" in row,
          "experiments.regenerate:format_table"),
     Kind("experiments.onpolicy_data", lambda row: "batch_size" in row and "engine" in row,

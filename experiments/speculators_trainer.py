@@ -21,7 +21,7 @@ under `speculators.`), then:
    (experiments/peer_runners/speculators_trainer_runner.py, whose docstring says which of its
    defaults it keeps and which it aligns with ours, and why its own `Trainer` cannot run on a
    CPU), showing its progress bar; the draft is saved with the library's save_pretrained;
-4. loads the saved folder with our loader (drafters.export.load_speculators_eagle3; an error
+4. loads the saved folder with our loader (drafters.eagle.load_speculators_eagle3; an error
    names the folder if it does not) and moves it to <speculators.out_dir>/draft, then prints
    the command that trains our side and the bench command that decodes Spec-Bench prompts
    with both drafts (acceptance by depth side by side);
@@ -47,8 +47,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from drafters.checkpoint import RUN_CHECKPOINT
-from drafters.eagle import eagle_config
-from drafters.export import export_speculators_eagle3, load_speculators_eagle3
+from drafters.eagle import eagle_config, load_speculators_eagle3
+from drafters.export import export_speculators_eagle3
 from experiments.common import CONF_DIR, check_report, write_report
 from experiments.engines import model_folder, run_runner, venv_python
 from experiments.table import markdown_table

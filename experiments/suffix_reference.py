@@ -60,11 +60,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters import tree_policy
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import Speculation, SuffixConfig, SuffixDrafter, SuffixMemory
 from drafters.suffix_trie import SuffixTrie
+from drafters.trees import tree_policy
+from drafters.trees.dynamic import DynamicTree
 from experiments.common import CONF_DIR, report_name, report_rows, save_figure
 from experiments.engines import run_engine_method, venv_python
 from experiments.methods import spec_bench_prompts

@@ -49,7 +49,6 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from drafters.dynamic_tree import DynamicTree
 from drafters.measured_tree import (
     build_tree,
     choose_budget,
@@ -57,6 +56,7 @@ from drafters.measured_tree import (
     rank_order_breaks,
     write_tree_config,
 )
+from drafters.trees.dynamic import DynamicTree
 from experiments.common import check_report, report_name, save_figure, single_thread, write_report
 from experiments.table import markdown_table
 from experiments.tree_search_dynamic import (

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from drafters import build_drafter
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees.dynamic import DynamicTree
 from experiments.common import CONF_DIR
 from experiments.table import markdown_table
 from train.distill import encode_until

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 import experiments  # noqa: F401  (registers the <command>_schema nodes conf/<command>.yaml name)
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
-from drafters import tree_policy
-from drafters.adaptive import measured_cost
+from drafters.trees import tree_policy
+from drafters.trees.cost import measured_cost
 from experiments.common import CONF_DIR
 from experiments.methods import contenders, parse_compare, report_stem
 from verify.target.model import load_target, load_target_from_config
@@ -97,6 +97,17 @@ def test_tree_configs_are_valid_tree_policies(tree):
 def test_tiny_target_configs_load(target):
     cfg = compose_with("bench", f"target={target}")
     assert load_target_from_config(cfg.target).model.config.vocab_size == 256
+
+
+def test_step_options_reach_the_step_typed_and_a_step_refuses_ones_it_does_not_take():
+    cfg = compose_with("bench", "target=tiny_llama", "target.step=openvino",
+                       "target.step_options.threads=1")
+    assert load_target_from_config(cfg.target).step.threads == 1
+    with pytest.raises(ValueError, match=r"target.step=eager takes no options \['threads'\]"):
+        load_target_from_config(compose_with("bench", "target=tiny_llama",
+                                             "target.step_options.threads=1").target)
+    with pytest.raises(Exception, match="threads"):  # typed: a count, not a word
+        compose_with("bench", "target.step_options.threads=two")
 
 
 def test_the_train_schema_type_checks_overrides():

@@ -45,6 +45,14 @@ def test_every_config_option_the_readme_names_exists():
     assert not missing
 
 
+def test_the_guides_examples_decode_on_the_step_the_target_was_loaded_with():
+    """`generate(target.model, ...)` would decode on the eager step whatever `target.step` is
+    (the loop takes a step, a bare model only through its eager one)."""
+    text = _guide_text()
+    assert "generate(target.step" in text
+    assert not re.findall(r"(?:generate|generate_batch|TreeVerifier)\(target\.model", text)
+
+
 def test_the_readme_stays_a_guide_of_at_most_450_lines():
     """Detail goes to the pages it links (docs/*.md), not into the README itself."""
     lines = len((ROOT / "README.md").read_text().splitlines())

@@ -17,6 +17,14 @@ from omegaconf import MISSING
 
 
 @dataclass
+class StepOptions:
+    """target.step_options: the options of the step's builder (verify.target.step.STEPS);
+    one left null is the step's own default, and a step refuses one it does not take."""
+
+    threads: int | None = None  # openvino: the plugin's threads; null: torch's thread count
+
+
+@dataclass
 class TargetConfig:
     """conf/target: what verify.target.model.load_target takes, plus a name for result tables."""
 
@@ -38,6 +46,7 @@ class TargetConfig:
     # decoding step that self-distillation runs; a target that trains (Medusa-2's adapter)
     # always loads eager
     step: str = "eager"
+    step_options: StepOptions = field(default_factory=StepOptions)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The target's measured step cost t(n): one verification step of n tree tokens, timed.
 
 Every cost-aware choice reads it: tree_search's offline budget, the per-step adaptive tree
-(drafters.adaptive), the speed model (experiments.simulate), the context sweep and the profile.
+(drafters.trees.cost), the speed model (experiments.simulate), the context sweep and the profile.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from verify.verifier import TreeVerifier
 
 
 @torch.no_grad()
-def measure_verify_cost(model: PreTrainedModel | TargetStep, sizes: Sequence[int],
+def measure_verify_cost(step: TargetStep | PreTrainedModel, sizes: Sequence[int],
                         context_len: int = 256, repeats: int = 5,
                         draft_cost_s: float = 0.0, interleave: bool = True
                         ) -> dict[int, float]:
@@ -39,7 +39,7 @@ def measure_verify_cost(model: PreTrainedModel | TargetStep, sizes: Sequence[int
     if not sizes or min(sizes) < 1 or repeats < 1:
         raise ValueError(f"need token counts >= 1 and repeats >= 1, got sizes {list(sizes)}, "
                          f"repeats {repeats}")
-    verifier = TreeVerifier(model)
+    verifier = TreeVerifier(step)
     model = verifier.model
     window = context_window(model)
     if window is not None and context_len + max(sizes) > window:

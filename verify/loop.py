@@ -70,7 +70,7 @@ class GenerationResult:
         return sum(s.verify_s for s in self.steps)
 
 
-def generate(model: PreTrainedModel | TargetStep, input_ids: torch.Tensor,
+def generate(step: TargetStep | PreTrainedModel, input_ids: torch.Tensor,
              max_new_tokens: int, *,
              drafter: Drafter | None = None, sampling: SamplingParams = GREEDY,
              rule: RuleConfig = None,
@@ -78,8 +78,8 @@ def generate(model: PreTrainedModel | TargetStep, input_ids: torch.Tensor,
              generator: torch.Generator | None = None, pad_rows: int = 1) -> GenerationResult:
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
-    model: the target's step (`Target.step`: packed or compiled as the target was loaded), or
-    a bare model, decoded through its eager step (verify/target/step.py).
+    step: the target's step (`Target.step`: packed, compiled or on OpenVINO as the target was
+    loaded), or a bare model, decoded through its eager step (verify/target/step.py).
     sampling: temperature, top-k and top-p (verify.sampling.SamplingParams; GREEDY, temperature
     0, by default); top_k 0 and top_p 1 switch those filters off. The same warp applies to
     target and draft distributions. The rule defaults to greedy at temperature 0 and exact
@@ -92,12 +92,12 @@ def generate(model: PreTrainedModel | TargetStep, input_ids: torch.Tensor,
     if input_ids.dim() > 1 and input_ids.shape[0] > 1:
         raise ValueError(f"generate decodes one prompt, got shape {tuple(input_ids.shape)}: "
                          "use generate_batch for a batch")
-    return generate_batch(model, [input_ids.flatten()], max_new_tokens, drafter=drafter,
+    return generate_batch(step, [input_ids.flatten()], max_new_tokens, drafter=drafter,
                           sampling=sampling, rule=rule, eos_token_id=eos_token_id,
                           generator=generator, pad_rows=pad_rows)[0]
 
 
-def generate_batch(model: PreTrainedModel | TargetStep,
+def generate_batch(step: TargetStep | PreTrainedModel,
                    prompts: Sequence[torch.Tensor] | torch.Tensor,
                    max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
                    pad_token_id: int | None = None, drafter: Drafter | None = None,
@@ -130,7 +130,7 @@ def generate_batch(model: PreTrainedModel | TargetStep,
     if max_batch_for_speculation is not None and max_batch_for_speculation < 0:
         raise ValueError(f"max_batch_for_speculation must be >= 0 or None, got "
                          f"{max_batch_for_speculation}")
-    step = as_step(model)
+    step = as_step(step)
     model = step.model
     rows = [_check_inputs(model, prompt, max_new_tokens)
             for prompt in _split_prompts(model, prompts, attention_mask, pad_token_id)]

@@ -329,7 +329,8 @@ def check_draw_order(tree: TokenTree, order: Sequence[int]) -> None:
 
 class TreeBuilder:
     """A tree grown node by node: tries (TokenTree.from_paths), filled topologies
-    (drafters.tree_steps.fill_steps), and every candidate of a dynamic tree (drafters.dynamic_tree).
+    (drafters.trees.steps.fill_steps), and every candidate of a dynamic tree
+    (drafters.trees.dynamic).
 
     Node 0 is the root; node i > 0 has `parents[i] < i`, so nodes are numbered in the order
     they were added and a parent always precedes its children.

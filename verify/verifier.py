@@ -28,14 +28,14 @@ class TreeVerifier:
 
     The single-sequence methods (`prefill`, `verify`, `commit`, `length`) are the B = 1 case
     of the batch methods (`prefill_batch`, `verify_batch`, `commit_batch`).
-    `model` is the target's step (`Target.step`) or a bare model, run through its eager step.
+    `step` is the target's step (`Target.step`) or a bare model, run through its eager step.
     The cache and the forwards over it are the step's `state` (verify/target/step.py
     `StepState`), in whatever form that step keeps them: the verifier keeps the rows' committed
     lengths and asks of a state only what the protocol names.
     """
 
-    def __init__(self, model: PreTrainedModel | TargetStep, feature_layers: tuple[int, ...] = ()):
-        self.step = as_step(model)
+    def __init__(self, step: TargetStep | PreTrainedModel, feature_layers: tuple[int, ...] = ()):
+        self.step = as_step(step)
         self.model = self.step.model
         self.feature_layers = resolve_layers(feature_layers, num_layers(self.model.config))
         self.state = self.step.new_state(self.feature_layers)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from drafters.adaptive import StepCost, best_size, cut_to_cost, measured_cost, step_cost
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees.cost import StepCost, best_size, cut_to_cost, measured_cost, step_cost
+from drafters.trees.dynamic import DynamicTree
 from experiments.common import CONF_DIR
 from verify.tree import TokenTree, TreeBuilder, TreeError
 

@@ -12,15 +12,10 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
-from drafters.adaptive import StepCost
-from drafters.block import (
-    DDTree,
-    best_first,
-    check_block_tree,
-    fill_from_marginals,
-    tree_from_block,
-)
-from drafters.dynamic_tree import DynamicTree
+from drafters.block import check_block_tree, fill_from_marginals, tree_from_block
+from drafters.trees.cost import StepCost
+from drafters.trees.ddtree import DDTree, best_first
+from drafters.trees.dynamic import DynamicTree
 from tests.verify.tree_enumeration import (
     continuations,
     draft_trees,

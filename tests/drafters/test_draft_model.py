@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrain
 
 from drafters import build_drafter
 from drafters.draft_model import DraftModelDrafter, check_compatible, truncated_copy
-from drafters.dynamic_tree import DynamicTree
-from drafters.tree_steps import propose_children
+from drafters.trees.dynamic import DynamicTree
+from drafters.trees.steps import propose_children
 from verify.accept import Acceptance
 from verify.loop import generate
 from verify.protocol import DraftContext

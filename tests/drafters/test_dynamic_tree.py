@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees import tree_policy
+from drafters.trees.dynamic import DynamicTree
 from verify.tree import TreeBuilder
 
 V = 10
@@ -156,7 +157,7 @@ def test_expand_and_root_shapes_are_checked():
 
 
 def test_the_shipped_config_builds(conf):
-    assert DynamicTree.from_config(conf("tree", "eagle2")) == DynamicTree(5, 8, 24)
+    assert tree_policy(conf("tree", "eagle2")) == DynamicTree(5, 8, 24)
 
 
 def test_rounds_stop_at_the_budget_and_keep_the_same_tree():

@@ -6,7 +6,6 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
-from drafters.dynamic_tree import DynamicTree
 from drafters.eagle import (
     EagleDraft,
     EagleDrafter,
@@ -16,6 +15,7 @@ from drafters.eagle import (
     save_draft,
 )
 from drafters.engine import LevelRequest
+from drafters.trees.dynamic import DynamicTree
 from drafters.vocab import coverage
 from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext

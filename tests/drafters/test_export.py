@@ -10,13 +10,8 @@ from safetensors.torch import load_file, save_file
 
 import experiments.export
 from drafters import build_drafter
-from drafters.eagle import EagleDraft, save_draft
-from drafters.export import (
-    export_speculators_eagle3,
-    export_vllm_medusa,
-    load_speculators_eagle3,
-    load_vllm_medusa,
-)
+from drafters.eagle import EagleDraft, load_speculators_eagle3, save_draft
+from drafters.export import export_speculators_eagle3, export_vllm_medusa, load_vllm_medusa
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.common import CONF_DIR
 from experiments.export import eagle_logit_gap, export, medusa_logit_gap

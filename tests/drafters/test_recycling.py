@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from drafters.dynamic_tree import DynamicTree
 from drafters.recycling import RecyclingConfig, RecyclingDrafter, RecyclingTable, from_config
 from drafters.suffix import from_config as suffix_from_config
+from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.loop import generate
 from verify.predictions import TargetPredictions

@@ -1,11 +1,13 @@
 """build_drafter: every registered drafter builds from its shipped config and follows the
 protocol; unknown names and trees a drafter cannot fill are refused at construction."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafters import COMBINATORS, DRAFTERS, build_drafter, rule_refusal
+from drafters import COMBINATORS, DRAFTERS, build_drafter, draft_step, rule_refusal
 from verify.accept import RuleRefusal
 from verify.loop import generate
 from verify.protocol import Drafter
@@ -22,6 +24,17 @@ def test_each_registered_drafter_builds_from_its_config(name, tiny, conf):
     drafter = build_drafter(cfg, conf("tree", OWN_TREES.get(name, "tree8")), tiny("llama"))
     assert isinstance(drafter, Drafter)
     assert isinstance(drafter.feature_layers, tuple)  # medusa reads the target's last state
+
+
+def test_where_a_learned_draft_runs_is_asked_of_the_target_step():
+    # drafter.step=null: where the step runs drafts by default (its draft_steps' first)
+    beside_openvino = SimpleNamespace(draft_steps=("openvino", "torch"))
+    beside_torch = SimpleNamespace(draft_steps=("torch",))
+    assert draft_step(None, beside_openvino, "eagle") == "openvino"
+    assert draft_step(None, beside_torch, "eagle") == "torch"
+    assert draft_step("torch", beside_openvino, "eagle") == "torch"
+    with pytest.raises(ValueError, match="set target.step=openvino"):
+        draft_step("openvino", beside_torch, "eagle")
 
 
 def test_an_unknown_drafter_is_refused_with_the_known_names(tiny, conf):

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from drafters.adaptive import StepCost
-from drafters.dynamic_tree import DynamicTree
 from drafters.suffix import SuffixConfig, SuffixDrafter, SuffixMemory, warm_texts
 from drafters.suffix_trie import ROOT, SuffixTrie
+from drafters.trees.cost import StepCost
+from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
 from verify.target.files import UnreadableFileError

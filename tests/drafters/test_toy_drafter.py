@@ -1,7 +1,8 @@
 """The recipe for a new drafter, followed by a toy that lives in the tests and by its twin that
-reads the verified tree (target_top_k): each registered with one line, built from its YAML by
+reads the verified tree (target_top_k): each registered with one entry, built from its YAML by
 build_drafter, decodes greedily token for token like plain decoding, alone and in a batch,
-while its class writes nothing but its own logic."""
+while its class writes nothing but its own logic; what the registry knows of it is its entry
+alone."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafters import DRAFTERS, build_drafter
+from drafters import DRAFTERS, DrafterEntry, build_drafter, drafters_that, rule_refusal
 from tests.drafters import toy_drafter, toy_echo_drafter
 from tests.drafters.test_drafter_table import BATCH, BATCH_TOKENS, NEW_TOKENS, PROMPT
 from tests.drafters.toy_drafter import RepeatDrafter
@@ -20,18 +21,21 @@ from verify.loop import generate, generate_batch
 from verify.predictions import TargetPredictions
 from verify.protocol import DraftContext, Drafter
 from verify.sampling import SamplingParams
-from verify.tree import TokenTree
+from verify.tree import TokenTree, TreeError
 
 CONF = Path(__file__).with_name("conf") / "drafter"
-TOYS = {"toy": toy_drafter.from_config, "toy_echo": toy_echo_drafter.from_config}
+# each toy's one registry entry: its builder, no OpenVINO form, no traits (it chooses its
+# children, from no block)
+TOYS = {"toy": DrafterEntry(toy_drafter.from_config),
+        "toy_echo": DrafterEntry(toy_echo_drafter.from_config)}
 
 
 @pytest.fixture
 def toy(monkeypatch, tiny, conf):
     """toy(arch, name="toy") -> that toy drafter for a tiny target, built as any registered
     drafter is."""
-    for name, builder in TOYS.items():
-        monkeypatch.setitem(DRAFTERS, name, builder)  # each toy's one registry line
+    for name, entry in TOYS.items():
+        monkeypatch.setitem(DRAFTERS, name, entry)
     return lambda arch, name="toy": build_drafter(OmegaConf.load(CONF / f"{name}.yaml"),
                                                   conf("tree", "chain4"), tiny(arch))
 
@@ -40,6 +44,19 @@ def test_the_toy_builds_from_its_yaml_through_the_registry(toy):
     drafter = toy("llama")
     assert isinstance(drafter, RepeatDrafter) and isinstance(drafter, Drafter)
     assert drafter.depth == 4 and drafter.feature_layers == ()
+
+
+def test_what_the_registry_knows_of_the_toy_is_its_entry(monkeypatch, toy, tiny, conf):
+    # entered without traits, the toy chooses its children and fills no DDTree; entered
+    # drawing them (i.i.d.) from a block, every check says so
+    chain, cfg = conf("tree", "chain4"), {"name": "toy", "iid_siblings": True}
+    assert "'toy' on tree 'chain4' chooses its children" in rule_refusal("traversal", cfg, chain)
+    with pytest.raises(TreeError, match="drafter 'toy' has none"):
+        build_drafter(cfg, conf("tree", "ddtree8"), tiny("llama"))
+    monkeypatch.setitem(DRAFTERS, "toy", replace(TOYS["toy"], block=True, draws=True, iid=True))
+    assert rule_refusal("traversal", cfg, chain) is None
+    assert rule_refusal("spectr", cfg, chain) is None
+    assert "toy" in drafters_that("block")
 
 
 def test_the_toy_class_writes_only_its_own_logic():

@@ -1,6 +1,7 @@
 """A toy model-free drafter, added the way docs/extending.md says a new drafter is: this
 module, its YAML (conf/drafter/toy.yaml beside it), a test file (test_toy_drafter.py) and one
-registry line (the test's entry in drafters.DRAFTERS). It lives in the test suite only.
+registry entry (the test's DrafterEntry in drafters.DRAFTERS). It lives in the test suite
+only.
 
 It bets that the context repeats itself: its draft is what followed the latest earlier
 occurrence of the root token, as a chain.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext
 from verify.target.model import Target
 from verify.tree import TokenTree, TreeTopology

@@ -1,7 +1,7 @@
 """The toy drafter's twin that reads the verified tree, added by the same recipe: this module,
 its YAML (conf/drafter/toy_echo.yaml beside it), its tests (test_toy_drafter.py, beside the
-toy's) and one registry line (the test's entry in drafters.DRAFTERS). It lives in the test
-suite only.
+toy's) and one registry entry (the test's DrafterEntry in drafters.DRAFTERS). It lives in the
+test suite only.
 
 It declares `target_top_k = 1` and keeps, for every token of a tree it proposed, the target's
 top-1 after that token's node (Acceptance.predictions): its draft is the chain of those
@@ -17,7 +17,7 @@ import torch
 
 from drafters.base import StatelessDrafter
 from drafters.config import typed_config
-from drafters.dynamic_tree import DynamicTree
+from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
 from verify.target.model import Target

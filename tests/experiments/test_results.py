@@ -41,7 +41,7 @@ def test_every_saved_report_renders(path):
     it: a formatter that stops reading older reports fails here, not on a results page."""
     table = render_table(path, "x.json")
     assert table.count("|") > 4
-    assert "written by `experiments." in table or "written by `train.regenerate`" in table
+    assert "written by `experiments." in table
 
 
 def _report(folder: Path, name: str, rows: list[dict]) -> Path:
@@ -174,7 +174,7 @@ def _recorded(module: str | None, row: dict) -> dict:
      "experiments.tree_search mode=sequoia"),
     ("experiments.tree_search", {"chosen": True, "nodes": 3}, "experiments.tree_search"),
     # no record, or one naming no command (a test, a notebook): the guess by rows
-    (None, {"skipped_by_reason": {}}, "train.regenerate"),
+    (None, {"skipped_by_reason": {}}, "experiments.regenerate"),
     ("pytest", {"methods": {}}, "experiments.bench"),
 ])
 def test_a_report_is_rendered_by_the_command_its_record_names(module, row, command):

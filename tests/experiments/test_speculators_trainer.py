@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import experiments  # noqa: F401  (registers speculators_trainer_schema)
 from drafters import build_drafter
-from drafters.export import load_speculators_eagle3
+from drafters.eagle import load_speculators_eagle3
 from experiments import speculators_trainer
 from experiments.common import CONF_DIR
 from train.distributed import DistEnv

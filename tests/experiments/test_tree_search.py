@@ -11,9 +11,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from drafters import tree_policy
-from drafters.dynamic_tree import DynamicTree
 from drafters.measured_tree import build_tree, choose_budget
+from drafters.trees import tree_policy
+from drafters.trees.dynamic import DynamicTree
 from experiments import tree_search
 from experiments.common import CONF_DIR
 from experiments.results import kind_of

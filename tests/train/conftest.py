@@ -1,10 +1,16 @@
-"""Compose the training config the way `python train.py` does, with smoke-sized overrides."""
+"""Compose the training config the way `python train.py` does, with smoke-sized overrides;
+the checks every recipe's tests share: a few optimizer steps lower its objective, and a run
+stopped and resumed ends where the uninterrupted one does."""
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
 
+import train.features as features_module
 import train.schema  # noqa: F401  (registers train_schema)
 from experiments.common import CONF_DIR
+from train import run_training
 
 
 @pytest.fixture
@@ -32,3 +38,40 @@ def interrupt(monkeypatch):
         monkeypatch.setattr(recipe, "batch_indices", interrupted)
         return lambda: monkeypatch.setattr(recipe, "batch_indices", real)
     return arm
+
+
+@pytest.fixture
+def descend():
+    """descend(objective, module, batch, steps, optimizer=AdamW) -> (each step's loss, the last
+    step's counts): `steps` optimizer steps (lr 3e-3) on `module`'s trainable parameters, the
+    objective called on `batch`'s keyword arguments."""
+    def run(objective, module, batch: dict, steps: int, optimizer=torch.optim.AdamW):
+        optimizer = optimizer([p for p in module.parameters() if p.requires_grad], lr=3e-3)
+        losses = []
+        for _ in range(steps):
+            loss, counts = objective(**batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses, counts
+    return run
+
+
+@pytest.fixture
+def resumes_exactly(interrupt):
+    """resumes_exactly(make_cfg, out_dir, weights, whole="whole"): the run `make_cfg(out="cut")`
+    configures (into out_dir/cut), stopped by a Ctrl-C at step 3, after step 2's checkpoint,
+    and run again, must resume there and save its checkpoint's file `weights` equal, tensor
+    for tensor, to that of the uninterrupted run into out_dir/`whole` (which ran already)."""
+    def check(make_cfg, out_dir, weights: str, whole: str = "whole") -> None:
+        resume = interrupt(features_module, 3)
+        with pytest.raises(KeyboardInterrupt):
+            run_training(make_cfg(out="cut"))
+        assert torch.load(out_dir / "cut/checkpoint/train_state.pt")["step"] == 2
+        resume()
+        run_training(make_cfg(out="cut"))
+        ours, theirs = (load_file(str(out_dir / out / "checkpoint" / weights))
+                        for out in (whole, "cut"))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    return check

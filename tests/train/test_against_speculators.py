@@ -89,8 +89,9 @@ import torch
 
 from drafters.dflash import DFlashDraft
 from drafters.eagle import EagleConfig, EagleDraft
-from drafters.export import EAGLE3_NAMES, export_speculators_eagle3
+from drafters.export import export_speculators_eagle3
 from drafters.export_dflash import export_speculators_dflash
+from drafters.speculators import EAGLE3_NAMES
 from tests.drafters.test_export import randomize
 from train import dflash as dflash_objective
 from train import eagle as eagle_objective

@@ -4,12 +4,12 @@ ends where an uninterrupted one does, another target's checkpoint is refused; an
 losses (optim.loss) against hand computations, in both EAGLE's and DFlash's objectives."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
 import train.dflash as dflash_loss_module
-import train.features as features_module
 import train.recipes.dflash as dflash_recipe
 from drafters.dflash import DFlashConfig, DFlashDraft, DFlashDrafter, block_mask
 from drafters.eagle import EagleConfig, EagleDraft
@@ -112,17 +112,9 @@ def test_the_training_forward_is_what_the_drafter_computes_when_decoding():
         torch.testing.assert_close(logits[0, j], marginals, atol=1e-4, rtol=1e-3)
 
 
-def test_training_steps_lower_the_loss():
+def test_training_steps_lower_the_loss(descend):
     objective, batch = _objective(block_size=4, anchors=16)  # every eligible anchor
-    params = [p for p in objective.draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss, counts = objective(**batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
+    losses, counts = descend(objective, objective.draft, batch, 8)
     assert counts.shape == (3, 4)
     assert losses[-1] < losses[0] * 0.8, losses
 
@@ -209,22 +201,10 @@ def test_a_smoke_run_trains_with_the_configured_loss_and_reports_acceptance(
     assert results["decoding"]["identical"] == results["decoding"]["prompts"]
 
 
-def _state(out_dir):
-    from safetensors.torch import load_file
-    return load_file(str(out_dir / "checkpoint" / "draft.safetensors"))
-
-
-def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(train_cfg, interrupt, tmp_path):
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(train_cfg, resumes_exactly,
+                                                            tmp_path):
     run_training(train_cfg("drafter=dflash", out="whole"))
-    resume = interrupt(features_module, 3)  # after the checkpoint of step 2
-    with pytest.raises(KeyboardInterrupt):
-        run_training(train_cfg("drafter=dflash", out="cut"))
-    assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
-    resume()
-    run_training(train_cfg("drafter=dflash", out="cut"))
-    whole, resumed = _state(tmp_path / "whole"), _state(tmp_path / "cut")
-    assert whole.keys() == resumed.keys()
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    resumes_exactly(partial(train_cfg, "drafter=dflash"), tmp_path, "draft.safetensors")
 
 
 def test_resuming_refuses_another_target(train_cfg):

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-import train.features as features_module
 from drafters import build_drafter
 from drafters.draft_model import (
     DraftModelConfig,
@@ -103,7 +103,7 @@ def test_bad_student_settings_are_refused(config, message):
 
 
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "tv"])
-def test_distillation_steps_lower_the_divergence_and_leave_the_target_alone(kind):
+def test_distillation_steps_lower_the_divergence_and_leave_the_target_alone(kind, descend):
     target = load_target(tiny="llama")
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     vocab = torch.arange(128)
@@ -112,15 +112,9 @@ def test_distillation_steps_lower_the_divergence_and_leave_the_target_alone(kind
     input_ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         features = target.model.base_model(input_ids).last_hidden_state
-    learn = torch.ones_like(input_ids, dtype=torch.bool)
-    optimizer = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss, counts = objective(input_ids, features, learn)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    batch = {"input_ids": input_ids, "features": features,
+             "learn": torch.ones_like(input_ids, dtype=torch.bool)}
+    losses, counts = descend(objective, student, batch, 15, torch.optim.Adam)
     assert counts.shape == (1, 3) and counts[0, 0] == 4 * 23
     assert losses[-1] < 0.7 * losses[0], losses
     after = target.model.state_dict()
@@ -223,17 +217,9 @@ def test_a_full_vocabulary_draft_assists_hugging_face_generate(tmp_path):
     assert torch.equal(assisted, hf_generate(target, TOKENS, 24))
 
 
-def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, interrupt):
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, resumes_exactly):
     run_training(_cfg(tmp_path, out="whole"))
-    resume = interrupt(features_module, 3)  # after the checkpoint of step 2
-    with pytest.raises(KeyboardInterrupt):
-        run_training(_cfg(tmp_path, out="cut"))
-    assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
-    resume()
-    run_training(_cfg(tmp_path, out="cut"))
-    whole, cut = (load_file(str(tmp_path / name / "checkpoint/model.safetensors"))
-                  for name in ("whole", "cut"))
-    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+    resumes_exactly(partial(_cfg, tmp_path), tmp_path, "model.safetensors")
 
 
 def test_resuming_refuses_another_student_or_another_target(tmp_path):

@@ -3,13 +3,12 @@ the loss goes down, an interrupted run resumes to the same state, checkpoints re
 target, and a trained draft gets drafts accepted while decoding stays exact."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
-import train.features as features_module
 from drafters import build_drafter
 from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter, default_layout
 from drafters.engine import LevelRequest
@@ -80,7 +79,7 @@ def test_unrolled_steps_equal_drafting_the_chain(arch, variant):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
-def test_training_steps_lower_the_loss(arch, variant):
+def test_training_steps_lower_the_loss(arch, variant, descend):
     torch.manual_seed(0)
     target = load_target(tiny=arch)
     layers = (-1,) if variant == "eagle1" else eagle3_layers(2)
@@ -91,33 +90,14 @@ def test_training_steps_lower_the_loss(arch, variant):
     stored = layers if variant == "eagle1" else (*draft.feature_layers, 2)
     batch = {"input_ids": TOKENS[None], "features": _features(target, TOKENS, stored)[None],
              "learn": torch.ones(1, len(TOKENS), dtype=torch.bool)}
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss, counts = objective(**batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
+    losses, counts = descend(objective, draft, batch, 8)
     assert counts.shape == (config.ttt_steps, 4)
     assert losses[-1] < losses[0] * 0.8, losses
 
 
-def _state(out_dir):
-    return load_file(str(out_dir / "checkpoint" / "draft.safetensors"))
-
-
-def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, interrupt):
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(tmp_path, resumes_exactly):
     run_training(_eagle_cfg(tmp_path, out="whole"))
-    resume = interrupt(features_module, 3)  # after the checkpoint of step 2
-    with pytest.raises(KeyboardInterrupt):
-        run_training(_eagle_cfg(tmp_path, out="cut"))
-    assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
-    resume()
-    run_training(_eagle_cfg(tmp_path, out="cut"))
-    whole, resumed = _state(tmp_path / "whole"), _state(tmp_path / "cut")
-    assert whole.keys() == resumed.keys()
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    resumes_exactly(partial(_eagle_cfg, tmp_path), tmp_path, "draft.safetensors")
 
 
 def test_resuming_refuses_another_draft_or_another_target(tmp_path):

@@ -2,13 +2,12 @@
 decodes exactly at its block size), resuming bit for bit, and refusing another target's run."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from safetensors.torch import load_file
 
-import train.features as features_module
 from drafters.pard import PardConfig, read_mask
 from experiments.common import CONF_DIR
 from train import run_training
@@ -22,7 +21,7 @@ def _cfg(tmp_path, *overrides, out="run"):
                                  f"data.cache_dir={tmp_path / 'cache'}", *overrides])
 
 
-def test_pard_steps_lower_the_loss_at_every_offset_and_leave_the_target_alone():
+def test_pard_steps_lower_the_loss_at_every_offset_and_leave_the_target_alone(descend):
     target = load_target(tiny="llama")
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     config = PardConfig(num_layers=1, block_size=3, draft_vocab_size=128)
@@ -31,15 +30,9 @@ def test_pard_steps_lower_the_loss_at_every_offset_and_leave_the_target_alone():
     objective = PardLoss(draft, target.model.get_output_embeddings(), vocab, "forward_kl")
     with torch.no_grad():
         features = target.model.base_model(input_ids).last_hidden_state
-    learn = torch.ones_like(input_ids, dtype=torch.bool)
-    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss, counts = objective(input_ids, features, learn)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    batch = {"input_ids": input_ids, "features": features,
+             "learn": torch.ones_like(input_ids, dtype=torch.bool)}
+    losses, counts = descend(objective, draft, batch, 15, torch.optim.Adam)
     # rows per offset g: the tokens t + g + 1 < 20 of 4 sequences
     assert counts[:, 0].tolist() == [4 * 19, 4 * 18, 4 * 17]
     assert losses[-1] < 0.7 * losses[0], losses
@@ -79,17 +72,9 @@ def test_the_run_saves_a_pard_folder_that_decodes_exactly(trained):
     assert len(saved["accuracy"]["top1"]) == 4  # one row per depth of the block
 
 
-def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(trained, interrupt):
+def test_a_resumed_run_ends_in_the_uninterrupted_runs_state(trained, resumes_exactly):
     tmp_path, _ = trained
-    resume = interrupt(features_module, 3)  # after the checkpoint of step 2
-    with pytest.raises(KeyboardInterrupt):
-        run_training(_cfg(tmp_path, out="cut"))
-    assert torch.load(tmp_path / "cut/checkpoint/train_state.pt")["step"] == 2
-    resume()
-    run_training(_cfg(tmp_path, out="cut"))
-    whole, cut = (load_file(str(tmp_path / name / "checkpoint/model.safetensors"))
-                  for name in ("run", "cut"))
-    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+    resumes_exactly(partial(_cfg, tmp_path), tmp_path, "model.safetensors", whole="run")
     assert torch.equal(read_mask(tmp_path / "run/checkpoint")[1],
                        read_mask(tmp_path / "cut/checkpoint")[1])
 

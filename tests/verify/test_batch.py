@@ -309,8 +309,8 @@ def test_a_batch_wider_than_the_speculation_limit_decodes_plainly_until_rows_fin
 def test_a_feature_drafter_catches_up_on_the_steps_it_did_not_draft(model):
     # EAGLE reads the target's features of every decided token: rows of the plain steps
     # must reach it when drafting resumes, or its catch-up refuses the gap
-    from drafters.dynamic_tree import DynamicTree
     from drafters.eagle import EagleDraft, EagleDrafter
+    from drafters.trees.dynamic import DynamicTree
 
     prompts = prompts_of_lengths(9, 20, 5, 13)
     references = alone(model, prompts, 30)

@@ -97,6 +97,7 @@ class RecomputeStep:
     """A `verify.target.step.TargetStep` whose state keeps tokens, not a KV cache."""
 
     extends_prompts = True  # a prompt may follow cached tokens: they are only tokens
+    draft_steps = ("torch",)  # drafts run in PyTorch beside it
 
     def __init__(self, model: PreTrainedModel):
         self.model = model

@@ -55,7 +55,7 @@ def draws(q: torch.Tensor, count: int, iid: bool) -> Iterator[tuple[list[int], f
 
 def draft_trees(topology: TreeTopology, q: Table, iid: bool
                 ) -> Iterator[tuple[TokenTree, float]]:
-    """Every tree a sampling drafter fills `topology` with (drafters.tree_steps.add_children:
+    """Every tree a sampling drafter fills `topology` with (drafters.trees.steps.add_children:
     distinct draws take the child slots in rank order), with its probability."""
     slots = [node for node in range(topology.size) if topology.children(node)]
 

@@ -4,11 +4,11 @@ objective, optimizer), train (train.loop.train_steps, resumable checkpoints), sa
 
 A new learned drafter is one module here with `drafter_config(cfg)` (its drafter settings,
 refused from cfg alone: run_training asks before it makes the out_dir), `run(cfg, env, group)
--> results` (and `LEARNING_CURVE = True` when it hands common.train a held-out evaluation for
+-> results` (and `LEARNING_CURVE = True` when it hands common.Training a held-out evaluation for
 curve_every) and one entry below; modules are imported only when their drafter is trained.
 The scaffolding every recipe shares (the training target, resuming, checkpoints, eval.json) is
 train.recipes.common: a recipe builds its model, data and objective and hands them to
-`common.train`.
+`common.train_and_evaluate`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 - `train`: resume from out_dir's checkpoint when a run left one, then train to optim.max_steps
   with a checkpoint every save_every steps (rank 0 writes, every rank waits for it), the ranks
   of a torchrun job sharing the work as dist.strategy says (train.sharding);
+- `restore_from`: resuming a drafter saved as one weights file beside its config;
+  `feature_training`: the whole Training of a draft that reads the target's features
+  (EAGLE, DFlash);
+- `train_and_evaluate`: every recipe's end, `train` then rank 0's evaluation;
 - `trained_drafter`, `write_eval`, `decoding_metrics`: the end-of-training evaluation decodes
   with the saved checkpoint and lands in eval.json, next to the run's resolved config.
 """
@@ -20,13 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import build_drafter
 from drafters.checkpoint import RUN_CHECKPOINT
-from train.checkpoint import find_checkpoint, training_state
+from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
 from train.curve import Curve
 from train.distill import distilled_data
 from train.distributed import DistEnv
-from train.features import FeatureSet, training_features
-from train.logger import Logger, build_logger
-from train.loop import train_steps
+from train.features import FeatureSet, live_target, sequence_batcher, training_features
+from train.logger import Logger, build_logger, finish_run
+from train.loop import adamw, train_steps
 from train.sharding import full_optimizer_state, full_state_dict, unshard_for_one_rank, wrap
 from verify.protocol import Drafter
 from verify.target.features import num_layers
@@ -64,8 +68,8 @@ def training_target(cfg: DictConfig, env: DistEnv, frozen: bool = True) -> Targe
     keeps `target.step` for the decoding that self-distillation runs; one that trains loads
     eager (a compiled step freezes the weights it sees at its first call)."""
     torch.manual_seed(cfg.seed)
-    target = load_target_from_config(cfg.target, packed_rows=None,
-                                     step=cfg.target.get("step", "eager") if frozen else "eager")
+    eager = {} if frozen else {"step": "eager", "step_options": None}
+    target = load_target_from_config(cfg.target, packed_rows=None, **eager)
     target.model.to(env.device)
     if frozen:
         target.model.requires_grad_(False)
@@ -125,6 +129,47 @@ def train(cfg: DictConfig, env: DistEnv, group: str | None, training: Training) 
             "ranks": env.world_size, **{k.removeprefix("train/"): v for k, v in metrics.items()
                                         if k.startswith("train/")}})
     return logger
+
+
+def train_and_evaluate(cfg: DictConfig, env: DistEnv, group: str | None, training: Training,
+                       evaluate: Callable[[], dict],
+                       metrics: Callable[[dict], dict[str, float]]) -> dict:
+    """Every recipe's end: `train`, then, on rank 0 alone, `evaluate()` (its eval.json
+    results) and the run's close (train.logger.finish_run, logging `metrics(results)`);
+    returns the results, {} on the other ranks."""
+    logger = train(cfg, env, group, training)
+    if not env.is_main:
+        return {}
+    results = evaluate()
+    return finish_run(logger, results, metrics(results))
+
+
+def restore_from(cfg: DictConfig, target: Target, module: torch.nn.Module, weights_file: str,
+                 optimizer: torch.optim.Optimizer, scheduler: Any,
+                 peft_model: Any = None) -> Callable[[Path], int]:
+    """`Training.restore` for a drafter saved as `weights_file` beside its config (EAGLE,
+    DFlash, Medusa's heads and a Medusa-2 adapter): a found checkpoint is checked against this
+    run (its target, `module.hyperparameters`, the training settings), then loaded."""
+    def restore(found: Path) -> int:
+        check_resumable(found, target, module.hyperparameters, cfg)
+        return load_checkpoint(found, module, weights_file, optimizer, scheduler, peft_model)
+    return restore
+
+
+def feature_training(cfg: DictConfig, env: DistEnv, target: Target, train_set: FeatureSet,
+                     objective: torch.nn.Module, draft: torch.nn.Module,
+                     save_draft: Callable[..., None], weights_file: str, label: str,
+                     heldout_eval: Callable[[], dict]) -> Training:
+    """What a draft reading the target's features (EAGLE, DFlash) trains with: AdamW over it,
+    batches of whole sequences of `train_set` (the live target's forward sharded with it when
+    the features are computed every step), its checkpoint written by its module's
+    `save_draft(draft, folder, target, extra, state)` as `weights_file` and resumed from."""
+    optimizer, scheduler = adamw(draft, cfg.optim)
+    return Training(
+        objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
+        save=lambda folder, state, extra: save_draft(draft, folder, target, extra, state),
+        restore=restore_from(cfg, target, draft, weights_file, optimizer, scheduler),
+        label=label, feature_model=live_target(train_set, target), heldout_eval=heldout_eval)
 
 
 def learning_curve(cfg: DictConfig, env: DistEnv, training: Training, start: int

@@ -14,25 +14,18 @@ eval.json (held-out accuracy and acceptance per draft position, tau and the gree
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig, OmegaConf
 
 from drafters.dflash import WEIGHTS_FILE, DFlashConfig, DFlashDraft, dflash_config, save_draft
 from drafters.vocab import coverage, most_frequent_tokens
-from train.checkpoint import check_resumable, load_checkpoint
 from train.dflash import DFlashLoss
 from train.distributed import DistEnv
 from train.evaluate import decode_check
 from train.features import (
     FeatureSet,
     heldout_accuracy,
-    live_target,
     prompts_of,
-    sequence_batcher,
 )
-from train.logger import finish_run
-from train.loop import adamw
 from train.losses import RowLoss
 from train.recipes import common
 from verify.target.features import eagle3_layers, num_layers, resolve_layers
@@ -59,21 +52,11 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     draft = DFlashDraft(target.model, layers, dcfg.block_size, dcfg.num_layers, vocab)
     objective = DFlashLoss(draft, target.model.get_output_embeddings(), dcfg,
                            RowLoss.from_optim(cfg.optim)).to(env.device)
-    optimizer, scheduler = adamw(draft, cfg.optim)
-
-    def restore(found: Path) -> int:
-        check_resumable(found, target, draft.hyperparameters, cfg)
-        return load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
-
-    logger = common.train(cfg, env, group, common.Training(
-        objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
-        save=lambda folder, state, extra: save_draft(draft, folder, target, extra, state),
-        restore=restore, label="position", feature_model=live_target(train_set, target),
-        heldout_eval=lambda: heldout_accuracy(objective, heldout)))
-    if not env.is_main:
-        return {}
-    results = evaluate(cfg, target, objective, heldout)
-    return finish_run(logger, results, _flat(results))
+    training = common.feature_training(cfg, env, target, train_set, objective, draft,
+                                       save_draft, WEIGHTS_FILE, "position",
+                                       lambda: heldout_accuracy(objective, heldout))
+    return common.train_and_evaluate(cfg, env, group, training,
+                                     lambda: evaluate(cfg, target, objective, heldout), _flat)
 
 
 def evaluate(cfg: DictConfig, target: Target, objective: DFlashLoss, heldout: FeatureSet

@@ -42,7 +42,6 @@ from train.features import (
     prompts_of,
     sequence_batcher,
 )
-from train.logger import finish_run
 from train.loop import adamw
 from train.recipes import common
 from train.sharding import load_full_state_dict
@@ -75,21 +74,18 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     settings = hyperparameters(config)
 
     def restore(found: Path) -> int:
-        check_resumable(found, target, settings, cfg, config_file=DRAFT_INFO_FILE)
-        check_same_vocab(found, vocab)
-        load_weights(found, draft, vocab)
+        load_student(found, cfg, target, settings, draft, vocab)
         return restore_training_state(found, optimizer, scheduler)
 
     def save(folder: Path, state: dict, extra) -> None:
         save_draft_model(draft, vocab, folder, target, settings, extra, state)
 
-    logger = common.train(cfg, env, group, common.Training(
+    training = common.Training(
         objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env), save,
-        restore, label="depth", feature_model=live_target(train_set, target)))
-    if not env.is_main:
-        return {}
-    results = evaluate(cfg, target, objective, heldout, vocab)
-    return finish_run(logger, results, flat_metrics(results))
+        restore, label="depth", feature_model=live_target(train_set, target))
+    return common.train_and_evaluate(
+        cfg, env, group, training, lambda: evaluate(cfg, target, objective, heldout, vocab),
+        flat_metrics)
 
 
 def hyperparameters(config: DraftModelConfig) -> dict:
@@ -97,6 +93,15 @@ def hyperparameters(config: DraftModelConfig) -> dict:
     return {"init": config.init, "num_layers": config.num_layers,
             "architecture": dict(config.architecture or {}),
             "draft_vocab_size": config.draft_vocab_size, "divergence": config.divergence}
+
+
+def load_student(found: Path, cfg: DictConfig, target: Target, settings: dict,
+                 model: torch.nn.Module, vocab: torch.Tensor | None) -> None:
+    """A found checkpoint's causal LM into `model`, once checked against this run: its target,
+    its settings (`hyperparameters`, as treedraft.json saved them) and its draft vocabulary."""
+    check_resumable(found, target, settings, cfg, config_file=DRAFT_INFO_FILE)
+    check_same_vocab(found, vocab)
+    load_weights(found, model, vocab)
 
 
 def check_same_vocab(found: Path, vocab: torch.Tensor | None) -> None:

@@ -14,7 +14,6 @@ eval.json (held-out accuracy per draft depth, tau and the greedy check).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -27,7 +26,6 @@ from drafters.eagle import (
     save_draft,
 )
 from drafters.vocab import coverage, most_frequent_tokens
-from train.checkpoint import check_resumable, load_checkpoint
 from train.distributed import DistEnv
 from train.eagle import EagleLoss
 from train.evaluate import decode_check
@@ -35,12 +33,8 @@ from train.features import (
     FeatureSet,
     LiveFeatures,
     heldout_accuracy,
-    live_target,
     prompts_of,
-    sequence_batcher,
 )
-from train.logger import finish_run
-from train.loop import adamw
 from train.losses import RowLoss
 from train.recipes import common
 from verify.target.features import num_layers, resolve_layers
@@ -89,21 +83,11 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     ecfg, target, train_set, draft = start.config, start.target, start.train_set, start.draft
     objective = EagleLoss(draft, target.model.get_output_embeddings(), ecfg,
                           RowLoss.from_optim(cfg.optim)).to(env.device)
-    optimizer, scheduler = adamw(draft, cfg.optim)
-
-    def restore(found: Path) -> int:
-        check_resumable(found, target, draft.hyperparameters, cfg)
-        return load_checkpoint(found, draft, WEIGHTS_FILE, optimizer, scheduler)
-
-    logger = common.train(cfg, env, group, common.Training(
-        objective, draft, optimizer, scheduler, sequence_batcher(train_set, cfg, env),
-        save=lambda folder, state, extra: save_draft(draft, folder, target, extra, state),
-        restore=restore, label="step", feature_model=live_target(train_set, target),
-        heldout_eval=lambda: heldout_accuracy(objective, start.heldout, steps=cfg.eval.depth)))
-    if not env.is_main:
-        return {}
-    results = evaluate(cfg, target, objective, start.heldout)
-    return finish_run(logger, results, _flat(results))
+    training = common.feature_training(
+        cfg, env, target, train_set, objective, draft, save_draft, WEIGHTS_FILE, "step",
+        lambda: heldout_accuracy(objective, start.heldout, steps=cfg.eval.depth))
+    return common.train_and_evaluate(
+        cfg, env, group, training, lambda: evaluate(cfg, target, objective, start.heldout), _flat)
 
 
 def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: FeatureSet) -> dict:

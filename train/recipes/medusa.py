@@ -13,7 +13,6 @@ greedy check).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -30,12 +29,10 @@ from drafters.medusa import (
     save_heads,
 )
 from drafters.vocab import most_frequent_tokens
-from train.checkpoint import check_resumable, load_checkpoint
 from train.distill import Answer, distilled_data
 from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
 from train.features import training_features
-from train.logger import finish_run
 from train.loop import batch_indices, warmup_cosine
 from train.medusa import (
     HeadLoss,
@@ -84,22 +81,24 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     optimizer = _optimizer(cfg, heads, peft_model)
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, cfg.optim.max_steps)
 
-    def restore(found: Path) -> int:
-        check_resumable(found, target, heads.hyperparameters, cfg)
-        return load_checkpoint(found, heads, WEIGHTS_FILE, optimizer, scheduler, peft_model)
-
-    logger = common.train(cfg, env, group, common.Training(
+    training = common.Training(
         objective, heads, optimizer, scheduler, make_batch,
         save=lambda folder, state, extra: save_heads(heads, folder, target, extra, state),
-        restore=restore, peft_model=peft_model))
-    if not env.is_main:
-        return {}
-    if peft_model is not None:
-        target = Target(peft_model.merge_and_unload(), target.tokenizer, target.name,
-                        adapter=str(common.checkpoint_dir(cfg) / ADAPTER_DIR),
-                        base_weights=target.fingerprint()["base_weights"])
-    results = evaluate(cfg, target, heads, heldout)
-    return finish_run(logger, results, _flat(results))
+        restore=common.restore_from(cfg, target, heads, WEIGHTS_FILE, optimizer, scheduler,
+                                    peft_model),
+        peft_model=peft_model)
+    return common.train_and_evaluate(
+        cfg, env, group, training,
+        lambda: evaluate(cfg, _decoding_target(cfg, target, peft_model), heads, heldout), _flat)
+
+
+def _decoding_target(cfg: DictConfig, target: Target, peft_model) -> Target:
+    """The target the evaluation decodes with: Medusa-2's with its trained adapter merged."""
+    if peft_model is None:
+        return target
+    return Target(peft_model.merge_and_unload(), target.tokenizer, target.name,
+                  adapter=str(common.checkpoint_dir(cfg) / ADAPTER_DIR),
+                  base_weights=target.fingerprint()["base_weights"])
 
 
 def _prefilled_rows(cfg: DictConfig, target: Target, train_set: list[Answer],

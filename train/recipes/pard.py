@@ -17,22 +17,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from drafters.checkpoint import DRAFT_INFO_FILE
 from drafters.draft_model import save_draft_model
 from drafters.pard import PardConfig, pard_config, read_mask, write_mask
-from train.checkpoint import check_resumable, restore_training_state
+from train.checkpoint import restore_training_state
 from train.distributed import DistEnv
 from train.features import live_target, sequence_batcher
-from train.logger import finish_run
 from train.loop import adamw
 from train.pard import PardLoss, initial_pard, with_layout
 from train.recipes import common
-from train.recipes.draft_model import (
-    check_same_vocab,
-    evaluate,
-    flat_metrics,
-    load_weights,
-)
+from train.recipes.draft_model import evaluate, flat_metrics, load_student
 from train.recipes.draft_model import hyperparameters as draft_hyperparameters
 from verify.target.features import LAST, num_layers, resolve_layers
 
@@ -61,9 +54,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     settings = hyperparameters(config)
 
     def restore(found: Path) -> int:
-        check_resumable(found, target, settings, cfg, config_file=DRAFT_INFO_FILE)
-        check_same_vocab(found, vocab)
-        load_weights(found, draft.model, vocab)
+        load_student(found, cfg, target, settings, draft.model, vocab)
         draft.mask_embedding.data.copy_(read_mask(found)[1])
         return restore_training_state(found, optimizer, scheduler)
 
@@ -77,13 +68,11 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         save_draft_model(draft.model, vocab, folder, target, settings, write, model_state)
 
     batches = with_layout(sequence_batcher(train_set, cfg, env), config, cfg.seed)
-    logger = common.train(cfg, env, group, common.Training(
-        objective, draft, optimizer, scheduler, batches, save, restore, label="depth",
-        feature_model=live_target(train_set, target)))
-    if not env.is_main:
-        return {}
-    results = evaluate(cfg, target, objective, heldout, vocab)
-    return finish_run(logger, results, flat_metrics(results))
+    training = common.Training(objective, draft, optimizer, scheduler, batches, save, restore,
+                               label="depth", feature_model=live_target(train_set, target))
+    return common.train_and_evaluate(
+        cfg, env, group, training, lambda: evaluate(cfg, target, objective, heldout, vocab),
+        flat_metrics)
 
 
 def hyperparameters(config: PardConfig) -> dict:

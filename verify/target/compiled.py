@@ -60,6 +60,7 @@ class CompiledStep:
     `compile_s` maps each graph, `graph_key(...)`, to the seconds its first call took."""
 
     extends_prompts = False  # its cache is room the steps run in: prompts start sequences
+    draft_steps = ("torch",)
 
     def __init__(self, model: PreTrainedModel, freezing: bool = True, one_graph: bool = False):
         self.model = model

@@ -151,6 +151,7 @@ def load_target(
     device: str | None = None,
     packed_rows: str | Sequence[int] | None = None,
     step: str = "eager",
+    step_options: Mapping[str, object] | None = None,
 ) -> Target:
     """Load a target model in eval mode.
 
@@ -183,6 +184,8 @@ def load_target(
             one-token steps through the tree graph in float32 too; "openvino" runs every
             step on OpenVINO's CPU kernels (verify/target/openvino_step.py). The target carries the
             step it chose (`Target.step`, verify/target/step.py).
+        step_options: the step builder's options (`threads` for "openvino"); one that is None
+            is left to the step's default, and a step refuses one it does not take.
     """
     torch_dtype = _torch_dtype(dtype)
     name = target_name(path, tiny)
@@ -200,7 +203,8 @@ def load_target(
         target.model.to(device)
     target.model.eval()
     target.fingerprint()
-    target.step = target_step(target.model, step, packed_rows)
+    options = {key: value for key, value in (step_options or {}).items() if value is not None}
+    target.step = target_step(target.model, step, packed_rows, **options)
     target.step_name = step
     return target
 

@@ -53,6 +53,9 @@ class OpenVINOStep:
     extends_prompts = True  # a paged cache takes a prompt after cached tokens
     # its state serves verify.target.continuous (rows added and freed one at a time)
     continuous_batching = True
+    # learned drafts run on this step's kernels by default (drafters.paged_drafts), PyTorch's
+    # where asked (drafter.step=torch)
+    draft_steps = ("openvino", "torch")
     # torch's threads while decoding on this step (verify.target.step.host_threads): one. The loop's
     # own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's OpenMP
     # workers spinning beside the plugin's on 2 cores starved both: in a profile taken while

@@ -74,6 +74,10 @@ class TargetStep(Protocol):
 
     model: PreTrainedModel
     extends_prompts: bool  # whether a prompt may follow tokens already cached
+    # the drafter.step values whose draft forwards can run beside this step, the first what
+    # drafter.step=null picks: "torch" beside every step, "openvino" beside a step that compiles
+    # a draft's OpenVINO graph with its own kernels, precision and threads (`compile`)
+    draft_steps: tuple[str, ...]
 
     def width_for(self, rows: int, width: int) -> int:
         """The node count a forward of `rows` trees of `width` nodes runs at (>= width)."""
@@ -108,6 +112,7 @@ class EagerStep:
     """The model's forward as it is, each tree at its own width, over a growing cache."""
 
     extends_prompts = True
+    draft_steps = ("torch",)
 
     def __init__(self, model: PreTrainedModel):
         self.model = model

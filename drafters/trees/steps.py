@@ -1,8 +1,8 @@
 """Static-tree policy as steps: filling a TreeTopology level by level (`fill_steps`,
 `add_children`, `propose_children`, `check_depth`), and the drivers that run any tree policy
 written as steps, one sequence (`run_steps`) or a batch in lockstep (`run_lockstep`), or
-translate its requests (`relay`). EAGLE-2's dynamic policy (drafters.dynamic_tree) and the
-per-step cost sizing (drafters.adaptive) are written on the same steps.
+translate its requests (`relay`). EAGLE-2's dynamic policy (drafters.trees.dynamic) and the
+per-step cost sizing (drafters.trees.cost) are written on the same steps.
 """
 
 from __future__ import annotations

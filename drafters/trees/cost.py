@@ -70,15 +70,15 @@ class StepCost:
 MEASURED_SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def measured_cost(tree_cfg: Mapping, model: PreTrainedModel | TargetStep) -> Mapping:
-    """`tree_cfg` with a `cost: {measure: true}` replaced by t_ms measured on `model` now (the
+def measured_cost(tree_cfg: Mapping, step: TargetStep | PreTrainedModel) -> Mapping:
+    """`tree_cfg` with a `cost: {measure: true}` replaced by t_ms measured on `step` now (the
     target's step, or a bare model's eager one; sizes MEASURED_SIZES after a 256-token
     context, or the window's end); as it was otherwise.
     Measuring takes a few seconds, once per drafter built."""
     cost = tree_cfg.get("cost") or {}
     if not cost or not _measures(cost):
         return tree_cfg
-    step = as_step(model)
+    step = as_step(step)
     seconds = measure_verify_cost(step, MEASURED_SIZES, context_len=_context(step.model),
                                   repeats=3)
     t_ms = {n: s * 1e3 for n, s in seconds.items()}

@@ -26,13 +26,13 @@ are no longer distributed as q, and the residual (p - q)+ it samples from would 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from drafters.adaptive import StepCost, best_size, step_cost
-from drafters.tree_steps import Steps, run_steps
+from drafters.trees.cost import StepCost, best_size
+from drafters.trees.steps import Steps, run_steps
 from verify.sampling import SamplingParams, warp
 from verify.tree import TokenTree, TreeBuilder
 
@@ -47,7 +47,7 @@ Expand = Callable[[TreeBuilder, list[int]], torch.Tensor]
 class DynamicTree:
     """EAGLE-2's tree policy: depth rounds of expansion, top_k children per expanded node,
     total_tokens draft nodes kept (root not counted). With a measured `cost`, each step keeps
-    only the nodes that pay for their verification (drafters.adaptive), and a round of
+    only the nodes that pay for their verification (drafters.trees.cost), and a round of
     expansion runs only while its best candidate's chance of acceptance times t(1) exceeds a
     draft forward's cost."""
 
@@ -62,13 +62,6 @@ class DynamicTree:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DynamicTree.{name} must be an integer >= 1, got {value!r}")
 
-    @staticmethod
-    def from_config(cfg: Mapping) -> DynamicTree:
-        """conf/tree/eagle2.yaml: keys depth, top_k, total_tokens, and optionally cost (see
-        drafters.adaptive.step_cost: a per-step size from this machine's measured t(n))."""
-        return DynamicTree(int(cfg["depth"]), int(cfg["top_k"]), int(cfg["total_tokens"]),
-                           step_cost(cfg.get("cost")))
-
     def grow(self, root: int, root_logprobs: torch.Tensor, expand: Expand) -> TokenTree:
         """The draft tree below `root`, given the draft log-probabilities (V,) after it."""
         candidates = self.search(root, root_logprobs, expand)
@@ -81,9 +74,9 @@ class DynamicTree:
                          lambda request: expand(*request))
 
     def search_steps(self, root: int, root_logprobs: torch.Tensor) -> Steps:
-        """`search` as steps (drafters.tree_steps.run_steps): yields (candidates, frontier) once per
-        round after the first, takes the frontier's (len(frontier), V) log-probabilities,
-        returns the TreeBuilder.
+        """`search` as steps (drafters.trees.steps.run_steps): yields (candidates, frontier)
+        once per round after the first, takes the frontier's (len(frontier), V)
+        log-probabilities, returns the TreeBuilder.
 
         No more than `total_tokens` rounds run: a kept node needs all its ancestors kept, so no
         node deeper than `total_tokens` can be kept, and rounds past it would only cost draft
