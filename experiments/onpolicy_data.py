@@ -94,7 +94,6 @@ def measure(cfg: DictConfig, plan: dict, base: RegenConfig, records: list, folde
                     out_dir=str(folder))
     target = load_target_from_config(cfg.target, step=plan["step"], dtype=plan["dtype"],
                                      packed_rows=None)
-    cpu = _cpu_seconds()
     try:
         with ExitStack() as stack:
             answer = None if plan["engine"] == "builtin" else stack.enter_context(
@@ -103,9 +102,12 @@ def measure(cfg: DictConfig, plan: dict, base: RegenConfig, records: list, folde
             cpu_start = _cpu_seconds()
             account = regenerate(target, records, regen, folder, DistEnv(0, 1, torch.device("cpu")),
                                  answer)
-            seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
+            seconds = time.perf_counter() - start
     except RuntimeError as error:  # an engine not installed, or one that failed: say which
         return {**row, "error": str(error)}
+    # after the server stopped: a child's CPU time is counted once it is waited for (its
+    # start-up's too, which the engine pays per run as well)
+    cpu = _cpu_seconds() - cpu_start
     tokens = account["tokens"]
     row.update(batching=account["this_run"].get("batching", "rounds"), tokens=tokens,
                seconds=round(seconds, 2), tokens_per_s=round(tokens / seconds, 1),
@@ -117,7 +119,8 @@ def measure(cfg: DictConfig, plan: dict, base: RegenConfig, records: list, folde
 
 
 def _cpu_seconds() -> float:
-    """CPU time of this process and its waited-for children (an engine's server)."""
+    """CPU time of this process and its waited-for children (an engine's server, start-up
+    included)."""
     return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 

@@ -97,11 +97,12 @@ def run(cfg: DictConfig) -> dict:
     finally:
         close_distributed()
     if env.is_main:
-        write_account_report(folder, target, regen, account)  # a failed comparison loses none
+        # a failed comparison loses none
+        write_account_report(folder, target, regen, account, cfg.report)
         if theirs is not None:
             account = {**account, "compared_to": compare_folders(folder, theirs, target,
                                                                  records)}
-            write_account_report(folder, target, regen, account)
+            write_account_report(folder, target, regen, account, cfg.report)
         print(format_account(account))
         print(f"conversations: {folder / CONVERSATIONS_FILE}\ntrain on them: python train.py "
               f"drafter=eagle3 data=regenerated data.conversations={folder}")
@@ -258,10 +259,15 @@ def _divergence(ours: list[dict], theirs: list[dict], target: Target, record_id:
             "top1": int(logits.argmax())}
 
 
-def write_account_report(folder: Path, target: Target, regen: RegenConfig, account: dict
-                         ) -> Path:
-    """<folder>/report.json: the account as one row, the settings as its config."""
-    return write_report(folder, REPORT_STEM, [account], settings(target, regen))
+def write_account_report(folder: Path, target: Target, regen: RegenConfig, account: dict,
+                         report: str | None = None) -> Path:
+    """<folder>/report.json: the account as one row, the settings as its config; and the same
+    report as `report` (a path, e.g. under experiments/reports/) where one is named."""
+    path = write_report(folder, REPORT_STEM, [account], settings(target, regen))
+    if report:
+        named = Path(report)
+        write_report(named.parent, named.stem, [account], settings(target, regen))
+    return path
 
 
 def format_table(rows: list[dict]) -> str:

@@ -232,6 +232,7 @@ class RegenerateConfig:
     regen: RegenConfig = field(default_factory=RegenConfig)
     device: str = "auto"
     compare_to: str | None = None  # another regeneration's folder: its answers compared
+    report: str | None = None  # the report written here too (e.g. experiments/reports/...)
 
 
 @dataclass

@@ -52,9 +52,10 @@ from verify.sampling import SamplingParams
 from verify.target.fingerprint import identity
 from verify.target.model import Target, cache_root
 
-# What a training run may change without changing the answers: where they go, how many are
-# answered at once (padding aside), how many ranks share the work, where an engine lives.
-NOT_IN_KEY = ("out_dir", "batch_size", "engine_venv", "step_tokens")
+# What a run may change without changing the answers: where they go, how many are answered at
+# once (padding aside), how many ranks share the work, where an engine lives, and how many of
+# the input's records: they are its first ones, so a larger count continues a folder.
+NOT_IN_KEY = ("out_dir", "batch_size", "engine_venv", "step_tokens", "conversations")
 ENGINES = ("builtin", "vllm", "openvino")
 
 # One round's decode: prompts (P_i,) token ids, the round's generator -> each prompt's new

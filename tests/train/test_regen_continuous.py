@@ -107,6 +107,9 @@ def test_the_folder_key_holds_the_step_and_the_feature_settings():
     captured = regeneration_folder(RegenConfig(**REGEN, feature_layers=LAYERS),
                                    on_openvino(target), input_key(None))
     assert len({eager, fast, captured}) == 3
+    # the first N records: a larger count continues the folder
+    assert regeneration_folder(RegenConfig(**{**REGEN, "conversations": 5}), target,
+                               input_key(None)) == eager
 
 
 def test_training_reads_the_captured_features_of_the_layers_it_asks(tmp_path):
