@@ -46,7 +46,7 @@ from verify.metrics import TokensPerForward
 from verify.multidraft import KSequentialRule
 from verify.rules import RULES, make_rule
 from verify.sampling import SamplingParams
-from verify.target.model import Target, build_tiny_model, hf_generate, load_target_from_config
+from verify.runtime.model import Target, build_tiny_model, hf_generate, load_target_from_config
 from verify.traversal import TraversalVerificationRule
 
 

@@ -16,7 +16,7 @@ from verify.accept import Acceptance
 from verify.loop import generate
 from verify.protocol import DraftContext
 from verify.sampling import SamplingParams
-from verify.target.model import Target, load_target
+from verify.runtime.model import Target, load_target
 from verify.tree import TreeTopology
 
 ARCHS = ["llama", "qwen2", "gpt2"]

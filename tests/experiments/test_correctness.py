@@ -25,7 +25,7 @@ from experiments.stats import (
 )
 from verify.loop import GenerationResult, StepStats, generate
 from verify.sampling import SamplingParams
-from verify.target.model import build_tiny_model
+from verify.runtime.model import build_tiny_model
 
 
 def correctness_cfg(*overrides, drafter="draft_model"):

@@ -6,7 +6,7 @@ import torch
 
 from verify.loop import generate
 from verify.sampling import SamplingParams
-from verify.target.model import Target, hf_generate, load_target
+from verify.runtime.model import Target, hf_generate, load_target
 from verify.tree import TokenTree
 
 
