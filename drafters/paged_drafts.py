@@ -4,10 +4,10 @@
 Why: beside a target step on OpenVINO (~20 ms here), a draft forward in PyTorch eager cost
 7-11 ms (issue 55), so the tree search kept the learned drafts at two nodes. Here the draft's
 forward is a paged graph built from its own weights with the target's graph pieces
-(verify.runtime.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention), compiled by
-the target's step (its precision and threads), and run by drafters.paged_engine. Everything
-above the forward (catch-up spans, tree policies, commits) is the PyTorch drafter's own: these
-classes override only the two forwards. Each one's `from_torch` makes it from the PyTorch
+(verify.runtime.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention),
+compiled by the target's step (its precision and threads), and run by drafters.paged_engine.
+Everything above the forward (catch-up spans, tree policies, commits) is the PyTorch drafter's
+own: these classes override only the two forwards. Each one's `from_torch` makes it from the PyTorch
 drafter its module's `from_config` built: drafters.DRAFTERS names it as that drafter's
 OpenVINO form.
 """

@@ -1,6 +1,6 @@
 """The draft engine on OpenVINO's kernels (`drafter.step=openvino`): drafters.engine's
-bookkeeping over a paged cache (verify.runtime.openvino_step.PagedState) and a draft graph built from
-the draft's own weights (drafters.paged_drafts).
+bookkeeping over a paged cache (verify.runtime.openvino_step.PagedState) and a draft graph
+built from the draft's own weights (drafters.paged_drafts).
 
 Why a second engine and not a second cache: PagedAttention lets a forward's new tokens see
 every cached slot of their row and masks only among the new ones (`qq_bias`). A tree level

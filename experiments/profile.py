@@ -50,12 +50,12 @@ from experiments.table import markdown_table
 from verify.costs import measure_verify_cost
 from verify.loop import generate
 from verify.rules import make_rule
-from verify.sampling import SamplingParams
 from verify.runtime.cache import keep_entries
 from verify.runtime.model import load_target_from_config
 from verify.runtime.packed import bfloat16_packing_unavailable, packing_unavailable
 from verify.runtime.step import EagerStep, PackedStep, TargetStep, as_step
 from verify.runtime.timing import device_clock
+from verify.sampling import SamplingParams
 from verify.tree import TokenTree, TreeBatch, TreeTopology
 from verify.verifier import TreeVerifier
 

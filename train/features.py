@@ -4,8 +4,8 @@ EAGLE-1 and Medusa-1 train on the frozen target's hidden states over fixed text:
 teacher-forced forward per sequence, no generation (5-8x cheaper per token than distilling
 answers). Sequences are (input_ids (T,), loss_mask (T,)) pairs from either source: ShareGPT
 conversations (`train.conversations`) or distilled answers (`answer_sequences`). Features go
-through `verify.runtime.features.select_features`, so a drafter trains on the rows the verifier hands
-it when decoding. Shards are written atomically: an interrupted extraction keeps the ones it
+through `verify.runtime.features.select_features`, so a drafter trains on the rows the verifier
+hands it when decoding. Shards are written atomically: an interrupted extraction keeps the ones it
 finished and the next run computes only the rest.
 """
 

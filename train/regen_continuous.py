@@ -23,10 +23,10 @@ from train.conversations import Record, tokenize_conversation
 from train.regen_features import FeatureShards
 from train.regen_folder import Outcome
 from train.regen_job import Job
-from verify.sampling import SamplingParams
 from verify.runtime.continuous import ContinuousBatcher
 from verify.runtime.features import num_layers, resolve_layers
 from verify.runtime.model import Target
+from verify.sampling import SamplingParams
 
 
 def runs_continuously(target: Target) -> bool:

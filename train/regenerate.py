@@ -48,9 +48,9 @@ from train.regen_folder import (
 )
 from train.regen_job import Job
 from verify.loop import generate_batch
-from verify.sampling import SamplingParams
 from verify.runtime.fingerprint import identity
 from verify.runtime.model import Target, cache_root
+from verify.sampling import SamplingParams
 
 # What a training run may change without changing the answers: where they go, how many are
 # answered at once (padding aside), how many ranks share the work, where an engine lives.

@@ -20,11 +20,11 @@ from verify.metrics import TokensPerForward
 from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.rules import RuleConfig, rule_from_config
-from verify.sampling import GREEDY, SamplingParams, sample, warp
 from verify.runtime.features import LAST
 from verify.runtime.model import context_window
 from verify.runtime.step import TargetStep, as_step, host_threads
 from verify.runtime.timing import Clock, device_clock
+from verify.sampling import GREEDY, SamplingParams, sample, warp
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier
 

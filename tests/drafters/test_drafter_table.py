@@ -195,7 +195,8 @@ def openvino_targets():
     return {arch: load_target(tiny=arch, step="openvino") for arch in OPENVINO_ARCHS}
 
 
-# target.step=openvino (verify/runtime/openvino_step.py) builds Llama-family graphs: GPT-2 is refused
+# target.step=openvino (verify/runtime/openvino_step.py) builds Llama-family graphs: GPT-2 is
+# refused
 OPENVINO_ARCHS = ["llama", "qwen2"]
 
 

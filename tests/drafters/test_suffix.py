@@ -12,8 +12,8 @@ from drafters.suffix_trie import ROOT, SuffixTrie
 from drafters.trees.cost import StepCost
 from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext
-from verify.sampling import SamplingParams
 from verify.runtime.files import UnreadableFileError
+from verify.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0)
 

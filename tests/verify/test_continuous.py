@@ -9,11 +9,11 @@ import torch
 
 from experiments.stats import chi_square_test
 from verify.loop import generate
-from verify.sampling import SamplingParams
 from verify.runtime.continuous import ContinuousBatcher
 from verify.runtime.features import num_layers, resolve_layers, select_features
 from verify.runtime.model import build_tiny_model, load_target
 from verify.runtime.openvino_step import OpenVINOStep
+from verify.sampling import SamplingParams
 
 LAYERS = (1, -1)
 FEATURE_TOLERANCE = 1e-4  # float32 kernels of another library, summed in another order

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from verify.loop import generate
-from verify.sampling import SamplingParams
 from verify.runtime.model import Target, hf_generate, load_target
+from verify.sampling import SamplingParams
 from verify.tree import TokenTree
 
 

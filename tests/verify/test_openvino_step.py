@@ -1,5 +1,5 @@
-"""target.step=openvino (verify/runtime/openvino_step.py): a tree's logits and features on OpenVINO's
-paged kernels equal the eager forward's, the accepted path is kept (compaction) and rows
+"""target.step=openvino (verify/runtime/openvino_step.py): a tree's logits and features on
+OpenVINO's paged kernels equal the eager forward's, the accepted path is kept (compaction) and rows
 leave a batch; each control (no tree mask, no compaction) fails the same check; what the
 step cannot run is refused by name."""
 

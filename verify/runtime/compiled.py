@@ -8,8 +8,8 @@ rotary and residuals. Inductor compiles the whole forward into C++ with those fu
 bfloat16, MKL or oneDNN in float32).
 
 A compiled graph is specialised to its input shapes, except the sizes it takes as symbols:
-- the cache is `RoomLayer`s (verify/runtime/cache.py): keys and values (B, H, C, D) with the count in
-  use in a tensor; the capacity C grows in steps of CAPACITY_STEP slots and every forward
+- the cache is `RoomLayer`s (verify/runtime/cache.py): keys and values (B, H, C, D) with the count
+  in use in a tensor; the capacity C grows in steps of CAPACITY_STEP slots and every forward
   attends over all C slots with an explicit mask that hides the unused ones;
 - C, the rows B (batches) and the tree width N are symbols, so a growing cache, a batch
   that loses finished rows and trees of any size reuse the graphs; dynamo's automatic

@@ -80,8 +80,9 @@ class Target:
             self.step = EagerStep(self.model)
 
     def fingerprint(self) -> dict:
-        """What this target is (verify.runtime.fingerprint): computed once, on first use; load_target
-        takes it at load, before a Medusa-2 run wraps the model in trainable LoRA layers."""
+        """What this target is (verify.runtime.fingerprint): computed once, on first use;
+        load_target takes it at load, before a Medusa-2 run wraps the model in trainable LoRA
+        layers."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model, self.name, self.adapter,
                                                   self.base_weights)

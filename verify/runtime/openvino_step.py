@@ -56,9 +56,9 @@ class OpenVINOStep:
     # learned drafts run on this step's kernels by default (drafters.paged_drafts), PyTorch's
     # where asked (drafter.step=torch)
     draft_steps = ("openvino", "torch")
-    # torch's threads while decoding on this step (verify.runtime.step.host_threads): one. The loop's
-    # own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's OpenMP
-    # workers spinning beside the plugin's on 2 cores starved both: in a profile taken while
+    # torch's threads while decoding on this step (verify.runtime.step.host_threads): one. The
+    # loop's own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's
+    # OpenMP workers spinning beside the plugin's on 2 cores starved both: in a profile taken while
     # a training run shared the cores, an EAGLE-2 decode took 5.96 s with torch on 2 threads,
     # 3.64 s on 1 (log_softmax 2.5 ms -> 0.04 ms a call).
     host_threads = 1

@@ -15,9 +15,9 @@
 
 The kinds: `EagerStep`, the model's forward as it is; `PackedStep`, the same forward on
 weights pre-packed for some row counts (verify/runtime/packed.py), with trees padded up to them;
-`CompiledStep` (verify/runtime/compiled.py), the forward through torch.compile over a room cache; and
-`OpenVINOStep` (verify/runtime/openvino_step.py), the forward on OpenVINO's CPU kernels with
-PagedAttention and a tree mask, over cache blocks it owns. `STEPS` is the registry:
+`CompiledStep` (verify/runtime/compiled.py), the forward through torch.compile over a room
+cache; and `OpenVINOStep` (verify/runtime/openvino_step.py), the forward on OpenVINO's CPU
+kernels with PagedAttention and a tree mask, over cache blocks it owns. `STEPS` is the registry:
 target.step's values, each with the builder of its step (a new kind: docs/extending.md).
 """
 
