@@ -44,8 +44,8 @@ from drafters.trees.cost import measured_cost
 from drafters.trees.ddtree import DDTree
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts
-from verify.target.model import Target
-from verify.target.step import TargetStep
+from verify.runtime.model import Target
+from verify.runtime.step import TargetStep
 from verify.tree import TreeError
 
 DrafterBuilder = Callable[[Mapping, TreePolicy, Target], Drafter]

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from verify.target.files import read_json, write_atomically
-from verify.target.fingerprint import describe_difference, identity
-from verify.target.model import Target
+from verify.runtime.files import read_json, write_atomically
+from verify.runtime.fingerprint import describe_difference, identity
+from verify.runtime.model import Target
 
 CONFIG_FILE = "config.json"  # beside a trained drafter's weights: its settings and its target
 
@@ -48,7 +48,7 @@ def read_config(folder: str | Path, file: str = CONFIG_FILE) -> dict:
 
 def target_record(target: Target, hidden_size: int, vocab_size: int) -> dict:
     """What a trained drafter records of the target it was trained on: the sizes its weights
-    need and the target's fingerprint (verify.target.fingerprint), which loading checks."""
+    need and the target's fingerprint (verify.runtime.fingerprint), which loading checks."""
     return {"name": target.name, "hidden_size": hidden_size, "vocab_size": vocab_size,
             "fingerprint": target.fingerprint()}
 

@@ -44,9 +44,9 @@ from drafters.eagle3_layer import eagle3_layer_config
 from drafters.trees import TreePolicy
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.protocol import DraftContext
-from verify.target.features import eagle3_layers, num_layers, resolve_layers
-from verify.target.files import load_tensors
-from verify.target.model import Target
+from verify.runtime.features import eagle3_layers, num_layers, resolve_layers
+from verify.runtime.files import load_tensors
+from verify.runtime.model import Target
 
 WEIGHTS_FILE = "draft.safetensors"
 

@@ -37,10 +37,10 @@ from drafters.trees.dynamic import DynamicTree
 from drafters.vocab import check_vocab_ids, copy_linear
 from verify.accept import Acceptance
 from verify.protocol import DraftContext
-from verify.target.files import load_tensors, read_json, write_atomically
-from verify.target.hf_state import batched_forward
-from verify.target.loading import load_causal_lm, load_tokenizer, pretrained_source
-from verify.target.model import Target, context_window
+from verify.runtime.files import load_tensors, read_json, write_atomically
+from verify.runtime.hf_state import batched_forward
+from verify.runtime.loading import load_causal_lm, load_tokenizer, pretrained_source
+from verify.runtime.model import Target, context_window
 from verify.tree import TokenTree, TreeError, TreeTopology
 
 # A distilled draft's vocab_ids (V',). JSON, not safetensors: engines (vLLM) load every

@@ -50,9 +50,9 @@ from drafters.speculators import check_eagle3_forward, load_eagle3_weights, read
 from drafters.trees.dynamic import DynamicTree
 from drafters.vocab import check_vocab_ids, copy_linear, to_target_vocab
 from verify.protocol import DraftContext
-from verify.target.features import LAST, eagle3_layers, num_layers, resolve_layers
-from verify.target.files import load_tensors
-from verify.target.model import Target, context_window
+from verify.runtime.features import LAST, eagle3_layers, num_layers, resolve_layers
+from verify.runtime.files import load_tensors
+from verify.runtime.model import Target, context_window
 from verify.tree import TreeTopology
 
 VARIANTS = ("eagle1", "eagle3")

@@ -37,7 +37,7 @@ from drafters.trees.steps import Steps, check_depth, fill_steps, relay, run_lock
 from drafters.vocab import target_ids, to_target_vocab
 from verify.accept import Acceptance
 from verify.protocol import DraftContext, DraftStats
-from verify.target.cache import (
+from verify.runtime.cache import (
     allocated_bytes,
     cache_rows_alone,
     check_full_attention,

@@ -51,7 +51,7 @@ from drafters.speculators import (
     VLLM_WEIGHTS,
     check_export_target,
 )
-from verify.target.files import (
+from verify.runtime.files import (
     UnreadableFileError,
     check_tensors,
     load_tensors,
@@ -59,7 +59,7 @@ from verify.target.files import (
     write_atomically,
     write_json,
 )
-from verify.target.model import Target
+from verify.runtime.model import Target
 
 
 def export_vllm_medusa(heads: MedusaHeads, folder: str | Path, target: Target) -> Path:

@@ -44,8 +44,8 @@ from drafters.speculators import (
     check_embedding,
     read_speculators,
 )
-from verify.target.files import check_tensors
-from verify.target.model import Target
+from verify.runtime.files import check_tensors
+from verify.runtime.model import Target
 
 MASK_FILE = "mask_embedding.pt"
 NOT_WEIGHTS = ("vocab_ids", "mask_embedding")  # written as d2t/t2d and MASK_FILE instead

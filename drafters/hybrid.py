@@ -36,7 +36,7 @@ from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.predictions import TargetPredictions
 from verify.protocol import DraftContext, Drafter, ProposalCounts, Resettable
-from verify.target.model import Target
+from verify.runtime.model import Target
 from verify.tree import TokenTree, TreeBuilder, TreeError
 
 POLICIES = ("pick", "merge")

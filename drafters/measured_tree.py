@@ -20,7 +20,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from verify.target.files import write_text
+from verify.runtime.files import write_text
 from verify.tree import TreeTopology
 
 Choice = tuple[int, ...]  # ranks from the root, as in TreeTopology.choices

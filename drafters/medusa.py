@@ -36,9 +36,9 @@ from drafters.config import typed_config
 from drafters.trees.steps import add_children, check_depth
 from drafters.vocab import check_vocab_ids, copy_linear, draft_index, to_target_vocab
 from verify.protocol import DraftContext
-from verify.target.features import LAST
-from verify.target.files import load_tensors
-from verify.target.model import Target
+from verify.runtime.features import LAST
+from verify.runtime.files import load_tensors
+from verify.runtime.model import Target
 from verify.tree import TokenTree, TreeBuilder, TreeTopology
 
 WEIGHTS_FILE = "heads.safetensors"

@@ -22,7 +22,7 @@ import torch
 from drafters.block import table_with_mask
 from drafters.dflash import DFlashDraft, DFlashDrafter
 from verify.protocol import DraftContext
-from verify.target.openvino_graph import (
+from verify.runtime.openvino_graph import (
     F32,
     I64,
     attention_shape,
@@ -33,7 +33,7 @@ from verify.target.openvino_graph import (
     rms_norm,
     rotate,
 )
-from verify.target.openvino_step import OpenVINOStep, RotaryTables
+from verify.runtime.openvino_step import OpenVINOStep, RotaryTables
 
 
 def _parameter(name: str, kind: ov.Type, shape: list[int]) -> ov.Node:

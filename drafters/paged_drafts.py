@@ -4,10 +4,10 @@
 Why: beside a target step on OpenVINO (~20 ms here), a draft forward in PyTorch eager cost
 7-11 ms (issue 55), so the tree search kept the learned drafts at two nodes. Here the draft's
 forward is a paged graph built from its own weights with the target's graph pieces
-(verify.target.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention), compiled by
-the target's step (its precision and threads), and run by drafters.paged_engine. Everything
-above the forward (catch-up spans, tree policies, commits) is the PyTorch drafter's own: these
-classes override only the two forwards. Each one's `from_torch` makes it from the PyTorch
+(verify.runtime.openvino_graph: embedding, decoder layer, norms, rotary, PagedAttention),
+compiled by the target's step (its precision and threads), and run by drafters.paged_engine.
+Everything above the forward (catch-up spans, tree policies, commits) is the PyTorch drafter's
+own: these classes override only the two forwards. Each one's `from_torch` makes it from the PyTorch
 drafter its module's `from_config` built: drafters.DRAFTERS names it as that drafter's
 OpenVINO form.
 """
@@ -30,7 +30,7 @@ from drafters.paged_engine import PagedDraftEngine
 from drafters.pard import PardDraft, PardDrafter, common_prefix
 from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext
-from verify.target.openvino_graph import (
+from verify.runtime.openvino_graph import (
     F32,
     attention_shape,
     build_graph,
@@ -43,12 +43,12 @@ from verify.target.openvino_graph import (
     rms_norm,
     rope_inputs,
 )
-from verify.target.openvino_step import OpenVINOStep
+from verify.runtime.openvino_step import OpenVINOStep
 from verify.tree import TreeTopology
 
 
 def eagle_graph(draft: EagleDraft) -> ov.Model:
-    """EAGLE's draft forward over a paged cache: inputs as verify.target.openvino_graph's plus
+    """EAGLE's draft forward over a paged cache: inputs as verify.runtime.openvino_graph's plus
     `draft_states` (T, H), the fused target features or the draft's own outputs; outputs at
     the logit rows `hidden` (R, H), what drafter.eagle's forward returns, and `logits`
     (R, V') over the draft vocabulary."""

@@ -1,6 +1,6 @@
 """The draft engine on OpenVINO's kernels (`drafter.step=openvino`): drafters.engine's
-bookkeeping over a paged cache (verify.target.openvino_step.PagedState) and a draft graph built from
-the draft's own weights (drafters.paged_drafts).
+bookkeeping over a paged cache (verify.runtime.openvino_step.PagedState) and a draft graph
+built from the draft's own weights (drafters.paged_drafts).
 
 Why a second engine and not a second cache: PagedAttention lets a forward's new tokens see
 every cached slot of their row and masks only among the new ones (`qq_bias`). A tree level
@@ -24,7 +24,7 @@ import openvino as ov
 import torch
 
 from drafters.engine import RowLengths, fed_prefix
-from verify.target.openvino_step import PagedState
+from verify.runtime.openvino_step import PagedState
 
 # A row's level answer: the states its new nodes predict (n, H) or None, and their float
 # draft-vocabulary logits (n, V'); as drafters.engine.LevelAnswer.
@@ -42,7 +42,7 @@ class FedNode(NamedTuple):
 
 
 class PagedDraftEngine(RowLengths):
-    """B rows of draft cache on a compiled draft graph: inputs as verify.target.openvino_graph's,
+    """B rows of draft cache on a compiled draft graph: inputs as verify.runtime.openvino_graph's,
     plus `draft_states` (rows, H') for a draft that reads states (EAGLE's inputs, DFlash's context
     features); outputs `logits` (R, V') and, for a draft that predicts states, `hidden` (R, H) at
     the logit rows."""

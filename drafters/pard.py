@@ -38,9 +38,9 @@ from drafters.draft_model import DraftModelConfig, load_draft_model, truncated_c
 from drafters.trees import TreePolicy
 from drafters.vocab import check_vocab_ids, to_target_vocab
 from verify.protocol import DraftContext
-from verify.target.cache import allocated_bytes
-from verify.target.files import read_json
-from verify.target.model import Target
+from verify.runtime.cache import allocated_bytes
+from verify.runtime.files import read_json
+from verify.runtime.model import Target
 
 
 @dataclass

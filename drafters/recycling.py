@@ -50,8 +50,8 @@ from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.predictions import TargetPredictions
 from verify.protocol import DraftContext, Resettable
-from verify.target.files import read_json, write_json
-from verify.target.model import Target
+from verify.runtime.files import read_json, write_json
+from verify.runtime.model import Target
 from verify.tree import TokenTree, TreeError, TreeTopology
 
 # token -> (its K recorded successors, most likely first; their log-probabilities)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from drafters.checkpoint import check_target
-from verify.target.files import check_tensors, load_tensors, read_json
-from verify.target.model import Target
+from verify.runtime.files import check_tensors, load_tensors, read_json
+from verify.runtime.model import Target
 
 VLLM_WEIGHTS = "model.safetensors"  # the weights file of every folder vLLM loads
 SPECULATORS_SCHEMA = "0.7.0"  # the speculators release whose eagle3 format this writes

@@ -38,8 +38,8 @@ from drafters.trees.cost import cut_to_cost
 from drafters.trees.dynamic import DynamicTree
 from verify.accept import Acceptance
 from verify.protocol import DraftContext, Resettable
-from verify.target.files import read_json, read_jsonl, write_json
-from verify.target.model import Target
+from verify.runtime.files import read_json, read_jsonl, write_json
+from verify.runtime.model import Target
 from verify.tree import TokenTree, TreeError
 
 

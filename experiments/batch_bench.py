@@ -44,8 +44,8 @@ from verify.loop import generate_batch, until_eos
 from verify.metrics import TokensPerForward
 from verify.protocol import BatchDrafter, DraftContext, Drafter, Resettable
 from verify.rules import rule_parts
-from verify.target.model import Target, load_target_from_config
-from verify.target.timing import device_clock
+from verify.runtime.model import Target, load_target_from_config
+from verify.runtime.timing import device_clock
 from verify.tree import TokenTree
 
 BASELINE = "hf_greedy"

@@ -17,7 +17,7 @@ from experiments.report_schema import BatchSummary, BenchReport, BenchSummary, M
 from experiments.stats import mean_and_stderr
 from experiments.table import cell, markdown_table
 from verify.metrics import acceptance_by_depth, accepted_histogram, tau
-from verify.target.files import write_text
+from verify.runtime.files import write_text
 
 
 def summarise(records: dict[str, list[dict]], baseline: str,

@@ -15,7 +15,7 @@ from experiments.common import single_thread
 from experiments.stats import leviathan_expected_tokens, mean_and_stderr
 from verify.loop import generate
 from verify.metrics import step_tokens
-from verify.target.model import build_tiny_model
+from verify.runtime.model import build_tiny_model
 from verify.tree import TokenTree
 
 

@@ -18,8 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.data import Question, load_spec_bench
-from verify.target.files import UnreadableFileError, read_json, write_bytes, write_json
-from verify.target.model import target_name
+from verify.runtime.files import UnreadableFileError, read_json, write_bytes, write_json
+from verify.runtime.model import target_name
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # Hydra's config root
 
@@ -60,7 +60,7 @@ NAMED_SETTINGS: dict[str, tuple[object, str]] = {
 def report_name(cfg: Mapping, *parts: str, lead: Sequence[str] = ()) -> str:
     """A report's file name, suffix aside, from its config `cfg` (one holding `target`):
     `lead`, the name of the target that cfg.target (path, tiny) loads, its fingerprint's
-    (verify.target.model.target_name: a folder or hub id as given, never conf's `name`, which stays
+    (verify.runtime.model.target_name: a folder or hub id as given, never conf's `name`, which stays
     the default's whatever target.path says), then `parts` (what the command measures), then
     each of NAMED_SETTINGS that cfg sets otherwise than its default and `parts` do not
     already say, then, in a `-m` sweep, the job's overrides (`sweep_tags`), joined by "-"

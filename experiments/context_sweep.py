@@ -42,7 +42,7 @@ from experiments.report_schema import BenchSummary, MethodFigures
 from experiments.table import cell, markdown_table
 from train.conversations import read_conversations, tokenize_conversation
 from verify.costs import measure_verify_cost
-from verify.target.model import Target, context_window, load_target_from_config
+from verify.runtime.model import Target, context_window, load_target_from_config
 
 
 def context_prompts(target: Target, lengths: list[int], num_prompts: int, seed: int

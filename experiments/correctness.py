@@ -45,8 +45,8 @@ from verify.loop import generate, generate_batch
 from verify.metrics import TokensPerForward
 from verify.multidraft import KSequentialRule
 from verify.rules import RULES, make_rule
+from verify.runtime.model import Target, build_tiny_model, hf_generate, load_target_from_config
 from verify.sampling import SamplingParams
-from verify.target.model import Target, build_tiny_model, hf_generate, load_target_from_config
 from verify.traversal import TraversalVerificationRule
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from verify.target.files import default_data_root, read_jsonl
+from verify.runtime.files import default_data_root, read_jsonl
 
 SPEC_BENCH_FILE = Path("spec_bench") / "question.jsonl"
 

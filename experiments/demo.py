@@ -17,7 +17,7 @@
    cost-sized trees (docs/results/suffix-hybrid.md), and the demo's last lines name the faster
    of the two and its speedup over plain decoding, or say that no tree pays here and why.
 Steps 2-4 run on the fastest exact step built here, OpenVINO's kernels (`STEP`,
-verify/target/openvino_step.py): tree sizes and speedups measured on a slower step would hold for a
+verify/runtime/openvino_step.py): tree sizes and speedups measured on a slower step would hold for a
 step nobody runs.
 
     python -m experiments.demo [num_prompts=13 max_new_tokens=64]
@@ -41,7 +41,7 @@ from experiments.methods import run_benchmark
 from experiments.tree_search import search_dynamic
 from experiments.tree_search_dynamic import format_budget_table, write_dynamic_tree_config
 from train import run_training
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 DRAFTER = "eagle"
 # Where `python train.py drafter=eagle` (no other overrides) puts its run, so the two share it.

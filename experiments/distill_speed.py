@@ -5,7 +5,7 @@
 
 Self-distillation (train/distill.py) answers training prompts with the batched loop and keeps
 the target's hidden states: the training data of Medusa and EAGLE. Each step option
-(`target.step`, verify/target/compiled.py) answers the same prompts in the same batches; a warm-up
+(`target.step`, verify/runtime/compiled.py) answers the same prompts in the same batches; a warm-up
 batch runs first, untimed (it pays any compilation, reported as `warmup_s`); tokens/s counts
 the answers' tokens. `identical` is the share of answers equal, token for token, to the first
 step option's. Feature extraction (train/features.py) runs whole sequences in one forward, a
@@ -24,8 +24,8 @@ from experiments.common import CONF_DIR, check_report, report_name, write_report
 from experiments.table import cell, markdown_table
 from train.distill import answer_batch, encode_until
 from train.prompts import interleave, load_prompt_files
-from verify.target.model import load_target_from_config
-from verify.target.timing import device_clock
+from verify.runtime.model import load_target_from_config
+from verify.runtime.timing import device_clock
 
 
 def step_row(cfg: DictConfig, step: str, prompts_text: list[str]) -> tuple[dict, list]:

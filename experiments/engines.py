@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from drafters.draft_model import truncated_copy
 from experiments.processes import run_group
 from verify.loop import until_eos
-from verify.target.model import DEFAULT_GGUF, DEFAULT_NAME, Target, embedded_gguf_dir
+from verify.runtime.model import DEFAULT_GGUF, DEFAULT_NAME, Target, embedded_gguf_dir
 
 if TYPE_CHECKING:
     from experiments.methods import Prompt

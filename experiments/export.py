@@ -32,7 +32,7 @@ from drafters.export import (
 )
 from drafters.export_dflash import export_speculators_dflash, load_speculators_dflash
 from drafters.medusa import MedusaHeads, load_heads
-from verify.target.model import Target, load_target_from_config
+from verify.runtime.model import Target, load_target_from_config
 
 FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medusa heads",
            "speculators_dflash": "DFlash draft (drafter=dflash)"}

@@ -28,7 +28,7 @@ from experiments.common import check_report, own_report_name, publish
 from experiments.table import markdown_table
 from train.checkpoint import RUN_FILE
 from train.curve import CURVE_FILE, curve_config, read_curve
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 DRAFTER_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 MILESTONES = 6  # curve rows a run's table shows, evenly spaced, the last always among them

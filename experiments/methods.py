@@ -32,9 +32,9 @@ from experiments.data import Question
 from verify.loop import generate
 from verify.protocol import Drafter, DraftStats, ProposalCounts, Resettable
 from verify.rules import RuleConfig, check_rule, rule_for_decoding, rule_parts
+from verify.runtime.model import Target, hf_generate, load_target_from_config
+from verify.runtime.timing import device_clock
 from verify.sampling import SamplingParams
-from verify.target.model import Target, hf_generate, load_target_from_config
-from verify.target.timing import device_clock
 
 COMPARE_FORMAT = "<drafter>:<tree>[:key=value,...]"
 

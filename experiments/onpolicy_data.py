@@ -40,7 +40,7 @@ from experiments.regenerate import EngineAnswers, compare_folders
 from experiments.table import cell, markdown_table
 from train.distributed import DistEnv
 from train.regenerate import RegenConfig, regen_records, regenerate
-from verify.target.model import load_target_from_config, native_bfloat16
+from verify.runtime.model import load_target_from_config, native_bfloat16
 
 REFERENCE = "builtin-eager-float32"
 

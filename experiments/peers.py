@@ -48,7 +48,7 @@ from experiments.engines import (
 from experiments.methods import spec_bench_prompts, treedraft_records
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
-from verify.target.model import load_target_from_config
+from verify.runtime.model import load_target_from_config
 
 PLAIN = "plain"  # every engine's method name for its plain decoding
 

@@ -8,7 +8,7 @@
 For each n, a chain of n tokens is verified after `context_len` cached tokens (sizes take
 turns, medians over `repeats`), and the step is cut into its parts:
 - inputs: the tree's attention mask and position ids (`forward_inputs`: the eager step's
-  state builds them, verify/target/hf_state.py);
+  state builds them, verify/runtime/hf_state.py);
 - the model forward, split by forward hooks into the token embedding, attention (every
   layer's attention module), MLP (every layer's MLP), the LM head, and the rest (norms,
   residual adds, rotary tables: the forward's time outside those modules);
@@ -16,7 +16,7 @@ turns, medians over `repeats`), and the step is cut into its parts:
 - commit: keeping the accepted entries of the KV cache.
 Then `loop` is the rest of a real plain decoding step (verify.loop.generate, no drafter): its
 wall time per step minus the parts above at n = 1, i.e. the Python around them.
-With several attention implementations or packings (target.packed_rows, verify/target/packed.py: a
+With several attention implementations or packings (target.packed_rows, verify/runtime/packed.py: a
 packed target pads each tree to the next packed row count, and the rows show that padded
 step), each gets its own rows. Prints a table, writes JSON
 and a PNG (stacked parts by n).
@@ -24,7 +24,7 @@ and a PNG (stacked parts by n).
 With `products=true` a second table times the target's weight products alone (every linear
 layer's weight times n rows, in model order, outside the model) under each matrix-product
 kernel this torch build has: `F.linear` as the model runs it, MKL's packed GEMM
-(verify/target/packed.py) and oneDNN's packed linear. The fastest kernel at each n bounds what any
+(verify/runtime/packed.py) and oneDNN's packed linear. The fastest kernel at each n bounds what any
 choice of kernel can give: a step cannot cost less than t(1) - products(1) + products(n), as
 the rest of the forward (attention, norms) does not get cheaper with n. So `bound` is the
 smallest t(n)/t(1) a better kernel could reach on this machine.
@@ -50,12 +50,12 @@ from experiments.table import markdown_table
 from verify.costs import measure_verify_cost
 from verify.loop import generate
 from verify.rules import make_rule
+from verify.runtime.cache import keep_entries
+from verify.runtime.model import load_target_from_config
+from verify.runtime.packed import bfloat16_packing_unavailable, packing_unavailable
+from verify.runtime.step import EagerStep, PackedStep, TargetStep, as_step
+from verify.runtime.timing import device_clock
 from verify.sampling import SamplingParams
-from verify.target.cache import keep_entries
-from verify.target.model import load_target_from_config
-from verify.target.packed import bfloat16_packing_unavailable, packing_unavailable
-from verify.target.step import EagerStep, PackedStep, TargetStep, as_step
-from verify.target.timing import device_clock
 from verify.tree import TokenTree, TreeBatch, TreeTopology
 from verify.verifier import TreeVerifier
 
@@ -67,7 +67,7 @@ PARTS = ("inputs", *MODEL_PARTS, "model_rest", "to_host", "accept_greedy", "acce
 class ModuleTimer:
     """Seconds spent inside the model's embedding, attention, MLP and LM head modules, summed
     per kind over one forward (forward pre/post hooks; an accelerator is synchronised at
-    each, verify.target.timing)."""
+    each, verify.runtime.timing)."""
 
     def __init__(self, model: PreTrainedModel):
         self.seconds: dict[str, float] = defaultdict(float)
@@ -109,7 +109,7 @@ def _modules(model: PreTrainedModel) -> Iterator[tuple[str, torch.nn.Module]]:
 def forward_inputs(verifier: TreeVerifier, tree: TokenTree
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """What `verifier.verify(tree)` feeds the model's forward after the L cached tokens (B = 1),
-    on an eager or packed step (its state is verify/target/hf_state.py's `CacheState`): the
+    on an eager or packed step (its state is verify/runtime/hf_state.py's `CacheState`): the
     (N',) tokens (N' >= N: padded on a packed target), the (1, 1, N', L + N') attention mask
     (None for a lone root: plain decoding needs none) and the (N',) position ids."""
     batch = verifier.step_width(TreeBatch.pad([tree]))

@@ -52,7 +52,7 @@ from train.regenerate import (
     regeneration_folder,
     settings,
 )
-from verify.target.model import Target, load_target_from_config
+from verify.runtime.model import Target, load_target_from_config
 
 REPORT_STEM = "report"  # <folder>/report.json: the account as the results pages read it
 # regen.engine -> the server that answers its rounds, run in the engine's own environment

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 
 def _known_fields(cls: type, data: Mapping, what: str) -> dict:

@@ -47,7 +47,7 @@ from omegaconf import DictConfig
 from experiments.common import CONF_DIR
 from experiments.report_schema import BenchReport, BenchSummary
 from experiments.table import cell, markdown_row, markdown_table
-from verify.target.files import read_json, write_text
+from verify.runtime.files import read_json, write_text
 
 DIRECTIVE = re.compile(r"^<!--\s*(table|plot|rows|headline):\s*(.+?)\s*-->\s*$")
 BLOCK = re.compile(r"(<!-- results: begin[^\n]*-->\n).*?(<!-- results: end -->)", re.DOTALL)

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from experiments.common import check_report, own_report_name, save_figure, write_report
 from experiments.table import markdown_table
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 
 def find_runs(folders: list[str]) -> list[dict]:

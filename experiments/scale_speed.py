@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from experiments.common import CONF_DIR, check_report, report_name, write_report
 from experiments.table import markdown_table
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("regenerate", "features", "training")

@@ -64,7 +64,7 @@ from experiments.export import export
 from experiments.methods import Prompt, parse_compare, spec_bench_prompts, treedraft_records
 from experiments.table import cell, markdown_table
 from verify.metrics import tau
-from verify.target.model import Target, load_target_from_config
+from verify.runtime.model import Target, load_target_from_config
 
 
 @dataclass(frozen=True)

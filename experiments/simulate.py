@@ -36,7 +36,7 @@ from experiments.report_schema import BenchReport, BenchSummary, summary_type
 from experiments.stats import leviathan_expected_tokens
 from experiments.table import markdown_table
 from verify.costs import load_costs
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 CHAIN_METHOD = re.compile(r"/chain(\d+)\b")
 

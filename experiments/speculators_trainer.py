@@ -58,8 +58,8 @@ from train.loop import batch_indices, chunks, warmup_cosine
 from train.recipes import eagle as eagle_recipe
 from train.schema import check_settings
 from train.speculators_data import LOSS_MASKS, sample_of
-from verify.target.files import read_json, save_atomically, write_atomically
-from verify.target.model import Target
+from verify.runtime.files import read_json, save_atomically, write_atomically
+from verify.runtime.model import Target
 
 REPORT = "speculators_trainer"  # <speculators.out_dir>/<REPORT>.json
 RUNNER = "speculators_trainer"  # experiments/peer_runners/<RUNNER>_runner.py

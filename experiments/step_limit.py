@@ -14,10 +14,10 @@ is the least a step can cost, whatever the kernels; t(n) (a chain of n tokens ve
 `context_len` cached ones, verify.costs.measure_verify_cost) is printed beside it for each n and
 each step option (`steps`): `eager`, the model's own products; `packed`, the weights
 pre-packed (`target.packed_rows=auto` in float32: MKL row counts; `onednn` in bfloat16); and
-`compiled`, `target.step=compiled` (verify/target/compiled.py), whose compile time is printed and
+`compiled`, `target.step=compiled` (verify/runtime/compiled.py), whose compile time is printed and
 saved (`compile_s`, every graph's first call: compiling, or loading inductor's disk cache);
 `compiled_one_graph`, the same with one-token steps through the tree graph; and `openvino`,
-`target.step=openvino` (verify/target/openvino_step.py: OpenVINO's CPU kernels, paged attention);
+`target.step=openvino` (verify/runtime/openvino_step.py: OpenVINO's CPU kernels, paged attention);
 and `optimum`, the graph optimum-intel exports, timed on the same kernels, threads and
 precision by experiments/peer_runners/openvino_step_runner.py in OpenVINO's own environment
 (`venvs`/openvino, `bash scripts/peers.sh openvino`): the graph the openvino step is held to.
@@ -43,10 +43,10 @@ from experiments.common import CONF_DIR, check_report, publish, report_name, sav
 from experiments.engines import model_folder, run_runner, venv_python
 from experiments.table import cell, markdown_table
 from verify.costs import measure_verify_cost, time_step
-from verify.target.compiled import CompiledStep
-from verify.target.model import Target, load_target_from_config
-from verify.target.step import TargetStep
-from verify.target.timing import device_clock
+from verify.runtime.compiled import CompiledStep
+from verify.runtime.model import Target, load_target_from_config
+from verify.runtime.step import TargetStep
+from verify.runtime.timing import device_clock
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
 
@@ -88,7 +88,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10, device: torch.device | s
 
 
 # Step options: eager, the model's own products; packed, its weights pre-packed as
-# target.packed_rows sets per dtype (verify/target/packed.py); compiled, target.step=compiled.
+# target.packed_rows sets per dtype (verify/runtime/packed.py); compiled, target.step=compiled.
 # compiled and compiled_one_graph, target.step as named; openvino, OpenVINO's kernels;
 # optimum, the graph optimum-intel exports, on the same kernels (experiments/peer_runners/
 # openvino_step_runner.py, in OpenVINO's own environment): what target.step=openvino is held to.
@@ -189,7 +189,7 @@ def openvino_operator_times(step: TargetStep, context_len: int, steps: int, top:
                             ) -> dict[str, float]:
     """`operator_times` for target.step=openvino: the plugin's own count of each operator
     type's time in a one-token step (medians over `steps`), on a profiling copy of the step."""
-    from verify.target.openvino_step import OpenVINOStep
+    from verify.runtime.openvino_step import OpenVINOStep
 
     profiled = TreeVerifier(OpenVINOStep(step.model, step.threads, profiling=True))
     profiled.prefill(torch.randint(step.model.config.vocab_size, (context_len,)))

@@ -72,8 +72,8 @@ from experiments.table import cell, markdown_table
 from verify.loop import generate
 from verify.metrics import acceptance_by_depth, tau
 from verify.protocol import DraftContext
+from verify.runtime.model import load_target_from_config
 from verify.sampling import SamplingParams
-from verify.target.model import load_target_from_config
 from verify.tree import TokenTree
 
 ARCTIC = "arctic_suffix"  # experiments/peer_runners/arctic_suffix_runner.py

@@ -80,8 +80,8 @@ from experiments.tree_search_sequoia import (
     sequoia_rows,
 )
 from verify.costs import measure_verify_cost
-from verify.target.files import read_json, write_json
-from verify.target.model import Target, load_target_from_config
+from verify.runtime.files import read_json, write_json
+from verify.runtime.model import Target, load_target_from_config
 from verify.tree import TreeTopology
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from train.prompts import interleave, load_prompt_files
 from train.schema import DataConfig
 from verify.loop import GenerationResult, generate
 from verify.protocol import Drafter
-from verify.target.files import write_text
-from verify.target.model import Target, target_name
+from verify.runtime.files import write_text
+from verify.runtime.model import Target, target_name
 from verify.tree import TreeError
 
 

@@ -33,8 +33,8 @@ from experiments.table import markdown_table
 from experiments.tree_search_dynamic import heldout_prompts, prompt_data
 from verify.accept import Acceptance, AcceptanceRule, GreedyRule
 from verify.loop import generate
+from verify.runtime.model import Target
 from verify.sampling import SamplingParams
-from verify.target.model import Target
 from verify.tree import TokenTree, TreeBatch, TreeTopology
 
 # accuracies=<this>: measure the table by decoding instead of reading a file

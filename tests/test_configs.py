@@ -18,8 +18,8 @@ from drafters.trees import tree_policy
 from drafters.trees.cost import measured_cost
 from experiments.common import CONF_DIR
 from experiments.methods import contenders, parse_compare, report_stem
-from verify.target.model import load_target, load_target_from_config
-from verify.target.step import STEPS
+from verify.runtime.model import load_target, load_target_from_config
+from verify.runtime.step import STEPS
 from verify.tree import TreeTopology
 
 GROUPS = {group: sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
@@ -296,16 +296,16 @@ def test_hydra_writes_no_file_of_its_own(command, tmp_path, monkeypatch):
     assert ran == [tmp_path] and list(tmp_path.iterdir()) == []
 
 
-# How a config's text lists the target steps: "eager | compiled | ... (verify/target/step.py
+# How a config's text lists the target steps: "eager | compiled | ... (verify/runtime/step.py
 # STEPS)", the registry it must match
-STEP_LIST = re.compile(r"((?:\w+ \| )+\w+) \(verify/target/step\.py STEPS\)")
+STEP_LIST = re.compile(r"((?:\w+ \| )+\w+) \(verify/runtime/step\.py STEPS\)")
 
 
 @pytest.mark.parametrize("path", [*sorted(Path(CONF_DIR, "target").glob("*.yaml")),
                                   Path(train.schema.__file__)], ids=lambda p: p.name)
 def test_every_description_of_target_step_lists_the_registered_steps(path):
     """conf/target/*.yaml and train/schema.py said "eager or compiled" after compiled_one_graph
-    and openvino had joined verify.target.step.STEPS."""
+    and openvino had joined verify.runtime.step.STEPS."""
     text = path.read_text()
     listed = [found.split(" | ") for found in STEP_LIST.findall(text)]
     assert listed and all(names == list(STEPS) for names in listed), (path, listed)

@@ -15,8 +15,8 @@ from drafters import build_drafter
 from experiments.common import CONF_DIR
 from train import run_training
 from verify.loop import generate, generate_batch
+from verify.runtime.model import hf_generate, load_target
 from verify.sampling import SamplingParams
-from verify.target.model import hf_generate, load_target
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
 

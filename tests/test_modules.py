@@ -1,4 +1,4 @@
-"""Every public module imports by its path: a module that moved (verify/target/ took the
+"""Every public module imports by its path: a module that moved (verify/runtime/ took the
 target's runtime out of verify/) with an importer left on its old path fails here, not in the
 first run that happens to reach that importer."""
 
@@ -7,7 +7,7 @@ import pkgutil
 
 import pytest
 
-PACKAGES = ("verify", "verify.target", "drafters", "train", "experiments")
+PACKAGES = ("verify", "verify.runtime", "drafters", "train", "experiments")
 # they run in the peers' own environments (vLLM, llama.cpp, OpenVINO GenAI), not this one
 SKIPPED = ("experiments.peer_runners",)
 
@@ -28,7 +28,7 @@ MODULES = public_modules()
 
 
 def test_the_walk_finds_the_packages_modules():
-    assert {"verify.verifier", "verify.target.step", "drafters.eagle", "train.loop",
+    assert {"verify.verifier", "verify.runtime.step", "drafters.eagle", "train.loop",
             "experiments.bench", "experiments.reproduce.papers"} <= set(MODULES)
     assert not any(name.startswith(SKIPPED) for name in MODULES)
 

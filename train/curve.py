@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from verify.target.files import UnreadableFileError, read_json, write_json
+from verify.runtime.files import UnreadableFileError, read_json, write_json
 
 CURVE_FILE = "curve.json"
 COUNTERS = ("tokens", "train_seconds", "train_cpu_seconds")

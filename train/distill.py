@@ -24,14 +24,14 @@ from train.prompts import interleave, load_prompt_files
 from train.schema import DataConfig
 from verify.loop import generate_batch
 from verify.protocol import Drafter
-from verify.target.files import (
+from verify.runtime.files import (
     load_tensors,
     read_or_rebuild,
     remove_orphans,
     save_tensors_atomically,
     shard_path,
 )
-from verify.target.model import Target, cache_root
+from verify.runtime.model import Target, cache_root
 
 
 @dataclass

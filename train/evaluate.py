@@ -18,7 +18,7 @@ from train.medusa import answer_batch_inputs, head_targets
 from verify.loop import generate
 from verify.metrics import TokensPerForward
 from verify.protocol import Drafter, DraftStats
-from verify.target.model import Target, hf_generate
+from verify.runtime.model import Target, hf_generate
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from verify.target.files import UnreadableFileError
+from verify.runtime.files import UnreadableFileError
 
 OPEN_SHARDS = 4  # shards held open at once: a sequential read needs one, a batch's a few
 FIELDS = ("input_ids", "loss_mask", "features")  # a sequence's rows in every shard
@@ -73,7 +73,7 @@ class FeatureSet:
     """Features of a list of sequences, indexable in the order they were given, read from
     their shards when asked for (see the module's docstring).
 
-    layers: absolute hidden-state indices (see verify.target.features), in the order their
+    layers: absolute hidden-state indices (see verify.runtime.features), in the order their
     states are concatenated along a feature row; folder: the shard cache they were read from
     (the first part's, for a set joined from several). At most `open_shards` shards are open
     at once; `opened` counts the opens (a measure of how well reads group by shard).

@@ -4,8 +4,8 @@ EAGLE-1 and Medusa-1 train on the frozen target's hidden states over fixed text:
 teacher-forced forward per sequence, no generation (5-8x cheaper per token than distilling
 answers). Sequences are (input_ids (T,), loss_mask (T,)) pairs from either source: ShareGPT
 conversations (`train.conversations`) or distilled answers (`answer_sequences`). Features go
-through `verify.target.features.select_features`, so a drafter trains on the rows the verifier hands
-it when decoding. Shards are written atomically: an interrupted extraction keeps the ones it
+through `verify.runtime.features.select_features`, so a drafter trains on the rows the verifier
+hands it when decoding. Shards are written atomically: an interrupted extraction keeps the ones it
 finished and the next run computes only the rest.
 """
 
@@ -29,16 +29,16 @@ from train.lock import run_lock
 from train.loop import batch_indices, chunks
 from train.regen_features import corpus_features
 from train.regen_folder import conversation_file
-from verify.target.features import num_layers, resolve_layers, select_features
-from verify.target.files import (
+from verify.runtime.features import num_layers, resolve_layers, select_features
+from verify.runtime.files import (
     read_or_rebuild,
     remove_orphans,
     save_tensors_atomically,
     shard_path,
     write_json,
 )
-from verify.target.model import Target, cache_root
-from verify.target.timing import device_clock
+from verify.runtime.model import Target, cache_root
+from verify.runtime.timing import device_clock
 
 TokenSequence = tuple[torch.Tensor, torch.Tensor]  # input_ids (T,) long, loss_mask (T,) bool
 MANIFEST_FILE = "manifest.json"  # written when every shard of a cache is there

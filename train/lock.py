@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from train.distributed import DistEnv, all_reduce_sum
-from verify.target.files import process_alive, remove_orphans
+from verify.runtime.files import process_alive, remove_orphans
 
 log = logging.getLogger(__name__)
 

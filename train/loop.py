@@ -21,7 +21,7 @@ from train.distributed import DistEnv, all_reduce_sum
 from train.logger import Logger
 from train.schema import OptimConfig
 from train.sharding import full_value, local_part
-from verify.target.timing import device_clock
+from verify.runtime.timing import device_clock
 
 
 def batch_indices(step: int, num_items: int, batch_size: int, seed: int,

@@ -29,7 +29,7 @@ from drafters.vocab import most_frequent_tokens
 from train.distributed import global_mean
 from train.draft_model import DistillLoss, divergence, initial_draft
 from train.loop import hit_counts
-from verify.target.model import Target
+from verify.runtime.model import Target
 
 
 def block_layout(width: int, block_size: int, keep_ratio: float = 1.0, keep_min: float = 0.0,

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from verify.target.files import default_data_root, read_jsonl
+from verify.runtime.files import default_data_root, read_jsonl
 
 
 def _gsm8k(row: dict) -> str:

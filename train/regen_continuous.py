@@ -1,4 +1,4 @@
-"""Regeneration on a continuous batch (verify.target.continuous): the built-in engine on a step
+"""Regeneration on a continuous batch (verify.runtime.continuous): the built-in engine on a step
 whose state serves one (target.step=openvino).
 
 Up to regen.batch_size conversations hold a row each. When a turn's answer is done its
@@ -23,10 +23,10 @@ from train.conversations import Record, tokenize_conversation
 from train.regen_features import FeatureShards
 from train.regen_folder import Outcome
 from train.regen_job import Job
+from verify.runtime.continuous import ContinuousBatcher
+from verify.runtime.features import num_layers, resolve_layers
+from verify.runtime.model import Target
 from verify.sampling import SamplingParams
-from verify.target.continuous import ContinuousBatcher
-from verify.target.features import num_layers, resolve_layers
-from verify.target.model import Target
 
 
 def runs_continuously(target: Target) -> bool:

@@ -21,9 +21,9 @@ import torch
 
 from train.feature_set import FeatureSet, ShardEntry, shard_entries
 from train.regen_folder import MANIFEST_FILE, Outcome, conversation_file, read_outcomes
-from verify.target.features import num_layers, resolve_layers
-from verify.target.files import load_tensors, read_json, remove_orphans, save_tensors_atomically
-from verify.target.model import Target
+from verify.runtime.features import num_layers, resolve_layers
+from verify.runtime.files import load_tensors, read_json, remove_orphans, save_tensors_atomically
+from verify.runtime.model import Target
 
 FEATURES_DIR = "features"
 FEATURE_DTYPE = torch.float16  # 16 bits a value; SmolLM2's largest activations (~25k) fit

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from train.conversations import Record
 from train.distributed import DistEnv
-from verify.target.files import read_json, write_json, write_text
-from verify.target.fingerprint import describe_difference, describe_settings, identity
-from verify.target.model import Target
+from verify.runtime.files import read_json, write_json, write_text
+from verify.runtime.fingerprint import describe_difference, describe_settings, identity
+from verify.runtime.model import Target
 
 CONVERSATIONS_FILE = "conversations.jsonl"
 ACCOUNT_FILE = "account.json"

@@ -13,7 +13,7 @@ from jinja2.exceptions import TemplateError
 from train.conversations import chat_messages
 from train.regen_folder import Message, Outcome
 from verify.loop import until_eos
-from verify.target.model import Target
+from verify.runtime.model import Target
 
 
 @dataclass

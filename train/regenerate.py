@@ -15,7 +15,7 @@ Under torchrun, conversation i goes to rank i % world_size. Each rank appends ev
 has it, so a killed run skips what it finished. When every rank is done, rank 0 writes
 `conversations.jsonl`, `account.json` and `manifest.json` (train.regen_folder). One run at a
 time writes a folder: rank 0 holds its lock (train.lock), and a second run is refused. The
-folder is keyed by the target's identity (weights, config; verify.target.fingerprint),
+folder is keyed by the target's identity (weights, config; verify.runtime.fingerprint),
 its dtype and the settings, never by its name alone; training checks the identity again.
 """
 
@@ -48,9 +48,9 @@ from train.regen_folder import (
 )
 from train.regen_job import Job
 from verify.loop import generate_batch
+from verify.runtime.fingerprint import identity
+from verify.runtime.model import Target, cache_root
 from verify.sampling import SamplingParams
-from verify.target.fingerprint import identity
-from verify.target.model import Target, cache_root
 
 # What a run may change without changing the answers: where they go, how many are answered at
 # once (padding aside), how many ranks share the work, where an engine lives, and how many of

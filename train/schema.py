@@ -18,7 +18,7 @@ from omegaconf import MISSING
 
 @dataclass
 class StepOptions:
-    """target.step_options: the options of the step's builder (verify.target.step.STEPS);
+    """target.step_options: the options of the step's builder (verify.runtime.step.STEPS);
     one left null is the step's own default, and a step refuses one it does not take."""
 
     threads: int | None = None  # openvino: the plugin's threads; null: torch's thread count
@@ -26,7 +26,7 @@ class StepOptions:
 
 @dataclass
 class TargetConfig:
-    """conf/target: what verify.target.model.load_target takes, plus a name for result tables."""
+    """conf/target: what verify.runtime.model.load_target takes, plus a name for result tables."""
 
     name: str = MISSING
     path: str | None = None
@@ -39,10 +39,10 @@ class TargetConfig:
     seed: int = 0
     adapter: str | None = None  # a peft LoRA folder merged into the model (Medusa-2 targets)
     device: str | None = None   # where it loads; training then moves it to train.py's device=
-    # "auto", a list of row counts or null (verify/target/packed.py); training loads the
+    # "auto", a list of row counts or null (verify/runtime/packed.py); training loads the
     # target unpacked
     packed_rows: Any = None
-    # eager | compiled | compiled_one_graph | openvino (verify/target/step.py STEPS): the
+    # eager | compiled | compiled_one_graph | openvino (verify/runtime/step.py STEPS): the
     # decoding step that self-distillation runs; a target that trains (Medusa-2's adapter)
     # always loads eager
     step: str = "eager"

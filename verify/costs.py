@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from verify.target.files import read_json
-from verify.target.model import context_window
-from verify.target.step import TargetStep
-from verify.target.timing import device_clock
+from verify.runtime.files import read_json
+from verify.runtime.model import context_window
+from verify.runtime.step import TargetStep
+from verify.runtime.timing import device_clock
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import TreeVerifier
 

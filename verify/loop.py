@@ -20,11 +20,11 @@ from verify.metrics import TokensPerForward
 from verify.predictions import top_k_predictions
 from verify.protocol import BatchDrafter, DraftContext, Drafter
 from verify.rules import RuleConfig, rule_from_config
+from verify.runtime.features import LAST
+from verify.runtime.model import context_window
+from verify.runtime.step import TargetStep, as_step, host_threads
+from verify.runtime.timing import Clock, device_clock
 from verify.sampling import GREEDY, SamplingParams, sample, warp
-from verify.target.features import LAST
-from verify.target.model import context_window
-from verify.target.step import TargetStep, as_step, host_threads
-from verify.target.timing import Clock, device_clock
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier
 
@@ -79,7 +79,7 @@ def generate(step: TargetStep | PreTrainedModel, input_ids: torch.Tensor,
     """Speculative generation from a (T,) prompt; with drafter=None, plain decoding.
 
     step: the target's step (`Target.step`: packed, compiled or on OpenVINO as the target was
-    loaded), or a bare model, decoded through its eager step (verify/target/step.py).
+    loaded), or a bare model, decoded through its eager step (verify/runtime/step.py).
     sampling: temperature, top-k and top-p (verify.sampling.SamplingParams; GREEDY, temperature
     0, by default); top_k 0 and top_p 1 switch those filters off. The same warp applies to
     target and draft distributions. The rule defaults to greedy at temperature 0 and exact
@@ -276,7 +276,7 @@ def _step(verifier: TreeVerifier, batch_drafter: BatchDrafter | None, active: li
     at each node of their trees too). A batch drafter's time is shared out evenly among the
     rows, so the rows' draft times add up to the step's either way. Without `drafting`, every
     tree is its root alone and no drafter is asked or told anything. `clock` reads the time
-    (verify.target.timing.device_clock: after the device's queued work)."""
+    (verify.runtime.timing.device_clock: after the device's queued work)."""
     if drafting:
         trees, draft_s = _propose(verifier, batch_drafter, active, params, generator, clock)
     else:

@@ -38,7 +38,7 @@ class DraftContext:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """feature_layers: the target hidden states the drafter reads (verify.target.features): () for
+    """feature_layers: the target hidden states the drafter reads (verify.runtime.features): () for
     none, (-1,) for the state the LM head reads, several for EAGLE-3's fused features.
     target_top_k: K > 0 asks for the target's top-K next tokens after every node of each tree
     it proposed (accepted or not), in `update`'s `acceptance.predictions`

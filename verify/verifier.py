@@ -1,11 +1,11 @@
 """Tree attention on any Hugging Face causal LM: B growing sequences and the token trees
 appended to them, verified in one forward each step.
 
-The verifier keeps each row's committed length and asks the target's step (verify/target/step.py)
+The verifier keeps each row's committed length and asks the target's step (verify/runtime/step.py)
 for its state (`StepState`): the KV cache and the forwards over it, in the form that step runs. On
 the eager, packed and compiled steps that is the model's own cache and a float 4D mask
-(verify/target/hf_state.py); on the OpenVINO step, paged cache blocks and each tree's ancestor
-matrix (verify/target/openvino_step.py). Either way a node sees its row's committed tokens and its
+(verify/runtime/hf_state.py); on the OpenVINO step, paged cache blocks and each tree's ancestor
+matrix (verify/runtime/openvino_step.py). Either way a node sees its row's committed tokens and its
 own ancestors, at position lengths[b] + depth, and after acceptance each row keeps its accepted path
 only. The step also says the width a forward runs at (a packed target pads trees up to a packed row
 count) and the graphs to compile before a decode.
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verify.target.features import num_layers, resolve_layers
-from verify.target.step import TargetStep, as_step
+from verify.runtime.features import num_layers, resolve_layers
+from verify.runtime.step import TargetStep, as_step
 from verify.tree import TokenTree, TreeBatch
 
 
@@ -29,7 +29,7 @@ class TreeVerifier:
     The single-sequence methods (`prefill`, `verify`, `commit`, `length`) are the B = 1 case
     of the batch methods (`prefill_batch`, `verify_batch`, `commit_batch`).
     `step` is the target's step (`Target.step`) or a bare model, run through its eager step.
-    The cache and the forwards over it are the step's `state` (verify/target/step.py
+    The cache and the forwards over it are the step's `state` (verify/runtime/step.py
     `StepState`), in whatever form that step keeps them: the verifier keeps the rows' committed
     lengths and asks of a state only what the protocol names.
     """
@@ -91,7 +91,7 @@ class TreeVerifier:
         (float, on the model's device) and each row's features (T_b, F * H), or None.
 
         The step's state runs them (each prompt alone on the model's own cache: see
-        verify/target/hf_state.py `CacheState.prefill_rows`)."""
+        verify/runtime/hf_state.py `CacheState.prefill_rows`)."""
         if self.cache_size:
             raise ValueError("prefill_batch starts new sequences: this verifier already has some")
         logits, features = self.state.prefill_rows(prompts)

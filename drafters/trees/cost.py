@@ -24,8 +24,8 @@ import torch
 from transformers import PreTrainedModel
 
 from verify.costs import load_costs, measure_verify_cost
-from verify.target.model import context_window
-from verify.target.step import TargetStep, as_step
+from verify.runtime.model import context_window
+from verify.runtime.step import TargetStep, as_step
 from verify.tree import TokenTree, TreeError
 
 

@@ -31,7 +31,7 @@ def run(request: dict) -> dict:
     work = Path(request["work_dir"])
     convert_s = convert(request["model"], work / "openvino-ir")
     precision = PRECISION[request["dtype"]]
-    # the properties verify/target/openvino_step.py's OpenVINOStep.compile sets (this file runs
+    # the properties verify/runtime/openvino_step.py's OpenVINOStep.compile sets (this file runs
     # in another environment and cannot import it): the same plugin settings on both sides
     compiled = ov.Core().compile_model(str(work / "openvino-ir" / "openvino_model.xml"), "CPU", {
         "INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision,

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from experiments.reproduce.papers import PAPERS
 from experiments.reproduce.report import render
-from verify.target.files import write_text
+from verify.runtime.files import write_text
 
 
 def write_ups(paper: str, reports: Path, out_dir: Path) -> list[Path]:

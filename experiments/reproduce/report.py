@@ -14,7 +14,7 @@ from pathlib import Path
 
 from experiments.report_schema import BenchReport, BenchSummary
 from experiments.table import markdown_table
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 HELD, PARTLY = "held", "held in direction, not in size"
 NOT_HELD, NOT_RUN = "did not hold", "not run"

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from experiments.common import CONF_DIR
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 from verify.tree import TreeTopology
 
 CONF = Path(CONF_DIR)

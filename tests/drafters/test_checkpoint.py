@@ -20,8 +20,8 @@ from drafters.eagle import EagleDraft
 from drafters.eagle import save_draft as save_eagle
 from drafters.medusa import MedusaHeads, save_heads
 from drafters.pard import PardDraft, mean_embedding, write_mask
-from verify.target.features import eagle3_layers, num_layers
-from verify.target.files import UnreadableFileError
+from verify.runtime.features import eagle3_layers, num_layers
+from verify.runtime.files import UnreadableFileError
 
 
 @pytest.fixture(scope="module")

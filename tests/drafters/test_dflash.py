@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from drafters import build_drafter
 from drafters.dflash import DFlashDraft, DFlashDrafter, block_inputs, block_mask, save_draft
 from verify.protocol import DraftContext
+from verify.runtime.features import eagle3_layers, num_layers
 from verify.sampling import SamplingParams
-from verify.target.features import eagle3_layers, num_layers
 from verify.tree import TokenTree, TreeTopology
 
 

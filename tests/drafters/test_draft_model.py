@@ -15,8 +15,8 @@ from drafters.trees.steps import propose_children
 from verify.accept import Acceptance
 from verify.loop import generate
 from verify.protocol import DraftContext
+from verify.runtime.model import Target, load_target
 from verify.sampling import SamplingParams
-from verify.target.model import Target, load_target
 from verify.tree import TreeTopology
 
 ARCHS = ["llama", "qwen2", "gpt2"]

@@ -161,7 +161,7 @@ def test_spectr_samples_the_self_drafts_iid_siblings_and_refuses_others(tree, ti
 
 @pytest.fixture(scope="module")
 def compiled_llama():
-    from verify.target.model import load_target
+    from verify.runtime.model import load_target
 
     return load_target(tiny="llama", step="compiled")
 
@@ -176,7 +176,7 @@ COMPILED_ROWS = [row if row.config in COMPILED_IN_CI and not row.label
 
 @pytest.mark.parametrize("row", COMPILED_ROWS, ids=[row.label or row.config for row in DRAFTERS])
 def test_on_a_compiled_step_a_batch_decodes_each_row_as_alone(row, conf, compiled_llama):
-    # target.step=compiled (verify/target/compiled.py): every drafter's trees, batched,
+    # target.step=compiled (verify/runtime/compiled.py): every drafter's trees, batched,
     # against plain decoding on the same compiled step, on its last tree in the table
     target = compiled_llama
     cfg = OmegaConf.merge(conf("drafter", row.config), row.overrides)
@@ -190,12 +190,13 @@ def test_on_a_compiled_step_a_batch_decodes_each_row_as_alone(row, conf, compile
 
 @pytest.fixture(scope="module")
 def openvino_targets():
-    from verify.target.model import load_target
+    from verify.runtime.model import load_target
 
     return {arch: load_target(tiny=arch, step="openvino") for arch in OPENVINO_ARCHS}
 
 
-# target.step=openvino (verify/target/openvino_step.py) builds Llama-family graphs: GPT-2 is refused
+# target.step=openvino (verify/runtime/openvino_step.py) builds Llama-family graphs: GPT-2 is
+# refused
 OPENVINO_ARCHS = ["llama", "qwen2"]
 
 

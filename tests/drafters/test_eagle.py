@@ -19,9 +19,9 @@ from drafters.trees.dynamic import DynamicTree
 from drafters.vocab import coverage
 from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
+from verify.runtime.features import eagle3_layers
+from verify.runtime.model import Target
 from verify.sampling import SamplingParams
-from verify.target.features import eagle3_layers
-from verify.target.model import Target
 from verify.tree import TreeTopology
 
 PROMPT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])

@@ -16,8 +16,8 @@ from drafters.medusa import MedusaHeads, save_heads
 from experiments.common import CONF_DIR
 from experiments.export import eagle_logit_gap, export, medusa_logit_gap
 from verify.loop import generate
-from verify.target.features import eagle3_layers
-from verify.target.files import UnreadableFileError
+from verify.runtime.features import eagle3_layers
+from verify.runtime.files import UnreadableFileError
 
 
 def randomize(module, seed=0):

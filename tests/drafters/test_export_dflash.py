@@ -14,7 +14,7 @@ from drafters.export_dflash import export_speculators_dflash, load_speculators_d
 from experiments.export import dflash_logit_gap, export
 from tests.drafters.test_export import eagle3_draft, forget_origin, randomize
 from tests.drafters.vllm_dflash_math import block_logits
-from verify.target.features import select_features
+from verify.runtime.features import select_features
 
 LAYERS = (1, 2)  # absolute hidden-state indices: decoder layer 0's and 1's outputs
 

@@ -11,8 +11,8 @@ from drafters import build_drafter
 from drafters.medusa import MedusaDrafter, MedusaHeads, load_heads, save_heads
 from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
+from verify.runtime.model import Target, build_tiny_model, load_target
 from verify.sampling import SamplingParams, warp
-from verify.target.model import Target, build_tiny_model, load_target
 from verify.tree import TreeError, TreeTopology
 
 H, V = 64, 256  # the tiny targets' hidden and vocabulary sizes

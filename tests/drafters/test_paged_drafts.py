@@ -7,7 +7,7 @@ check; greedy decoding stays identical to plain decoding; what cannot run is ref
 import pytest
 import torch
 
-import verify.target.openvino_step as openvino_step
+import verify.runtime.openvino_step as openvino_step
 from drafters import build_drafter
 from drafters.engine import LevelRequest
 from drafters.openvino_dflash import OpenVINODFlashDrafter
@@ -20,9 +20,9 @@ from drafters.paged_drafts import (
 from drafters.paged_engine import PagedDraftEngine
 from verify.loop import generate
 from verify.protocol import DraftContext
+from verify.runtime.model import load_target
+from verify.runtime.openvino_graph import UnsupportedModel
 from verify.sampling import SamplingParams
-from verify.target.model import load_target
-from verify.target.openvino_graph import UnsupportedModel
 
 TOLERANCE = 1e-4  # float32 kernels of another library sum in another order
 PROMPTS = [torch.tensor([5, 9, 14, 3, 3, 27, 61, 8, 2, 40]), torch.tensor([7, 7, 31, 90]),

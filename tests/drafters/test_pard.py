@@ -11,7 +11,7 @@ from drafters.block import MASK
 from drafters.draft_model import save_draft_model, truncated_copy
 from drafters.pard import PardConfig, PardDraft, mean_embedding, pard_config, write_mask
 from train.pard import block_layout, layout_mask
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 from verify.tree import TreeError
 
 CONTEXT = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])

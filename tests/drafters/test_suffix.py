@@ -12,8 +12,8 @@ from drafters.suffix_trie import ROOT, SuffixTrie
 from drafters.trees.cost import StepCost
 from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext
+from verify.runtime.files import UnreadableFileError
 from verify.sampling import SamplingParams
-from verify.target.files import UnreadableFileError
 
 GREEDY = SamplingParams(0.0)
 
@@ -236,7 +236,7 @@ def test_a_requests_last_step_reaches_the_shared_memory():
     """The decoding loop's real order: propose, verify, update; after the last update no
     proposal comes, so update must index the step (its accepted path and bonus token)."""
     from verify.loop import generate
-    from verify.target.model import load_target
+    from verify.runtime.model import load_target
 
     target = load_target(tiny="llama")
     drafter = SuffixDrafter(DynamicTree(4, 2, 8), SuffixConfig())

@@ -16,7 +16,7 @@ from drafters.base import StatelessDrafter
 from drafters.config import typed_config
 from drafters.trees.dynamic import DynamicTree
 from verify.protocol import DraftContext
-from verify.target.model import Target
+from verify.runtime.model import Target
 from verify.tree import TokenTree, TreeTopology
 
 

@@ -16,7 +16,7 @@ from experiments.bench_report import format_batch_table
 from experiments.common import CONF_DIR
 from verify.loop import until_eos
 from verify.protocol import BatchDrafter, Drafter
-from verify.target.model import load_target_from_config
+from verify.runtime.model import load_target_from_config
 
 
 def batch_config(*overrides):

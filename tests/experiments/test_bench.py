@@ -26,7 +26,7 @@ from experiments.methods import (
     run_benchmark,
 )
 from train.draft_model import initial_draft
-from verify.target.model import load_target_from_config
+from verify.runtime.model import load_target_from_config
 from verify.tree import TreeTopology
 
 
@@ -535,8 +535,8 @@ def test_a_method_reads_draft_work_and_proposers_through_the_declared_abilities(
     from experiments.methods import treedraft_method
     from tests.drafters.toy_drafter import RepeatDrafter
     from verify.protocol import DraftStats, ProposalCounts, Resettable
+    from verify.runtime.model import load_target
     from verify.sampling import SamplingParams
-    from verify.target.model import load_target
 
     class Counted(RepeatDrafter, DraftStats, ProposalCounts):
         """Counts a 'draft forward' and a proposal per step, with no DraftEngine behind it."""

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-import verify.target.model
+import verify.runtime.model
 from experiments.common import (
     CONF_DIR,
     check_report,
@@ -26,7 +26,7 @@ from experiments.common import (
     save_figure,
     write_report,
 )
-from verify.target.model import load_target, target_name
+from verify.runtime.model import load_target, target_name
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the headless backend is chosen)
@@ -92,7 +92,7 @@ def test_a_report_is_named_by_the_target_that_loads_not_confs_name(tmp_path, mon
     assert report_name({"target": {**default, "path": "org/Model-7B"}}, "suffix-reference") == (
         "org-Model-7B-suffix-reference")
     load_target(tiny="llama").model.save_pretrained(tmp_path / "model")
-    monkeypatch.setattr(verify.target.model.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(verify.runtime.model.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
     loaded = load_target(str(tmp_path / "model"))
     assert target_name(str(tmp_path / "model")) == loaded.fingerprint()["name"]
     assert report_name({"target": {"path": str(tmp_path / "model")}}, "x") == file_stem(

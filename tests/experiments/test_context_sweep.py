@@ -5,7 +5,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.common import CONF_DIR
 from experiments.context_sweep import check_lengths, context_prompts, format_table, plot, sweep
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 
 
 def sweep_config(*overrides):

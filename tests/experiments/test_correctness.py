@@ -24,8 +24,8 @@ from experiments.stats import (
     total_variation,
 )
 from verify.loop import GenerationResult, StepStats, generate
+from verify.runtime.model import build_tiny_model
 from verify.sampling import SamplingParams
-from verify.target.model import build_tiny_model
 
 
 def correctness_cfg(*overrides, drafter="draft_model"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from experiments.data import SPEC_BENCH_CATEGORIES, load_spec_bench
-from verify.target.files import REPO_DATA, default_data_root
+from verify.runtime.files import REPO_DATA, default_data_root
 
 MT_BENCH = SPEC_BENCH_CATEGORIES[:8]
 

@@ -19,7 +19,7 @@ from experiments.learning_curves import (
 )
 from experiments.results import kind_of
 from train.curve import Curve
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 
 def _point(step, top1, cpu_minutes):

@@ -11,7 +11,7 @@ from experiments.common import CONF_DIR
 from experiments.results import kind_of
 from tests.train.test_regen_continuous import on_openvino, records
 from tests.train.test_regenerate import chat_target
-from verify.target.model import Target
+from verify.runtime.model import Target
 
 
 def tiny_targets(cfg, step, dtype, packed_rows):

@@ -162,7 +162,7 @@ def test_a_row_on_other_weights_names_them_and_only_the_default_target_has_a_ggu
     row = peers.engine_row("llamacpp", "plain", result, [[4, 5]], set())
     assert row["dtype"] == "gguf: m.Q4_1.gguf" and row["identical"] == 1.0
     assert row["tokens_per_s"] == 4.0 and row["tokens_per_step"] == 1.0 and row["convert_s"] == 2.0
-    from verify.target.model import load_target
+    from verify.runtime.model import load_target
     assert engines.gguf_file(load_target(tiny="llama")) is None
 
 
@@ -214,7 +214,7 @@ def test_a_runner_past_its_timeout_is_killed_with_the_workers_it_started(tmp_pat
 def test_an_engines_draft_model_method_gets_the_targets_first_layers_as_a_folder(tmp_path):
     from transformers import AutoConfig
 
-    from verify.target.model import load_target
+    from verify.runtime.model import load_target
 
     target = load_target(tiny="llama")
     settings = engines.engine_settings({"num_assistant_tokens": 4, "draft_layers": 1},

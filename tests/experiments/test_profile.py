@@ -20,7 +20,7 @@ from experiments.profile import (
     profile,
     profile_sizes,
 )
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import TreeVerifier
 
@@ -46,8 +46,8 @@ def test_every_part_is_timed_and_the_forward_is_split_by_module(tmp_path):
 
 
 def test_packings_get_their_own_rows_and_the_packed_step_is_padded():
-    from verify.target.model import load_target
-    from verify.target.packed import packing_unavailable
+    from verify.runtime.model import load_target
+    from verify.runtime.packed import packing_unavailable
 
     if packing_unavailable(load_target(tiny="llama").model):
         pytest.skip("packing needs a float32 CPU torch build with MKL")
@@ -105,7 +105,7 @@ def test_a_fused_step_is_refused_by_name_and_pointed_to_step_limit(step, kind):
 @pytest.mark.parametrize("packed_rows", [None, [2, 4, 8]])
 def test_the_profiled_inputs_are_what_the_verifier_feeds_the_forward(packed_rows,
                                                                       monkeypatch):
-    from verify.target.packed import packing_unavailable
+    from verify.runtime.packed import packing_unavailable
 
     if packed_rows and packing_unavailable(load_target(tiny="llama").model):
         pytest.skip("packing needs a float32 CPU torch build with MKL")

@@ -20,8 +20,8 @@ from drafters.draft_model import VOCAB_FILE, save_draft_model, truncated_copy
 from drafters.eagle import EagleDraft, save_draft
 from drafters.medusa import MedusaHeads, save_heads
 from experiments.common import CONF_DIR
-from verify.target.features import eagle3_layers
-from verify.target.model import build_tiny_model, load_target_from_config
+from verify.runtime.features import eagle3_layers
+from verify.runtime.model import build_tiny_model, load_target_from_config
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "vllm" / "bin" / "python"

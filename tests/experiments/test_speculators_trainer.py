@@ -21,7 +21,7 @@ from train.distributed import DistEnv
 from train.features import sequence_batcher
 from train.recipes import eagle as eagle_recipe
 from verify.loop import generate
-from verify.target.files import read_json
+from verify.runtime.files import read_json
 
 CPU = DistEnv(0, 1, torch.device("cpu"))
 

@@ -15,7 +15,7 @@ from experiments.step_limit import (
     read_bandwidth,
     weight_bytes,
 )
-from verify.target.model import build_tiny_model
+from verify.runtime.model import build_tiny_model
 
 
 def _params(model) -> int:
@@ -82,7 +82,7 @@ def test_a_row_puts_t_n_beside_the_limit(tmp_path):
                                                (False, [1, 1, 1, 8, 8, 8])])
 def test_sizes_take_turns_or_run_back_to_back(interleave, order, monkeypatch):
     import verify.costs as costs
-    from verify.target.model import load_target
+    from verify.runtime.model import load_target
 
     seen = []
     monkeypatch.setattr(costs, "time_step", lambda verifier, tree: seen.append(len(tree)) or 1.0)

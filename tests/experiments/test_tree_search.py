@@ -35,7 +35,7 @@ from experiments.tree_search_sequoia import (
 )
 from verify.accept import GreedyRule
 from verify.costs import measure_verify_cost, time_step
-from verify.target.model import build_tiny_model, load_target_from_config
+from verify.runtime.model import build_tiny_model, load_target_from_config
 from verify.tree import TokenTree, TreeError, TreeTopology
 from verify.verifier import TreeVerifier
 

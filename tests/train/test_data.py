@@ -12,7 +12,7 @@ from train.evaluate import answer_states
 from train.medusa import choose_draft_vocab, head_targets
 from train.prompts import interleave, load_prompt_files
 from train.schema import check_settings
-from verify.target.model import Target, hf_generate, load_target
+from verify.runtime.model import Target, hf_generate, load_target
 from verify.tree import TreeTopology
 
 

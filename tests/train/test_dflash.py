@@ -17,8 +17,8 @@ from train import run_training
 from train.dflash import DFlashLoss, block_rows, position_weights, sample_anchors
 from train.eagle import EagleLoss
 from train.losses import RowLoss
-from verify.target.features import eagle3_layers
-from verify.target.model import load_target
+from verify.runtime.features import eagle3_layers
+from verify.runtime.model import load_target
 from verify.tree import TreeTopology
 
 TOKENS = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 7, 9])

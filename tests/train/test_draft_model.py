@@ -32,8 +32,8 @@ from train import run_training
 from train.draft_model import DistillLoss, divergence, initial_draft
 from verify.loop import generate
 from verify.rules import make_rule
+from verify.runtime.model import Target, build_tiny_model, hf_generate, load_target
 from verify.sampling import SamplingParams
-from verify.target.model import Target, build_tiny_model, hf_generate, load_target
 
 TOKENS = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 7, 9])
 

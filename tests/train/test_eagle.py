@@ -19,9 +19,9 @@ from train.eagle import EagleLoss, ttt_mask
 from train.features import LiveFeatures, training_features
 from verify.loop import generate
 from verify.protocol import DraftContext
+from verify.runtime.features import eagle3_layers
+from verify.runtime.model import load_target, load_target_from_config
 from verify.sampling import SamplingParams
-from verify.target.features import eagle3_layers
-from verify.target.model import load_target, load_target_from_config
 from verify.tree import TreeTopology
 
 TOKENS = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 7, 9])

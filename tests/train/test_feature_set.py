@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 import train.features as features
 from train.distributed import DistEnv
 from train.feature_set import FeatureSet, SequenceFeatures, shard_entries
-from verify.target.files import UnreadableFileError, load_tensors, shard_path
-from verify.target.model import load_target
+from verify.runtime.files import UnreadableFileError, load_tensors, shard_path
+from verify.runtime.model import load_target
 
 LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6, 8, 11]
 

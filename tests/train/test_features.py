@@ -15,13 +15,13 @@ import torch
 from omegaconf import OmegaConf
 
 import train.features as features
-import verify.target.files as files
+import verify.runtime.files as files
 from tests.train.test_feature_set import write_feature_set
 from tests.train.test_lock import dead_pid, write_lock
 from train.distill import Answer
 from train.features import answer_sequences, extract_features, feature_folder, training_features
 from train.lock import LOCK_FILE, OutDirLocked
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [5, 9, 3, 12, 7]

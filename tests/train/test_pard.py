@@ -12,7 +12,7 @@ from drafters.pard import PardConfig, read_mask
 from experiments.common import CONF_DIR
 from train import run_training
 from train.pard import PardLoss, block_layout, initial_pard
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 
 
 def _cfg(tmp_path, *overrides, out="run"):

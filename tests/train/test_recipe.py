@@ -24,8 +24,8 @@ from train.distributed import DistEnv
 from train.features import FeatureSet, SequenceFeatures, answer_sequences, extract_features
 from train.medusa import HeadLoss, cached_rows, feature_rows
 from verify.loop import generate
-from verify.target.features import num_layers
-from verify.target.model import load_target_from_config
+from verify.runtime.features import num_layers
+from verify.runtime.model import load_target_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))

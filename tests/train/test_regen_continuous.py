@@ -13,9 +13,9 @@ from tests.train.test_regenerate import REGEN, FakeRanks, chat_target, conversat
 from train.conversations import read_records, tokenize_conversation
 from train.regen_features import logged_sequences, read_sequence
 from train.regenerate import RegenConfig, regenerate
-from verify.target.features import select_features
-from verify.target.model import Target
-from verify.target.openvino_step import OpenVINOStep
+from verify.runtime.features import select_features
+from verify.runtime.model import Target
+from verify.runtime.openvino_step import OpenVINOStep
 
 LAYERS = [1, -1]
 FEATURE_TOLERANCE = 2e-3  # float32 kernels of another library, then stored in float16

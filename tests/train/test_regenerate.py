@@ -23,7 +23,7 @@ from train.lock import LOCK_FILE, OutDirLocked
 from train.regen_folder import conversation_file, read_outcomes
 from train.regenerate import RegenConfig, regenerate
 from verify.loop import generate, until_eos
-from verify.target.model import Target, load_target
+from verify.runtime.model import Target, load_target
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "[UNK]", "user", "assistant", "system"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

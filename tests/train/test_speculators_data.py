@@ -7,7 +7,7 @@ import torch
 
 from train.features import extract_features
 from train.speculators_data import feature_columns, sample_of, speculators_sample
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 
 
 def test_the_columns_of_the_auxiliary_layers_and_of_the_last_state():

@@ -6,7 +6,7 @@ import torch
 
 from drafters.eagle import EagleDraft
 from verify.loop import generate
-from verify.target.model import build_tiny_model
+from verify.runtime.model import build_tiny_model
 from verify.tree import TokenTree
 from verify.verifier import TreeVerifier
 
@@ -58,7 +58,7 @@ def test_decoding_and_a_draft_layer_run_on_it():
 
 
 def test_position_bias_is_refused():
-    from verify.target.attention import sdpa_gqa_attention
+    from verify.runtime.attention import sdpa_gqa_attention
 
     q = torch.zeros(1, 4, 2, 8)
     with pytest.raises(NotImplementedError, match="attn_implementation='sdpa'"):

@@ -8,8 +8,8 @@ import torch
 from drafters.prompt_lookup import PromptLookupDrafter
 from verify.accept import GreedyRule, SpeculativeSamplingRule, TypicalRule
 from verify.loop import generate, generate_batch
+from verify.runtime.model import load_target
 from verify.sampling import SamplingParams
-from verify.target.model import load_target
 from verify.tree import TokenTree, TreeBatch, TreeTopology
 from verify.verifier import TreeVerifier
 

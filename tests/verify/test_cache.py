@@ -4,8 +4,8 @@ the verifier makes, without copying the cache on each update."""
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from verify.target.cache import GrowingLayer, new_cache, trim
-from verify.target.model import build_tiny_model
+from verify.runtime.cache import GrowingLayer, new_cache, trim
+from verify.runtime.model import build_tiny_model
 
 
 def _states(rows, count, seed):

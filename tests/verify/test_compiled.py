@@ -8,9 +8,9 @@ import torch
 
 from drafters.prompt_lookup import PromptLookupDrafter
 from verify.loop import generate, generate_batch
-from verify.target.cache import CAPACITY_STEP, RoomLayer, room_cache, room_for
-from verify.target.compiled import MAX_GRAPHS, compiling, graph_key
-from verify.target.model import load_target
+from verify.runtime.cache import CAPACITY_STEP, RoomLayer, room_cache, room_for
+from verify.runtime.compiled import MAX_GRAPHS, compiling, graph_key
+from verify.runtime.model import load_target
 from verify.tree import TokenTree, TreeTopology
 from verify.verifier import TreeVerifier
 
@@ -143,7 +143,7 @@ def test_the_profile_refuses_a_compiled_step_and_names_the_command_that_times_it
 
 def test_half_precision_runs_one_token_steps_through_the_tree_graph():
     # bfloat16: the one-token graph's rows round apart from the tree graph's; one graph for
-    # both keeps a tree's rows the one-token step's (verify/target/compiled.py, min_width)
+    # both keeps a tree's rows the one-token step's (verify/runtime/compiled.py, min_width)
     step = load_target(tiny="llama", dtype="bfloat16", step="compiled").step
     plain = generate(step, PROMPT, 40).tokens
     drafter = PromptLookupDrafter(TreeTopology.from_choices([[0], [1], [0, 0]]), min_ngram=1)

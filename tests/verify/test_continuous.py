@@ -1,4 +1,4 @@
-"""Continuous batching (verify/target/continuous.py) on the OpenVINO step: every answer equals
+"""Continuous batching (verify/runtime/continuous.py) on the OpenVINO step: every answer equals
 decoding its prompt alone, a follow-up prompt reuses the cached prefix, captured features equal
 a prefill's, and sampled answers follow the target's distribution (a wrong sampler fails)."""
 
@@ -9,11 +9,11 @@ import torch
 
 from experiments.stats import chi_square_test
 from verify.loop import generate
+from verify.runtime.continuous import ContinuousBatcher
+from verify.runtime.features import num_layers, resolve_layers, select_features
+from verify.runtime.model import build_tiny_model, load_target
+from verify.runtime.openvino_step import OpenVINOStep
 from verify.sampling import SamplingParams
-from verify.target.continuous import ContinuousBatcher
-from verify.target.features import num_layers, resolve_layers, select_features
-from verify.target.model import build_tiny_model, load_target
-from verify.target.openvino_step import OpenVINOStep
 
 LAYERS = (1, -1)
 FEATURE_TOLERANCE = 1e-4  # float32 kernels of another library, summed in another order

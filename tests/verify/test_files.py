@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verify.target.files import (
+from verify.runtime.files import (
     UnreadableFileError,
     check_tensors,
     load_tensors,

@@ -2,8 +2,8 @@
 
 import torch
 
-from verify.target.fingerprint import identity, weights_digest
-from verify.target.model import Target, load_target
+from verify.runtime.fingerprint import identity, weights_digest
+from verify.runtime.model import Target, load_target
 
 
 def test_weights_config_dtype_and_adapter_each_change_the_fingerprint():

@@ -26,9 +26,9 @@ from transformers import (
 )
 
 from drafters.draft_model import load_draft_model
-from verify.target.files import UnreadableFileError
-from verify.target.loading import looks_local
-from verify.target.model import build_tiny_model, load_target
+from verify.runtime.files import UnreadableFileError
+from verify.runtime.loading import looks_local
+from verify.runtime.model import build_tiny_model, load_target
 
 
 def save_tokenizer(folder: Path) -> None:
@@ -197,7 +197,7 @@ def test_an_integer_dtype_is_refused():
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_a_float8_dtype_is_refused_before_anything_loads(dtype, monkeypatch):
     # a storage format, not one a cast model's matmuls run in (torch: NotImplementedError)
-    monkeypatch.setattr("verify.target.model.build_tiny_model",
+    monkeypatch.setattr("verify.runtime.model.build_tiny_model",
                         lambda *a, **k: pytest.fail("built"))
     with pytest.raises(ValueError, match=f"target.dtype={dtype} is not a floating-point dtype "
                                          "a model computes in: use float32, bfloat16 or float16"):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from verify.loop import generate
+from verify.runtime.model import Target, hf_generate, load_target
 from verify.sampling import SamplingParams
-from verify.target.model import Target, hf_generate, load_target
 from verify.tree import TokenTree
 
 

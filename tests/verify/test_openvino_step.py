@@ -1,5 +1,5 @@
-"""target.step=openvino (verify/target/openvino_step.py): a tree's logits and features on OpenVINO's
-paged kernels equal the eager forward's, the accepted path is kept (compaction) and rows
+"""target.step=openvino (verify/runtime/openvino_step.py): a tree's logits and features on
+OpenVINO's paged kernels equal the eager forward's, the accepted path is kept (compaction) and rows
 leave a batch; each control (no tree mask, no compaction) fails the same check; what the
 step cannot run is refused by name."""
 
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-import verify.target.openvino_step as openvino_step
-from verify.target.model import load_target
-from verify.target.openvino_graph import UnsupportedModel
+import verify.runtime.openvino_step as openvino_step
+from verify.runtime.model import load_target
+from verify.runtime.openvino_graph import UnsupportedModel
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier
 
@@ -92,7 +92,7 @@ def test_what_the_step_cannot_run_is_refused_by_name(monkeypatch):
         load_target(tiny="llama", step="openvino", dtype="float16")
     with pytest.raises(ValueError, match="packed_rows"):
         load_target(tiny="llama", step="openvino", packed_rows=[4, 8])
-    monkeypatch.setitem(sys.modules, "verify.target.openvino_step", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "verify.runtime.openvino_step", None)  # as if not installed
     with pytest.raises(ImportError, match="target.step=openvino needs the `openvino` package"):
         load_target(tiny="llama", step="openvino")
 
@@ -118,7 +118,7 @@ def _rows(tensor, slots) -> torch.Tensor:
 
 
 def test_bfloat16_keeps_far_positions_as_close_as_eager_bfloat16_does(targets, monkeypatch):
-    # The rotary angles stay float32 on a bfloat16 step (verify/target/openvino_graph.py
+    # The rotary angles stay float32 on a bfloat16 step (verify/runtime/openvino_graph.py
     # `rotary_tables`); the control computes them from bfloat16 positions, as a graph running
     # the angle products in bfloat16 would: far positions then turn by radians.
     prompt = torch.arange(440) % 200

@@ -1,4 +1,4 @@
-"""Pre-packed linear weights (verify/target/packed.py): the packed product is used exactly at the
+"""Pre-packed linear weights (verify/runtime/packed.py): the packed product is used exactly at the
 packed row counts and agrees with `F.linear`; the verifier pads trees up to a packed count; a
 packed target decodes token for token as the unpacked one, alone and in batches."""
 
@@ -10,8 +10,8 @@ from torch import nn
 from drafters.prompt_lookup import PromptLookupDrafter
 from tests.verify.test_batch import Scripted
 from verify.loop import generate, generate_batch
-from verify.target.model import load_target
-from verify.target.packed import (
+from verify.runtime.model import load_target
+from verify.runtime.packed import (
     DEFAULT_LADDER,
     OneDNNLinear,
     PackedLinear,
@@ -194,7 +194,7 @@ def test_bfloat16_packing_runs_every_row_count_packed(monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_packed_bfloat16_tiny_target_gives_the_unpacked_ones_logits_and_tokens(arch):
     # tiny widths only: on the default target the packed products round differently by row
-    # count (verify/target/packed.py), which experiments.correctness measures
+    # count (verify/runtime/packed.py), which experiments.correctness measures
     plain = load_target(tiny=arch, dtype="bfloat16").model
     packed = load_target(tiny=arch, dtype="bfloat16", packed_rows="onednn").model
     assert any(isinstance(m, OneDNNLinear) for m in packed.modules())

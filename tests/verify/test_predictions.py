@@ -9,7 +9,7 @@ import torch
 from verify.loop import generate, generate_batch
 from verify.predictions import TargetPredictions, top_k_predictions
 from verify.protocol import BatchDrafter
-from verify.target.model import load_target
+from verify.runtime.model import load_target
 from verify.tree import TokenTree
 
 PROMPTS = [torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41]), torch.tensor([7, 8, 9, 10, 11])]

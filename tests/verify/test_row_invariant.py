@@ -6,7 +6,7 @@ import torch
 
 from tests.verify.test_attention import forwards
 from verify.loop import generate
-from verify.target.model import build_tiny_model
+from verify.runtime.model import build_tiny_model
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier
 

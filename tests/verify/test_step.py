@@ -1,4 +1,4 @@
-"""The target's step (verify/target/step.py): load_target chooses the kind and the Target carries
+"""The target's step (verify/runtime/step.py): load_target chooses the kind and the Target carries
 it; every kind answers the same interface with its own width rule and cache, and nothing is set on
 the model for the verifier to find."""
 
@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM, MistralConfig, PreTrainedModel
 from drafters.prompt_lookup import PromptLookupDrafter
 from tests.verify import toy_step
 from verify.loop import generate, generate_batch
-from verify.target.cache import CAPACITY_STEP, RoomLayer, cache_length
-from verify.target.compiled import CompiledStep
-from verify.target.features import num_layers, resolve_layers, select_features
-from verify.target.model import Target, build_tiny_model, load_target
-from verify.target.packed import packing_unavailable
-from verify.target.step import STEPS, EagerStep, PackedStep, as_step, target_step
+from verify.runtime.cache import CAPACITY_STEP, RoomLayer, cache_length
+from verify.runtime.compiled import CompiledStep
+from verify.runtime.features import num_layers, resolve_layers, select_features
+from verify.runtime.model import Target, build_tiny_model, load_target
+from verify.runtime.packed import packing_unavailable
+from verify.runtime.step import STEPS, EagerStep, PackedStep, as_step, target_step
 from verify.tree import TokenTree, TreeBatch, TreeTopology
 from verify.verifier import TreeVerifier
 

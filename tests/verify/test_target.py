@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from verify.target import model as target_mod
-from verify.target.model import (
+from verify.runtime import model as target_mod
+from verify.runtime.model import (
     DEFAULT_INSTALL,
     TINY_ARCHS,
     Target,

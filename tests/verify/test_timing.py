@@ -1,4 +1,4 @@
-"""verify.target.timing: a clock for work on a CUDA device waits for that device's queued kernels
+"""verify.runtime.timing: a clock for work on a CUDA device waits for that device's queued kernels
 before every reading; on the CPU it is perf_counter itself, with nothing to wait for."""
 
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from verify.target.timing import device_clock, synchronize
+from verify.runtime.timing import device_clock, synchronize
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_the_decoding_loop_reads_its_clock_for_the_models_device(monkeypatch):
     # verify.loop times prefill, draft and verify with the clock of the target's device
     import verify.loop
     from verify.loop import generate
-    from verify.target.model import load_target
+    from verify.runtime.model import load_target
 
     asked = []
 

@@ -4,8 +4,8 @@ keeps exactly the accepted path."""
 import pytest
 import torch
 
-from verify.target.hf_state import tree_attention_mask
-from verify.target.model import load_target
+from verify.runtime.hf_state import tree_attention_mask
+from verify.runtime.model import load_target
 from verify.tree import TokenTree, TreeBatch
 from verify.verifier import TreeVerifier
 

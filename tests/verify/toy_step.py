@@ -1,5 +1,5 @@
 """A toy target step, added the way docs/extending.md says a new step kind is: this module and
-one registry line (the test's entry in verify.target.step.STEPS), checked by one row of the
+one registry line (the test's entry in verify.runtime.step.STEPS), checked by one row of the
 step table (tests/verify/test_step.py, STEP_ROWS). It lives in the test suite only.
 
 It keeps no keys and values: its state holds each row's committed tokens, and every forward
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verify.target.features import select_features
+from verify.runtime.features import select_features
 from verify.tree import TreeBatch
 
 
 class RecomputeState:
-    """The step's state (`verify.target.step.StepState`): rows[b] holds row b's committed
+    """The step's state (`verify.runtime.step.StepState`): rows[b] holds row b's committed
     tokens; the trees of the last `run_trees` wait there until `keep_paths`."""
 
     def __init__(self, model: PreTrainedModel, feature_layers: tuple[int, ...]):
@@ -94,7 +94,7 @@ def _chain(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 class RecomputeStep:
-    """A `verify.target.step.TargetStep` whose state keeps tokens, not a KV cache."""
+    """A `verify.runtime.step.TargetStep` whose state keeps tokens, not a KV cache."""
 
     extends_prompts = True  # a prompt may follow cached tokens: they are only tokens
     draft_steps = ("torch",)  # drafts run in PyTorch beside it
@@ -113,7 +113,7 @@ class RecomputeStep:
 
 
 def build(model: PreTrainedModel, packed_rows=None) -> RecomputeStep:
-    """The registry's builder (verify.target.step.STEPS): target.packed_rows packs nothing
+    """The registry's builder (verify.runtime.step.STEPS): target.packed_rows packs nothing
     here ("auto" asks for nothing)."""
     if packed_rows not in (None, [], (), "auto"):
         raise ValueError(f"the toy step runs the model's weights as loaded: target.packed_rows="

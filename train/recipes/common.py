@@ -33,9 +33,9 @@ from train.logger import Logger, build_logger, finish_run
 from train.loop import adamw, train_steps
 from train.sharding import full_optimizer_state, full_state_dict, unshard_for_one_rank, wrap
 from verify.protocol import Drafter
-from verify.target.features import num_layers
-from verify.target.files import read_json, write_json
-from verify.target.model import Target, load_target_from_config
+from verify.runtime.features import num_layers
+from verify.runtime.files import read_json, write_json
+from verify.runtime.model import Target, load_target_from_config
 
 EVAL_FILE = "eval.json"
 SPEED_FILE = "speed.json"  # the last invocation's training throughput (train.loop.speed)

@@ -28,8 +28,8 @@ from train.features import (
 )
 from train.losses import RowLoss
 from train.recipes import common
-from verify.target.features import eagle3_layers, num_layers, resolve_layers
-from verify.target.model import Target
+from verify.runtime.features import eagle3_layers, num_layers, resolve_layers
+from verify.runtime.model import Target
 
 # curve_every records held-out accuracy by depth along the run (common.Training.heldout_eval)
 LEARNING_CURVE = True

@@ -45,9 +45,9 @@ from train.features import (
 from train.loop import adamw
 from train.recipes import common
 from train.sharding import load_full_state_dict
-from verify.target.features import LAST, num_layers, resolve_layers
-from verify.target.files import load_tensors
-from verify.target.model import Target
+from verify.runtime.features import LAST, num_layers, resolve_layers
+from verify.runtime.files import load_tensors
+from verify.runtime.model import Target
 from verify.tree import TreeTopology
 
 

@@ -44,8 +44,8 @@ from train.medusa import (
     sequence_batch,
 )
 from train.recipes import common
-from verify.target.features import num_layers
-from verify.target.model import Target
+from verify.runtime.features import num_layers
+from verify.runtime.model import Target
 
 
 class Rows(NamedTuple):

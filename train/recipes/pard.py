@@ -27,7 +27,7 @@ from train.pard import PardLoss, initial_pard, with_layout
 from train.recipes import common
 from train.recipes.draft_model import evaluate, flat_metrics, load_student
 from train.recipes.draft_model import hyperparameters as draft_hyperparameters
-from verify.target.features import LAST, num_layers, resolve_layers
+from verify.runtime.features import LAST, num_layers, resolve_layers
 
 MODEL_PREFIX = "model."  # PardDraft's causal LM, in the trained module's state dict
 

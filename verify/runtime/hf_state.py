@@ -1,12 +1,12 @@
 """A Hugging Face model's KV cache for B rows, and the forwards over it: the state a
-`TreeVerifier` keeps on an eager, packed or compiled step (verify/target/step.py).
+`TreeVerifier` keeps on an eager, packed or compiled step (verify/runtime/step.py).
 
 Row b's committed tokens sit at cache slots 0 .. lengths[b] - 1. Slots beyond are stale (a
 shorter prompt's padding, room left by a longer row) and every mask hides them. After
 acceptance each row's path moves down to follow its committed tokens and the cache is trimmed
 to the longest row, so memory stays bounded and positions stay contiguous. With B = 1 there
 are no stale slots and the cached sequence is exactly the committed tokens. The layout and the
-moves on it live in verify/target/cache.py (the draft engine's cache is laid out the same way).
+moves on it live in verify/runtime/cache.py (the draft engine's cache is laid out the same way).
 
 A step runs one token tree per row, padded to a common N nodes, as one forward: a float 4D
 attention mask (B, 1, N, S + N) lets each node see its row's committed tokens plus its own
@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verify.target.cache import cache_length, cache_rows_alone, keep_paths, new_cache, trim
-from verify.target.features import select_features
+from verify.runtime.cache import cache_length, cache_rows_alone, keep_paths, new_cache, trim
+from verify.runtime.features import select_features
 from verify.tree import TreeBatch
 
 
@@ -43,7 +43,7 @@ def tree_attention_mask(batch: TreeBatch, lengths: torch.Tensor, cache_size: int
 class CacheState:
     """The cache of a step that runs the model's own forward (`step`: eager, packed or
     compiled), with the feature layers (absolute hidden-state indices) every forward returns.
-    The methods are `verify.target.step.StepState`'s."""
+    The methods are `verify.runtime.step.StepState`'s."""
 
     def __init__(self, step, feature_layers: tuple[int, ...]):
         self.step = step
@@ -129,7 +129,7 @@ def batched_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.T
     logits_to_keep: 0 for all positions, k > 0 for the last k, or a (k,) tensor of positions.
     step: what runs the forward instead of `model` (a TargetStep), same arguments.
     Returns float logits (B, n', V) on the model's device and, with feature_layers (absolute
-    hidden-state indices, see verify.target.features), the features (B, n, F * H) on the model's
+    hidden-state indices, see verify.runtime.features), the features (B, n, F * H) on the model's
     device and in its dtype: drafters run there, so nothing is copied.
     """
     device = model.device

@@ -14,7 +14,7 @@ Inputs (T tokens of B subsequences laid end to end; the caller owns the cache bl
   qq_bias (sum N_b^2,) u8, qq_bias_begins (B + 1,) i32: each subsequence's new tokens' ancestor
   matrix (row q, column k: 1 where token q may see token k), flattened row-major;
   key_cache.i / value_cache.i: layer i's blocks (layout chosen by the plugin at compile).
-Outputs: logits (R, V) and, per requested hidden-state index h (verify.target.features: 0 the
+Outputs: logits (R, V) and, per requested hidden-state index h (verify.runtime.features: 0 the
 embeddings, 1..L-1 decoder layer h's output, L the final norm's), hidden.h (T, H).
 """
 

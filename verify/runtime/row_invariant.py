@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verify.target.attention import sdpa_gqa_attention
+from verify.runtime.attention import sdpa_gqa_attention
 
 NAME = "row_invariant"
 PREFILL_ROWS = 64

@@ -5,8 +5,8 @@
 - its width rule: the node count a forward of B trees of N nodes runs at;
 - its state (`new_state`): the KV cache of B rows and the forwards over it, in the form the
   step runs them (`StepState`): the model's own cache and 4D masks on the steps below
-  (verify/target/hf_state.py), paged blocks and ancestor matrices on OpenVINO's
-  (verify/target/openvino_step.py); on the model's own cache, what the prefilled cache becomes for
+  (verify/runtime/hf_state.py), paged blocks and ancestor matrices on OpenVINO's
+  (verify/runtime/openvino_step.py); on the model's own cache, what the prefilled cache becomes for
   the steps, making room in it, and the columns every step's mask spans;
 - compiling: whether the graphs a decode runs exist yet (TreeVerifier.compile_graphs
   compiles the missing ones before the clock starts);
@@ -14,10 +14,10 @@
   arguments.
 
 The kinds: `EagerStep`, the model's forward as it is; `PackedStep`, the same forward on
-weights pre-packed for some row counts (verify/target/packed.py), with trees padded up to them;
-`CompiledStep` (verify/target/compiled.py), the forward through torch.compile over a room cache; and
-`OpenVINOStep` (verify/target/openvino_step.py), the forward on OpenVINO's CPU kernels with
-PagedAttention and a tree mask, over cache blocks it owns. `STEPS` is the registry:
+weights pre-packed for some row counts (verify/runtime/packed.py), with trees padded up to them;
+`CompiledStep` (verify/runtime/compiled.py), the forward through torch.compile over a room
+cache; and `OpenVINOStep` (verify/runtime/openvino_step.py), the forward on OpenVINO's CPU
+kernels with PagedAttention and a tree mask, over cache blocks it owns. `STEPS` is the registry:
 target.step's values, each with the builder of its step (a new kind: docs/extending.md).
 """
 
@@ -34,10 +34,10 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
-from verify.target.cache import check_full_attention
-from verify.target.compiled import CompiledStep
-from verify.target.hf_state import CacheState
-from verify.target.packed import ladder_width, pack_target
+from verify.runtime.cache import check_full_attention
+from verify.runtime.compiled import CompiledStep
+from verify.runtime.hf_state import CacheState
+from verify.runtime.packed import ladder_width, pack_target
 from verify.tree import TreeBatch
 
 
@@ -92,7 +92,7 @@ class TargetStep(Protocol):
 
 class ModelForwardStep(TargetStep, Protocol):
     """A step that runs the model's own forward over the model's own cache (its state is
-    verify/target/hf_state.py's `CacheState`): eager, packed and compiled."""
+    verify/runtime/hf_state.py's `CacheState`): eager, packed and compiled."""
 
     def steps_cache(self, cache: DynamicCache) -> Cache:
         """The cache the steps run on, holding the prefilled `cache`'s entries."""
@@ -140,7 +140,7 @@ class EagerStep:
 
 
 class PackedStep(EagerStep):
-    """The eager forward on weights packed for the row counts `ladder` (verify/target/packed.py): a
+    """The eager forward on weights packed for the row counts `ladder` (verify/runtime/packed.py): a
     forward of B trees runs at the next width whose B * N rows are packed."""
 
     def __init__(self, model: PreTrainedModel, ladder: Sequence[int]):
@@ -159,7 +159,7 @@ def as_step(model_or_step: nn.Module | TargetStep) -> TargetStep:
 def eager_step(model: PreTrainedModel, packed_rows: str | Sequence[int] | None = None
                ) -> TargetStep:
     """target.step=eager: the model's forward, its linear layers packed in place for the row
-    counts `packed_rows` asks (verify/target/packed.py; a `PackedStep` then pads trees up to
+    counts `packed_rows` asks (verify/runtime/packed.py; a `PackedStep` then pads trees up to
     them). oneDNN's packing serves every row count, so its step pads no tree (an eager one)."""
     check_full_attention(model.config, "target")
     ladder = pack_target(model, packed_rows)
@@ -177,11 +177,11 @@ def compiled_step(model: PreTrainedModel, packed_rows: str | Sequence[int] | Non
 
 def openvino_step(model: PreTrainedModel, packed_rows: str | Sequence[int] | None = None,
                   **options) -> TargetStep:
-    """target.step=openvino, with the step's `options` (verify/target/openvino_step.py); the
+    """target.step=openvino, with the step's `options` (verify/runtime/openvino_step.py); the
     OpenVINO step refuses a sliding window its own way."""
     refuse_packing("the OpenVINO step", packed_rows)
     try:
-        from verify.target.openvino_step import OpenVINOStep  # openvino is imported only here
+        from verify.runtime.openvino_step import OpenVINOStep  # openvino is imported only here
     except ImportError as error:
         raise ImportError(f"target.step=openvino needs the `openvino` package ({error}); "
                           "`make setup` installs it") from error
@@ -203,7 +203,7 @@ STEPS: dict[str, Callable[..., TargetStep]] = {
     "eager": eager_step,
     "compiled": compiled_step,
     # compiled, and one row's one-token steps run the tree graph in every dtype (as half
-    # precision always does: verify/target/compiled.py, `min_width`)
+    # precision always does: verify/runtime/compiled.py, `min_width`)
     "compiled_one_graph": partial(compiled_step, one_graph=True),
     "openvino": openvino_step,
 }

@@ -4,7 +4,7 @@ PagedAttention with each tree's ancestor matrix as its mask, over cache blocks t
 Why: the engines people run on a CPU verify on kernels that the PyTorch step does not reach
 (issue 45: OpenVINO's paged step ran t(1) near the weight-streaming limit, about twice as fast
 as treedraft's compiled step on the same machine). The graph is built from the loaded model's
-weights (verify/target/openvino_graph.py); this module owns what a decode needs around it:
+weights (verify/runtime/openvino_graph.py); this module owns what a decode needs around it:
 
 - the cache: per layer, key and value blocks (blocks, kv heads, block size, head dim) in the
   layout the plugin chose, and per row a table of the blocks holding its slots (slot s in
@@ -28,7 +28,7 @@ import openvino as ov
 import torch
 from transformers import PreTrainedModel
 
-from verify.target.openvino_graph import build_graph, check_supported, rotary_tables
+from verify.runtime.openvino_graph import build_graph, check_supported, rotary_tables
 from verify.tree import TreeBatch
 
 PRECISIONS = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -46,19 +46,19 @@ MIN_BLOCKS = 16  # blocks the pool starts with; it doubles when full
 
 
 class OpenVINOStep:
-    """A `TargetStep` (verify/target/step.py) whose state (`PagedState`) runs `model`'s forward on
+    """A `TargetStep` (verify/runtime/step.py) whose state (`PagedState`) runs `model`'s forward on
     OpenVINO's CPU plugin. `model` stays the Hugging Face model: drafters read its config,
     embeddings and head; its weights are shared with the graph, not copied."""
 
     extends_prompts = True  # a paged cache takes a prompt after cached tokens
-    # its state serves verify.target.continuous (rows added and freed one at a time)
+    # its state serves verify.runtime.continuous (rows added and freed one at a time)
     continuous_batching = True
     # learned drafts run on this step's kernels by default (drafters.paged_drafts), PyTorch's
     # where asked (drafter.step=torch)
     draft_steps = ("openvino", "torch")
-    # torch's threads while decoding on this step (verify.target.step.host_threads): one. The loop's
-    # own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's OpenMP
-    # workers spinning beside the plugin's on 2 cores starved both: in a profile taken while
+    # torch's threads while decoding on this step (verify.runtime.step.host_threads): one. The
+    # loop's own tensor work (acceptance, the drafts' softmax and top-k) is small, and torch's
+    # OpenMP workers spinning beside the plugin's on 2 cores starved both: in a profile taken while
     # a training run shared the cores, an EAGLE-2 decode took 5.96 s with torch on 2 threads,
     # 3.64 s on 1 (log_softmax 2.5 ms -> 0.04 ms a call).
     host_threads = 1
@@ -135,7 +135,7 @@ class RotaryTables:
 
 
 class PagedState:
-    """B rows of paged KV cache and the forwards over them (`verify.target.step.StepState`): the
+    """B rows of paged KV cache and the forwards over them (`verify.runtime.step.StepState`): the
     target's, or a draft's (drafters.paged_engine) over its own graph. `rotary`: the module
     whose inverse frequencies give the positions' tables; `dtype`: the features'."""
 

@@ -10,7 +10,7 @@ MKL can pack a weight matrix once for a given row count M and reuse it (torch ex
 `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU freezing uses).
 `pack_linears(model, ladder)` keeps one packed copy of every linear layer's weight per M in
 `ladder` (each copy costs the weights' size again) and sends an M-row product to its packed
-copy; any other M runs `F.linear` as before. The target's `PackedStep` (verify/target/step.py) pads
+copy; any other M runs `F.linear` as before. The target's `PackedStep` (verify/runtime/step.py) pads
 each step's trees up to the next width whose row count B * N is packed (`ladder_width`):
 with the default ladder a tree of 4 nodes runs the 4-row packed kernel, 5-8 nodes the 8-row
 one, 9-16 the 16-row one. Packed and unpacked products of the same row differ in rounding
@@ -114,7 +114,7 @@ def pack_bfloat16_linears(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def pack_linears(model: nn.Module, ladder: Sequence[int]) -> tuple[int, ...]:
     """Pack every `nn.Linear` of `model` for the row counts in `ladder`; returns those row
-    counts, sorted (the ladder a `PackedStep` pads trees up to, verify/target/step.py)."""
+    counts, sorted (the ladder a `PackedStep` pads trees up to, verify/runtime/step.py)."""
     ladder = tuple(sorted({int(m) for m in ladder}))
     if not ladder:
         return ladder

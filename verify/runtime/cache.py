@@ -9,7 +9,7 @@ the whole cache with each step's few new entries, a copy of every cached key and
 layer per step. At 16 rows of up to 800 tokens that was ~600 MB of copying a step on the
 default target; writing the new entries into room that is already there costs their own size.
 
-A compiled step (verify/target/compiled.py) needs every step's shapes fixed, so its cache is
+A compiled step (verify/runtime/compiled.py) needs every step's shapes fixed, so its cache is
 `RoomLayer`s instead: the whole room (B, H, C, D) is attended over, with the slots not in use
 masked, and the count in use is a tensor the compiled graph advances. The same moves apply.
 """

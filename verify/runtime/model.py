@@ -7,7 +7,7 @@ reproduce, its tokenizer, and a name for result tables. Three sources:
   the first load de-quantizes it to float32 (~15 s) and caches safetensors, later loads take ~1 s;
 - tiny random-init models (`tiny="llama" | "qwen2" | "gpt2"`) for fast tests on several
   architectures;
-- any other local folder or hub id, loaded by verify.target.loading (whole, causal, no folder code
+- any other local folder or hub id, loaded by verify.runtime.loading (whole, causal, no folder code
   unless `trust_remote_code`, a missing local path never sent to the hub).
 """
 
@@ -32,12 +32,12 @@ from transformers import (
     Qwen2Config,
 )
 
-import verify.target.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
-import verify.target.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
-from verify.target.files import remove_orphans, write_atomically
-from verify.target.fingerprint import model_fingerprint, weights_digest
-from verify.target.loading import load_causal_lm, load_tokenizer
-from verify.target.step import EagerStep, TargetStep, target_step
+import verify.runtime.attention  # noqa: F401  (registers attn_implementation="sdpa_gqa")
+import verify.runtime.row_invariant  # noqa: F401  (registers attn_implementation="row_invariant")
+from verify.runtime.files import remove_orphans, write_atomically
+from verify.runtime.fingerprint import model_fingerprint, weights_digest
+from verify.runtime.loading import load_causal_lm, load_tokenizer
+from verify.runtime.step import EagerStep, TargetStep, target_step
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def context_window(model: PreTrainedModel) -> int | None:
 @dataclass
 class Target:
     """A causal LM to decode from, with its tokenizer (None for tiny random models) and the
-    step its decoding runs through (verify/target/step.py: pass `target.step` to `generate`, to
+    step its decoding runs through (verify/runtime/step.py: pass `target.step` to `generate`, to
     `TreeVerifier`); a target built from a bare model decodes through the eager one."""
 
     model: PreTrainedModel
@@ -80,8 +80,9 @@ class Target:
             self.step = EagerStep(self.model)
 
     def fingerprint(self) -> dict:
-        """What this target is (verify.target.fingerprint): computed once, on first use; load_target
-        takes it at load, before a Medusa-2 run wraps the model in trainable LoRA layers."""
+        """What this target is (verify.runtime.fingerprint): computed once, on first use;
+        load_target takes it at load, before a Medusa-2 run wraps the model in trainable LoRA
+        layers."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model, self.name, self.adapter,
                                                   self.base_weights)
@@ -157,7 +158,7 @@ def load_target(
 
     Args:
         path: None or "smollm2-135m-instruct" for the embedded default; otherwise a local folder
-            or hub id (verify.target.loading: a path that looks local and is missing is
+            or hub id (verify.runtime.loading: a path that looks local and is missing is
             refused, a hub id looked up as the environment allows, HF_HUB_OFFLINE=1 its cache only).
         gguf_file: GGUF file inside `path`, for models shipped as GGUF.
         trust_remote_code: run the code a model folder ships (its config's auto_map); off,
@@ -173,17 +174,17 @@ def load_target(
             the weights: the result decodes as fast as the plain model.
         device: where the weights go ("cuda", "cuda:1"); None leaves them on the CPU.
         packed_rows: row counts whose matrix products get pre-packed weights
-            (verify/target/packed.py, float32 on an x86 CPU: cheaper tree steps, each count
+            (verify/runtime/packed.py, float32 on an x86 CPU: cheaper tree steps, each count
             costs a copy of the weights); "auto" packs 4, 8 and 16 rows where that works
             (float32), None nothing; "onednn" packs a bfloat16 model's weights once for every
-            row count (faster, but not row-invariant: see verify/target/packed.py).
+            row count (faster, but not row-invariant: see verify/runtime/packed.py).
         step: "eager", the model's forward as it is, or "compiled": decoding steps through
-            torch.compile over preallocated room (verify/target/compiled.py; its graphs compile
+            torch.compile over preallocated room (verify/runtime/compiled.py; its graphs compile
             before the first decode, ~30-40 s each for the default target). A compiled step
             packs its own weights, so "auto" packs nothing there; "compiled_one_graph" runs
             one-token steps through the tree graph in float32 too; "openvino" runs every
-            step on OpenVINO's CPU kernels (verify/target/openvino_step.py). The target carries the
-            step it chose (`Target.step`, verify/target/step.py).
+            step on OpenVINO's CPU kernels (verify/runtime/openvino_step.py). The target carries the
+            step it chose (`Target.step`, verify/runtime/step.py).
         step_options: the step builder's options (`threads` for "openvino"); one that is None
             is left to the step's default, and a step refuses one it does not take.
     """
@@ -211,7 +212,7 @@ def load_target(
 
 def _load_pretrained(path: str, name: str, gguf_file: str | None, trust_remote_code: bool,
                      **kwargs) -> Target:
-    """The target in folder or hub id `path` with its tokenizer, checked by verify.target.loading:
+    """The target in folder or hub id `path` with its tokenizer, checked by verify.runtime.loading:
     a missing local path, missing or unexpected weights, a non-causal model and a folder's
     own code (unless `trust_remote_code`) are refused, naming them."""
     model = load_causal_lm(path, "target", trust_remote_code=trust_remote_code,

@@ -33,7 +33,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from verify.target.files import check_tensors_file
+from verify.runtime.files import check_tensors_file
 
 # The causality probe (`check_causal`): tokens per row, and how far (relative to the logits'
 # scale) earlier positions may move when only the last token changes: far below one bfloat16

@@ -8,8 +8,8 @@ rotary and residuals. Inductor compiles the whole forward into C++ with those fu
 bfloat16, MKL or oneDNN in float32).
 
 A compiled graph is specialised to its input shapes, except the sizes it takes as symbols:
-- the cache is `RoomLayer`s (verify/target/cache.py): keys and values (B, H, C, D) with the count in
-  use in a tensor; the capacity C grows in steps of CAPACITY_STEP slots and every forward
+- the cache is `RoomLayer`s (verify/runtime/cache.py): keys and values (B, H, C, D) with the count
+  in use in a tensor; the capacity C grows in steps of CAPACITY_STEP slots and every forward
   attends over all C slots with an explicit mask that hides the unused ones;
 - C, the rows B (batches) and the tree width N are symbols, so a growing cache, a batch
   that loses finished rows and trees of any size reuse the graphs; dynamo's automatic
@@ -41,9 +41,9 @@ import torch._inductor.config  # noqa: F401  (torch._inductor.config.patch below
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
-from verify.target.cache import cache_length, room_cache, room_for
-from verify.target.hf_state import CacheState
-from verify.target.timing import device_clock
+from verify.runtime.cache import cache_length, room_cache, room_for
+from verify.runtime.hf_state import CacheState
+from verify.runtime.timing import device_clock
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ MAX_GRAPHS = 64
 
 class CompiledStep:
     """`model`'s forward compiled for decoding steps (inference only: freezing folds in the
-    weights as they are at a graph's first call): a `TargetStep` (verify/target/step.py). Called
+    weights as they are at a graph's first call): a `TargetStep` (verify/runtime/step.py). Called
     with the keyword arguments of the model's forward, with an explicit (B, 1, N, C) mask
     over a room cache.
 

@@ -61,7 +61,7 @@ class _Row:
 
 
 class ContinuousBatcher:
-    """Answers to (P,) prompts on a paged state (verify.target.openvino_step.PagedState, or one
+    """Answers to (P,) prompts on a paged state (verify.runtime.openvino_step.PagedState, or one
     with its `infer`, `logits`, `new_row`, `clear_row` and `truncate_row`), up to `max_rows`
     at once.
 
