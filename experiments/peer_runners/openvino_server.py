@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 from openvino_runner import PRECISION, convert
-from vllm_server import protocol_stream
+from runner_io import serve_batches
 
 CACHE_GB = 2  # the pipeline's KV cache: 64 rows of 768 tokens of this target take ~0.3 GB
 
@@ -55,23 +54,24 @@ def config(request: dict):
 
 
 def main() -> None:
-    out = protocol_stream()
     settings = json.loads(sys.argv[1])
-    import numpy as np
-    import openvino as ov
-    import openvino_genai as ov_genai
+    engine = {}
 
-    start = time.perf_counter()
-    pipe = pipeline(settings)
-    out.write(json.dumps({"ready": True, "startup_s": time.perf_counter() - start,
-                          "version": ov_genai.__version__}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            break
-        request = json.loads(line)
+    def start() -> str:
+        import openvino_genai as ov_genai
+
+        engine["pipe"] = pipeline(settings)
+        return ov_genai.__version__
+
+    def answer(request: dict) -> list[list[int]]:
+        import numpy as np
+        import openvino as ov
+
         prompts = [ov.Tensor(np.array([ids], dtype=np.int64)) for ids in request["prompts"]]
-        results = pipe.generate(prompts, [config(request)] * len(prompts))
-        out.write(json.dumps({"tokens": [list(r.m_generation_ids[0]) for r in results]}) + "\n")
+        results = engine["pipe"].generate(prompts, [config(request)] * len(prompts))
+        return [list(result.m_generation_ids[0]) for result in results]
+
+    serve_batches(start, answer)
 
 
 if __name__ == "__main__":

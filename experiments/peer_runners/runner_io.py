@@ -9,7 +9,9 @@ A runner's `decode(ids, max_new_tokens)` greedily decodes one prompt of token id
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 
 Decode = Callable[[list[int], int], tuple[list[int], float, float]]
@@ -38,3 +40,27 @@ def serve(run: Callable[[dict], dict]) -> None:
     result = run(request)
     with open(result_path, "w") as f:
         json.dump(result, f)
+
+
+def protocol_stream():
+    """The original stdout for answers; stdout itself redirected to stderr for the logs."""
+    stream = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return stream
+
+
+def serve_batches(start: Callable[[], str], answer: Callable[[dict], list[list[int]]]) -> None:
+    """A regeneration server's life (vllm_server.py, openvino_server.py): the protocol stream
+    set apart first (an engine's prints go to stderr), `start()` the engine (its version),
+    {"ready": true, "startup_s", "version"} written, then each request line on stdin answered
+    with {"tokens": answer(request)} until an empty line or the end of input."""
+    out = protocol_stream()
+    started = time.perf_counter()
+    version = start()
+    out.write(json.dumps({"ready": True, "startup_s": time.perf_counter() - started,
+                          "version": version}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        out.write(json.dumps({"tokens": answer(json.loads(line))}) + "\n")

@@ -15,43 +15,36 @@ line or end of input stops the server.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 
-
-def protocol_stream():
-    """The original stdout for answers; stdout itself redirected to stderr for the logs."""
-    stream = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return stream
+from runner_io import serve_batches
 
 
 def main() -> None:
-    out = protocol_stream()
     settings = json.loads(sys.argv[1])
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    engine = {}
 
-    start = time.perf_counter()
-    llm = LLM(model=settings["model"], dtype=settings["dtype"], seed=0,
-              max_model_len=settings["max_model_len"],
-              gpu_memory_utilization=settings["memory_fraction"])
-    out.write(json.dumps({"ready": True, "startup_s": time.perf_counter() - start,
-                          "version": vllm.__version__}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            break
-        request = json.loads(line)
+    def start() -> str:
+        import vllm
+        from vllm import LLM
+
+        engine["llm"] = LLM(model=settings["model"], dtype=settings["dtype"], seed=0,
+                            max_model_len=settings["max_model_len"],
+                            gpu_memory_utilization=settings["memory_fraction"])
+        return vllm.__version__
+
+    def answer(request: dict) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         params = SamplingParams(temperature=request["temperature"], top_p=request["top_p"],
                                 seed=request["seed"], max_tokens=request["max_new_tokens"],
                                 stop_token_ids=request["eos_token_ids"])
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids)
-                                for ids in request["prompts"]], params, use_tqdm=False)
-        out.write(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs]})
-                  + "\n")
+        outputs = engine["llm"].generate([TokensPrompt(prompt_token_ids=ids)
+                                          for ids in request["prompts"]], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    serve_batches(start, answer)
 
 
 if __name__ == "__main__":  # vLLM starts its workers by spawn: they re-import this module
