@@ -98,7 +98,8 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
         sources.append(list(sharegpt_sequences(target.tokenizer, data.max_sequence_tokens,
                                                data.sharegpt_tokens, seed=data.seed, path=path)))
     sources = [source for source in sources if source]
-    corpus = [corpus_features(data.corpus, target, layers)] if data.get("corpus") else []
+    corpus = [without_prompts(corpus_features(data.corpus, target, layers),
+                              [answer.prompt for answer in heldout])] if data.get("corpus") else []
     if not sources and not corpus:
         raise ValueError("no training data: set data.corpus, data.sharegpt_tokens or "
                          "data.num_prompts")
@@ -112,6 +113,18 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
         parts = [extract_features(target, source, layers, cache, env=env) for source in sources]
         train = FeatureSet.join(corpus + parts)
     return train, extract_features(target, answer_sequences(heldout), layers, cache, env=env)
+
+
+def without_prompts(features: FeatureSet, prompts: Sequence[torch.Tensor]) -> FeatureSet:
+    """`features` without the sequences that begin with one of `prompts` (P_i,): the held-out
+    prompts, which a corpus of the same prompt sets may hold too (a draft evaluated on what it
+    trained on reads better than it is)."""
+    kept = [entry for entry, (ids, _) in zip(features.entries, features.token_sequences())
+            if not any(len(ids) >= len(p) and torch.equal(ids[:len(p)], p) for p in prompts)]
+    if len(kept) < len(features.entries):
+        print(f"corpus: {len(features.entries) - len(kept)} sequences left out: they begin with "
+              "a held-out prompt")
+    return FeatureSet(kept, features.layers, features.folder)
 
 
 def extract_features(target: Target, sequences: Sequence[TokenSequence], layers: Sequence[int],

@@ -143,3 +143,17 @@ def test_the_report_says_which_step_and_dtype_made_its_figures(tmp_path):
     assert report["config"]["step"] == "openvino"  # issue 63 item 13
     assert report["rows"][0]["this_run"]["step"] == "openvino"
     assert "(builtin, openvino step, float32, continuous batching)" in format_account(account)
+
+
+def test_a_corpus_sequence_that_begins_with_a_held_out_prompt_is_left_out(tmp_path):
+    from train.features import without_prompts
+    from train.regen_features import corpus_features
+
+    target = on_openvino(chat_target())
+    run(target, tmp_path, feature_layers=LAYERS)
+    corpus = corpus_features(tmp_path, target, LAYERS)
+    first = corpus[0].input_ids
+    kept = without_prompts(corpus, [first[:5], torch.tensor([0, 0, 0])])
+    assert len(kept) == len(corpus) - sum(
+        torch.equal(s.input_ids[:5], first[:5]) for s in corpus)
+    assert all(not torch.equal(s.input_ids[:5], first[:5]) for s in kept)
