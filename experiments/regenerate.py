@@ -355,7 +355,9 @@ def _format_corpus(account: dict) -> str:
     if "corpus_tokens" not in account:
         return ""
     hours = account.get("all_runs", {}).get("hours")
+    per_token = account["this_run"].get("feature_bytes_per_token")
     return (f"\ncorpus: {account['corpus_tokens']:,} tokens with features"
+            + (f" ({per_token:,} bytes a token)" if per_token else "")
             + (f", {hours:.2f} hours over {account['all_runs']['runs']} run(s)" if hours else ""))
 
 

@@ -50,7 +50,7 @@ class FeatureShards:
         self.rank, self.shard_tokens = rank, shard_tokens or SHARD_TOKENS
         self.next = len(list(self.dir.glob(f"rank-{rank:03d}-*.safetensors")))
         self.pending: list[_Pending] = []
-        self.bytes = 0  # written by this run
+        self.bytes = self.tokens = 0  # written by this run
 
     def add(self, outcome: Outcome, input_ids: torch.Tensor, loss_mask: torch.Tensor,
             features: torch.Tensor) -> list[Outcome]:
@@ -75,6 +75,7 @@ class FeatureShards:
         }
         save_tensors_atomically(tensors, self.dir / name)
         self.bytes += tensors["features"].numel() * tensors["features"].element_size()
+        self.tokens += len(tensors["input_ids"])
         outcomes = [p.outcome for p in self.pending]
         for place, (outcome, pending) in enumerate(zip(outcomes, self.pending)):
             outcome.shard, outcome.shard_index = name, place

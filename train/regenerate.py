@@ -155,6 +155,7 @@ def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConf
                 else "continuous"}
     if shards is not None:
         this_run["feature_bytes"] = shards.bytes
+        this_run["feature_bytes_per_token"] = shards.bytes // max(shards.tokens, 1)
     return write_results(folder, records, settings(target, regen), this_run)
 
 
