@@ -278,8 +278,13 @@ def format_table(rows: list[dict]) -> str:
     table = [[a["input"], a["done"], f"{a['skipped']} ({_reasons(a['skipped_by_reason'])})",
               f"{a['failed']} ({_reasons(a['failed_by_reason'])})", a["answers"],
               f"{a['tokens']:,}", a["cut_answers"], a["dropped_turns"],
-              a["this_run"].get("engine", "builtin"), *_last_run(a), _identical(a)]
+              _how(a["this_run"]), *_last_run(a), _identical(a)]
              for a in rows]
+    if any("corpus_tokens" in a for a in rows):  # a corpus: its features and its hours
+        header += ["tokens with features", "hours (all runs)"]
+        for line, a in zip(table, rows):
+            line += [cell(a.get("corpus_tokens"), ","),
+                     cell(a.get("all_runs", {}).get("hours"), ".2f")]
     notes = "".join(_format_comparison(a.get("compared_to")).replace("\n", "\n\n")
                     for a in rows)
     return markdown_table(header, table) + (
