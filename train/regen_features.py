@@ -22,7 +22,7 @@ import torch
 from train.feature_set import FeatureSet, ShardEntry, shard_entries
 from train.regen_folder import MANIFEST_FILE, Outcome, conversation_file, read_outcomes
 from verify.runtime.features import num_layers, resolve_layers
-from verify.runtime.files import load_tensors, read_json, remove_orphans, save_tensors_atomically
+from verify.runtime.files import read_json, remove_orphans, save_tensors_atomically
 from verify.runtime.model import Target
 
 FEATURES_DIR = "features"
@@ -50,6 +50,7 @@ class FeatureShards:
         self.rank, self.shard_tokens = rank, shard_tokens or SHARD_TOKENS
         self.next = len(list(self.dir.glob(f"rank-{rank:03d}-*.safetensors")))
         self.pending: list[_Pending] = []
+        self.pending_tokens = 0
         self.bytes = self.tokens = 0  # written by this run
 
     def add(self, outcome: Outcome, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -58,7 +59,8 @@ class FeatureShards:
         if not torch.isfinite(features).all():
             raise OverflowError(f"features of {outcome.id} are not finite")
         self.pending.append(_Pending(outcome, input_ids, loss_mask, features.to(FEATURE_DTYPE)))
-        if sum(len(p.input_ids) for p in self.pending) < self.shard_tokens:
+        self.pending_tokens += len(input_ids)
+        if self.pending_tokens < self.shard_tokens:
             return []
         return self.flush()
 
@@ -81,7 +83,7 @@ class FeatureShards:
             outcome.shard, outcome.shard_index = name, place
             outcome.feature_tokens = len(pending.input_ids)
         self.next += 1
-        self.pending = []
+        self.pending, self.pending_tokens = [], 0
         return outcomes
 
 
@@ -95,15 +97,6 @@ def logged_sequences(folder: Path) -> list[tuple[Path, int, str]]:
                 found.append((folder / FEATURES_DIR / outcome.shard, outcome.shard_index,
                               outcome.id))
     return found
-
-
-def read_sequence(path: Path, place: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids (T,), loss_mask (T,) and features (T, F * H) of sequence `place` of a shard."""
-    tensors = load_tensors(path)
-    lengths = tensors["lengths"].tolist()
-    start = sum(lengths[:place])
-    return tuple(tensors[key][start:start + lengths[place]]
-                 for key in ("input_ids", "loss_mask", "features"))
 
 
 def corpus_features(folder: str | Path, target: Target, layers: tuple[int, ...]) -> FeatureSet:

@@ -134,7 +134,8 @@ def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConf
             if i % env.world_size == env.rank and record[0] not in log.finished]
     shards = FeatureShards(folder, env.rank) if regen.feature_layers else None
     started = time.perf_counter()
-    if answer is None and runs_continuously(target):
+    batching = "continuous" if answer is None and runs_continuously(target) else "rounds"
+    if batching == "continuous":
         pool = ContinuousRegeneration(target, regen, shards).run(mine)
     else:
         if regen.feature_layers:
@@ -151,8 +152,7 @@ def _regenerate_held(target: Target, records: Sequence[Record], regen: RegenConf
                 "seconds": time.perf_counter() - started, "ranks": env.world_size,
                 "engine": regen.engine, "step": target.step_name,
                 "dtype": target.fingerprint()["dtype"],
-                "batching": "rounds" if answer is not None or not runs_continuously(target)
-                else "continuous"}
+                "batching": batching}
     if shards is not None:
         this_run["feature_bytes"] = shards.bytes
         this_run["feature_bytes_per_token"] = shards.bytes // max(shards.tokens, 1)

@@ -11,13 +11,20 @@ import train.regen_continuous
 import train.regen_features
 from tests.train.test_regenerate import REGEN, FakeRanks, chat_target, conversation, written
 from train.conversations import read_records, tokenize_conversation
-from train.regen_features import logged_sequences, read_sequence
+from train.feature_set import FeatureSet, shard_entries
+from train.regen_features import logged_sequences
 from train.regenerate import RegenConfig, regenerate
 from verify.runtime.features import select_features
 from verify.runtime.model import Target
 from verify.runtime.openvino_step import OpenVINOStep
 
 LAYERS = [1, -1]
+
+
+def read_sequence(path, place):
+    """input_ids (T,), loss_mask (T,) and features (T, F * H) of sequence `place` of a shard."""
+    sequence = FeatureSet([shard_entries(path)[place]], (), path.parent)[0]
+    return sequence.input_ids, sequence.loss_mask, sequence.features
 FEATURE_TOLERANCE = 2e-3  # float32 kernels of another library, then stored in float16
 
 
