@@ -74,11 +74,7 @@ def run(cfg: DictConfig) -> list[dict]:
         for plan in ways(cfg):
             folder = Path(scratch) / f"{plan['name']}-{plan['batch_size']}"
             print(f"{plan['name']} (batch {plan['batch_size']}): {len(records)} conversations")
-            row = measure(cfg, plan, base, records, folder)
-            if REFERENCE in folders and "error" not in row:
-                row["compared"] = compare_folders(folder, folders[REFERENCE], row.pop("_target"),
-                                                  records)
-            row.pop("_target", None)
+            row = measure(cfg, plan, base, records, folder, folders.get(REFERENCE))
             folders.setdefault(plan["name"], folder)
             rows.append(row)
     print(format_table(rows))
@@ -86,8 +82,10 @@ def run(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-def measure(cfg: DictConfig, plan: dict, base: RegenConfig, records: list, folder: Path) -> dict:
-    """One way's row: its regeneration timed (wall and CPU, an engine's server's included)."""
+def measure(cfg: DictConfig, plan: dict, base: RegenConfig, records: list, folder: Path,
+            reference: Path | None) -> dict:
+    """One way's row: its regeneration timed (wall and CPU, an engine's server's included),
+    its answers compared with the `reference` folder's (None: this way is the reference)."""
     row = {key: plan[key] for key in ("name", "engine", "step", "dtype", "batch_size")}
     regen = replace(base, engine=plan["engine"], batch_size=plan["batch_size"],
                     feature_layers=list(base.feature_layers) if plan["features"] else [],
@@ -111,10 +109,12 @@ def measure(cfg: DictConfig, plan: dict, base: RegenConfig, records: list, folde
     tokens = account["tokens"]
     row.update(batching=account["this_run"].get("batching", "rounds"), tokens=tokens,
                seconds=round(seconds, 2), tokens_per_s=round(tokens / seconds, 1),
-               cpu_s_per_1k=round(1000 * cpu / max(tokens, 1), 2), _target=target)
+               cpu_s_per_1k=round(1000 * cpu / max(tokens, 1), 2))
     if "corpus_tokens" in account:
         row["feature_tokens"] = account["corpus_tokens"]
         row["feature_tokens_per_s"] = round(account["corpus_tokens"] / seconds, 1)
+    if reference is not None:
+        row["compared"] = compare_folders(folder, reference, target, records)
     return row
 
 
