@@ -66,9 +66,12 @@ class DFlashLoss(nn.Module):
         return loss, torch.stack(counts)
 
     def block_logits(self, input_ids: torch.Tensor, features: torch.Tensor,
-                     starts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+                     starts: torch.Tensor, valid: torch.Tensor,
+                     previous: torch.Tensor | None = None) -> torch.Tensor:
         """The draft's float logits (B, A, D, V') of blocks anchored at `starts` (B, A), over
-        the context of all T positions' features, in one forward (block_mask)."""
+        the context of all T positions' features, in one forward (block_mask). `previous`
+        (B, A, D): the token before each draft position (the root, then the drafts), which
+        DSpark's Markov head reads (None: the sequence's own tokens); DFlash reads none."""
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).expand(batch, length)
         context = self.draft.context(features[..., :self.input_width], positions)
