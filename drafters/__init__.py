@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from drafters import (
     dflash,
     draft_model,
+    dspark,
     eagle,
     hybrid,
     medusa,
@@ -32,7 +33,7 @@ from drafters import (
     recycling,
     suffix,
 )
-from drafters.openvino_dflash import OpenVINODFlashDrafter
+from drafters.openvino_dflash import OpenVINODFlashDrafter, OpenVINODSparkDrafter
 from drafters.paged_drafts import (
     OpenVINOMedusaDrafter,
     PagedDraftModelDrafter,
@@ -41,6 +42,7 @@ from drafters.paged_drafts import (
 )
 from drafters.trees import TreePolicy, is_chain, is_static, tree_policy
 from drafters.trees.cost import measured_cost
+from drafters.trees.confidence import ConfidenceChain
 from drafters.trees.ddtree import DDTree
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts
@@ -69,6 +71,8 @@ class DrafterEntry:
     # score): their trees are one-hot proposals
     draws: bool = False
     iid: bool = False  # it can draw a node's siblings i.i.d. (its `iid_siblings`)
+    # a confidence head schedules how much of a chain to verify (tree policy: confidence)
+    schedules: bool = False
 
 
 # eagle and eagle3: one drafter (drafters.eagle), two shipped configs
@@ -76,6 +80,8 @@ EAGLE = DrafterEntry(eagle.from_config, PagedEagleDrafter.from_torch, draws=True
 DRAFTERS: dict[str, DrafterEntry] = {
     "dflash": DrafterEntry(dflash.from_config, OpenVINODFlashDrafter.from_torch, block=True,
                            draws=True),
+    "dspark": DrafterEntry(dspark.from_config, OpenVINODSparkDrafter.from_torch, block=True,
+                           draws=True, schedules=True),
     "draft_model": DrafterEntry(draft_model.from_config, PagedDraftModelDrafter.from_torch,
                                 draws=True, iid=True),
     "eagle": EAGLE,
@@ -114,6 +120,10 @@ def build_drafter(drafter_cfg: Mapping, tree_cfg: Mapping, target: Target) -> Dr
         raise TreeError(f"tree {tree_cfg.get('name')!r} is a DDTree, built from a block "
                         f"drafter's per-position marginals: drafter {name!r} has none (block "
                         f"drafters: {drafters_that('block')})")
+    if isinstance(policy, ConfidenceChain) and not entry.schedules:
+        raise TreeError(f"tree {tree_cfg.get('name')!r} is cut by a confidence head's "
+                        f"acceptance estimates: drafter {name!r} has none (drafters with one: "
+                        f"{drafters_that('schedules')})")
     openvino = (entry.openvino is not None
                 and draft_step(drafter_cfg.get("step"), target.step, name) == "openvino")
     drafter = entry.build(drafter_cfg, policy, target)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from drafters.trees import TreePolicy
+from drafters.trees.confidence import ConfidenceChain
 from drafters.trees.ddtree import DDTree
 from drafters.trees.dynamic import DynamicTree, draft_log_probs
 from drafters.trees.steps import add_children, run_steps
@@ -63,7 +64,8 @@ def check_block_tree(tree: TreePolicy, max_depth: int, drafter: str, limit: str)
     """Refuse, at construction, a tree deeper than the block: `max_depth` is the deepest
     position the block drafts, `limit` the setting it comes from, as the message names it
     (DFlash: "drafter.block_size - 1", PARD: "drafter.block_size")."""
-    depth = tree.depth if not isinstance(tree, DDTree) else (tree.depth or max_depth)
+    # a DDTree's or a confidence chain's depth may be null: as deep as the block
+    depth = tree.depth or max_depth if isinstance(tree, DDTree | ConfidenceChain) else tree.depth
     if depth > max_depth:
         raise TreeError(f"tree depth {depth} exceeds what {drafter} can fill: its block "
                         f"drafts {max_depth} positions ({limit})")

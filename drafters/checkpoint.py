@@ -83,6 +83,7 @@ FOLDER_KINDS: dict[str, tuple[str, str]] = {
     "eagle3": ("an EAGLE-3 draft", "python train.py drafter=eagle3"),
     "medusa": ("Medusa heads", "python train.py drafter=medusa"),
     "dflash": ("a DFlash draft", "python train.py drafter=dflash"),
+    "dspark": ("a DSpark draft", "python train.py drafter=dspark"),
     "pard": ("a PARD draft", "python train.py drafter=pard"),
     "draft_model": ("a distilled draft model", "python train.py drafter=draft_model"),
     "hf_model": ("a Hugging Face model folder",
@@ -100,10 +101,12 @@ EAGLE_KINDS = ("eagle1", "eagle3")
 MODEL_KINDS = ("draft_model", "pard", "hf_model")  # whole causal LMs a draft model loads
 # The kinds each drafter's training writes, and so resumes from (train.checkpoint)
 KINDS_OF_DRAFTER = {"eagle": EAGLE_KINDS, "eagle3": EAGLE_KINDS, "medusa": ("medusa",),
-                    "dflash": ("dflash",), "draft_model": ("draft_model",), "pard": ("pard",)}
+                    "dflash": ("dflash",), "dspark": ("dspark",), "draft_model": ("draft_model",),
+                    "pard": ("pard",)}
 # The setting that loads each kind, named when a folder is given to another drafter
 DRAFTER_OF_KIND = {"eagle1": "drafter=eagle", "eagle3": "drafter=eagle3",
                    "medusa": "drafter=medusa", "dflash": "drafter=dflash",
+                   "dspark": "drafter=dspark",
                    "pard": "drafter=pard drafter.path=",
                    "draft_model": "drafter=draft_model drafter.path=",
                    "hf_model": "drafter=draft_model drafter.path="}
@@ -157,8 +160,8 @@ def _kind_of_config(config: Mapping) -> str:
         return "speculators"
     if config.get("model_type") == "medusa":
         return "vllm_medusa"
-    if config.get("drafter") == "dflash":
-        return "dflash"
+    if config.get("drafter") in ("dflash", "dspark"):
+        return config["drafter"]
     if "num_heads" in config and "target" in config:
         return "medusa"
     if "feature_layers" in config:  # older EAGLE checkpoints name no layout: fused_input

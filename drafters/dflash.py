@@ -69,7 +69,12 @@ class DFlashConfig:
 
 
 def dflash_config(cfg: Mapping) -> DFlashConfig:
-    config: DFlashConfig = typed_config(DFlashConfig, cfg, "DFlash")
+    return check_block_config(typed_config(DFlashConfig, cfg, "DFlash"))
+
+
+def check_block_config(config: DFlashConfig) -> DFlashConfig:
+    """`config` (DFlash's or a subclass's), its block settings checked: ValueError naming the
+    key out of range."""
     for key in ("block_size", "num_layers", "anchors"):
         minimum = 2 if key == "block_size" else 1
         if getattr(config, key) < minimum:
@@ -153,6 +158,8 @@ class DFlashDraft(nn.Module):
     not saved here.
     """
 
+    KIND, NAME = "dflash", "DFlash"  # what its checkpoint's config.json names; in messages
+
     def __init__(self, target: PreTrainedModel, feature_layers: tuple[int, ...],
                  block_size: int, layers: int, vocab_ids: torch.Tensor | None = None):
         super().__init__()
@@ -212,6 +219,13 @@ class DFlashDraft(nn.Module):
                 "num_layers": len(self.layers),
                 "draft_vocab_size": None if self.vocab_ids is None else self.vocab_size}
 
+    @classmethod
+    def rebuilt(cls, target: PreTrainedModel, config: Mapping,
+                vocab_ids: torch.Tensor | None) -> DFlashDraft:
+        """A fresh draft of a checkpoint's `config` (its `hyperparameters`) on `target`."""
+        return cls(target, tuple(config["feature_layers"]), config["block_size"],
+                   config["num_layers"], vocab_ids)
+
 
 def block_inputs(roots: torch.Tensor, starts: torch.Tensor, block_size: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,20 +278,24 @@ class DFlashDrafter(BlockDrafter):
         return sum(k.numel() * k.element_size() * 2 for k, _ in self._context)
 
     def block_marginals(self, ctx: DraftContext) -> torch.Tensor:
-        self._extend_context(ctx)
-        return self.marginals(int(ctx.tokens[-1]), len(ctx.tokens) - 1)
+        return self.draft.to_target_vocab(self.block_outputs(ctx)[1])
 
-    def marginals(self, root: int, position: int) -> torch.Tensor:
-        """The block after `root` (at `position`): (block_size - 1, V) float CPU draft logits
-        over the target's vocabulary, row d for depth d + 1."""
+    def block_outputs(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over the block after ctx.tokens[-1]: its normed outputs
+        (block_size - 1, H) and draft-vocabulary logits (block_size - 1, V'), float on the
+        CPU, row d for depth d + 1 (DSpark's heads read both)."""
+        self._extend_context(ctx)
+        return self.outputs(int(ctx.tokens[-1]), len(ctx.tokens) - 1)
+
+    def outputs(self, root: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after `root` (at `position`), over the context held: `block_outputs`."""
         weight = self.draft.fc.weight
         roots = torch.tensor([[root]], device=weight.device)
         tokens, positions = block_inputs(roots, torch.tensor([[position]], device=weight.device),
                                          self.draft.block_size)
-        hidden = self.draft(tokens, positions, self._context)  # (1, b, H)
+        hidden = self.draft(tokens, positions, self._context)[0, 1:]  # (b - 1, H)
         self.forwards += 1
-        logits = self.draft.logits(hidden[0, 1:]).float().cpu()
-        return self.draft.to_target_vocab(logits)
+        return hidden.float().cpu(), self.draft.logits(hidden).float().cpu()
 
     def _extend_context(self, ctx: DraftContext) -> None:
         """Append the features of positions T - 1 - k .. T - 2 to every layer's context."""
@@ -312,40 +330,47 @@ def save_draft(draft: DFlashDraft, folder: str | Path, target: Target, extra=Non
     """Write the draft (draft.safetensors + config.json naming its target) atomically."""
     hidden = draft.lm_head.weight.shape[1]
     config = {"target": target_record(target, hidden, draft.target_vocab_size),
-              "drafter": "dflash", **draft.hyperparameters}
+              "drafter": draft.KIND, **draft.hyperparameters}
     save_module(draft, folder, WEIGHTS_FILE, config, extra, state)
 
 
-def load_draft(folder: str | Path, target: Target, allow_other_target: bool = False
-               ) -> DFlashDraft:
-    """A draft saved by `save_draft`, on `target`; ValueError for another target's."""
+def load_draft(folder: str | Path, target: Target, allow_other_target: bool = False,
+               kind: type[DFlashDraft] = DFlashDraft) -> DFlashDraft:
+    """A draft of `kind` (DFlashDraft or a subclass) saved by `save_draft`, on `target`;
+    ValueError for another target's or another kind's."""
     folder = Path(folder)
-    check_kind(folder, "the DFlash drafter", ("dflash",))
+    check_kind(folder, f"the {kind.NAME} drafter", (kind.KIND,))
     config = read_config(folder)
-    if config.get("drafter") != "dflash":
-        raise ValueError(f"{folder} does not hold a DFlash draft (its config.json names "
+    if config.get("drafter") != kind.KIND:
+        raise ValueError(f"{folder} does not hold a {kind.NAME} draft (its config.json names "
                          f"drafter {config.get('drafter')!r})")
-    check_target(config["target"], target, folder, "DFlash draft", allow_other_target)
+    check_target(config["target"], target, folder, f"{kind.NAME} draft", allow_other_target)
     device = str(target.model.get_output_embeddings().weight.device)
     state = load_tensors(folder / WEIGHTS_FILE, device=device)
-    draft = DFlashDraft(target.model, tuple(config["feature_layers"]), config["block_size"],
-                        config["num_layers"], state.get("vocab_ids"))
+    draft = kind.rebuilt(target.model, config, state.get("vocab_ids"))
     draft.load_state_dict(state)  # strict: missing, unexpected or misshapen tensors are named
     return draft
 
 
 def from_config(cfg: Mapping, tree: TreePolicy, target: Target) -> DFlashDrafter:
-    """conf/drafter/dflash.yaml: a fresh (untrained) draft, or `checkpoint: <folder>`. A
-    checkpoint runs at the block size it was trained for: another is refused, by name."""
+    """conf/drafter/dflash.yaml: a fresh (untrained) draft, or `checkpoint: <folder>`."""
     config = dflash_config(cfg)
-    if config.checkpoint:
-        draft = load_draft(config.checkpoint, target, config.allow_other_target)
-        if draft.block_size != config.block_size:
-            raise ValueError(f"drafter.block_size={config.block_size}, but {config.checkpoint} "
-                             f"was trained with block_size {draft.block_size}: its masks attend "
-                             "to each other, so another block size is another model; set "
-                             f"drafter.block_size={draft.block_size}")
-    else:
+    return DFlashDrafter(configured_draft(config, target, DFlashDraft), tree, name=config.name)
+
+
+def configured_draft(config: DFlashConfig, target: Target, kind: type[DFlashDraft],
+                     **fresh) -> DFlashDraft:
+    """The draft of `kind` a drafter config names: its checkpoint, else a fresh one made with
+    the config's layers and sizes (and `fresh`, the subclass's own arguments). A checkpoint
+    runs at the block size it was trained for: another is refused, by name."""
+    if not config.checkpoint:
         layers = config.feature_layers or eagle3_layers(num_layers(target.model.config))
-        draft = DFlashDraft(target.model, tuple(layers), config.block_size, config.num_layers)
-    return DFlashDrafter(draft, tree, name=config.name)
+        return kind(target.model, tuple(layers), config.block_size, config.num_layers,
+                    **fresh)
+    draft = load_draft(config.checkpoint, target, config.allow_other_target, kind)
+    if draft.block_size != config.block_size:
+        raise ValueError(f"drafter.block_size={config.block_size}, but {config.checkpoint} "
+                         f"was trained with block_size {draft.block_size}: its masks attend "
+                         "to each other, so another block size is another model; set "
+                         f"drafter.block_size={draft.block_size}")
+    return draft

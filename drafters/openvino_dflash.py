@@ -21,6 +21,7 @@ import torch
 
 from drafters.block import table_with_mask
 from drafters.dflash import DFlashDraft, DFlashDrafter
+from drafters.dspark import DSparkProposals
 from verify.protocol import DraftContext
 from verify.runtime.openvino_graph import (
     F32,
@@ -46,7 +47,8 @@ def dflash_graph(draft: DFlashDraft) -> ov.Model:
     """Inputs: input_ids (b,) the block (the mask as the token table's last row);
     draft_states (k, F * H) the new context rows' features; rope_cos/sin_context (k, D) and
     rope_cos/sin_block (b, D); per layer i past_key.i / past_value.i (kv heads, C, D).
-    Outputs: logits (b, V') and per layer new_key.i / new_value.i (kv heads, k, D)."""
+    Outputs: logits (b, V'), hidden (b, H) the normed outputs they were read from (DSpark's
+    heads read them), and per layer new_key.i / new_value.i (kv heads, k, D)."""
     layers, (heads, kv_heads, dim) = draft.layers, attention_shape(draft.layers[0].self_attn)
     width = draft.fc.weight.shape[1]
     params = {"input_ids": _parameter("input_ids", I64, [-1]),
@@ -78,9 +80,10 @@ def dflash_graph(draft: DFlashDraft) -> ov.Model:
         h = ops.add(h, linear(attended, module.o_proj))
         h = ops.add(h, mlp(rms_norm(h, layer.post_attention_layernorm), layer.mlp))
         outputs += [named(new_key, f"new_key.{index}"), named(new_value, f"new_value.{index}")]
-    logits = linear(rms_norm(h, draft.norm), draft.lm_head)
-    return ov.Model([named(logits, "logits"), *outputs], list(params.values()),
-                    "treedraft-dflash")
+    hidden = rms_norm(h, draft.norm)
+    logits = linear(hidden, draft.lm_head)
+    return ov.Model([named(logits, "logits"), named(hidden, "hidden"), *outputs],
+                    list(params.values()), "treedraft-dflash")
 
 
 def _heads(x: ov.Node, norm: torch.nn.Module | None, rope, heads: int, dim: int) -> ov.Node:
@@ -144,7 +147,7 @@ class OpenVINODFlashDrafter(DFlashDrafter):
     def _held(self) -> int:
         return self.held
 
-    def block_marginals(self, ctx: DraftContext) -> torch.Tensor:
+    def block_outputs(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The new context rows and the block [root, MASK x (b - 1)] in one forward."""
         start = self._new_context_start(ctx)
         count, b = len(ctx.features), self.draft.block_size
@@ -158,8 +161,8 @@ class OpenVINODFlashDrafter(DFlashDrafter):
         self.request.infer(feeds)
         self._append(count)
         self.forwards += 1
-        logits = torch.from_numpy(self.request.get_tensor("logits").data[1:].copy())
-        return self.draft.to_target_vocab(logits)
+        hidden = torch.from_numpy(self.request.get_tensor("hidden").data[1:].copy())
+        return hidden, torch.from_numpy(self.request.get_tensor("logits").data[1:].copy())
 
     def _past(self) -> dict[str, np.ndarray]:
         """Each layer's held keys and values, views of the arrays (no copy)."""
@@ -184,3 +187,9 @@ class OpenVINODFlashDrafter(DFlashDrafter):
                 self.kv[slot] = array = grown
             array[:, self.held:end] = self.request.get_tensor(name).data
         self.held = end
+
+
+class OpenVINODSparkDrafter(DSparkProposals, OpenVINODFlashDrafter):
+    """DSpark on the DFlash graph: the backbone's block forward there (its outputs and base
+    logits), the Markov and confidence heads per drafted node in PyTorch (a row of W1 and an
+    r x V' product each: drafters.dspark)."""

@@ -30,7 +30,7 @@ from train.checkpoint import RUN_FILE
 from train.curve import CURVE_FILE, curve_config, read_curve
 from verify.runtime.files import read_json
 
-DRAFTER_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+DRAFTER_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
 MILESTONES = 6  # curve rows a run's table shows, evenly spaced, the last always among them
 
 

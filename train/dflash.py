@@ -53,10 +53,7 @@ class DFlashLoss(nn.Module):
         starts, valid = sample_anchors(learn, self.config.anchors, self._generator())
         logits = self.block_logits(input_ids, features, starts, valid)  # (B, A, D, V')
         rows = block_rows(learn, starts, valid, logits.shape[2])
-        with torch.no_grad():
-            states = _at(features[..., -self.hidden:], starts, logits.shape[2])
-            target_probs = self.target_head(states.to(self.target_head.weight.dtype)
-                                            ).float().softmax(-1)  # (B, A, D, V')
+        target_probs = self.soft_targets(features, starts, logits.shape[2])
         per_row, alpha = self.row_loss(target_probs, logits)
         weights = position_weights(logits.shape[2], self.config.loss_decay, logits.device)
         loss = global_mean((per_row * weights * rows).sum(), rows.sum())
@@ -72,6 +69,12 @@ class DFlashLoss(nn.Module):
         the context of all T positions' features, in one forward (block_mask). `previous`
         (B, A, D): the token before each draft position (the root, then the drafts), which
         DSpark's Markov head reads (None: the sequence's own tokens); DFlash reads none."""
+        return self.draft.logits(self.block_hidden(input_ids, features, starts, valid)).float()
+
+    def block_hidden(self, input_ids: torch.Tensor, features: torch.Tensor,
+                     starts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The draft's normed outputs (B, A, D, H) at the draft positions of blocks anchored
+        at `starts` (B, A): what `block_logits` reads the logits from."""
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).expand(batch, length)
         context = self.draft.context(features[..., :self.input_width], positions)
@@ -79,8 +82,16 @@ class DFlashLoss(nn.Module):
         tokens, block_positions = block_inputs(input_ids.gather(1, starts), starts, b)
         mask = block_mask(starts, valid, length, b, torch.float32)
         hidden = self.draft(tokens, block_positions, context, mask)  # (B, A * b, H)
-        hidden = hidden.view(batch, starts.shape[1], b, -1)[:, :, 1:]
-        return self.draft.logits(hidden).float()
+        return hidden.view(batch, starts.shape[1], b, -1)[:, :, 1:]
+
+    @torch.no_grad()
+    def soft_targets(self, features: torch.Tensor, starts: torch.Tensor, depth: int
+                     ) -> torch.Tensor:
+        """p (B, A, D, V'): the target's next-token distribution over the draft vocabulary
+        at each draft position of the blocks anchored at `starts` (B, A), read from the
+        cached last states (the last H columns of `features` (B, T, C))."""
+        states = _at(features[..., -self.hidden:], starts, depth)
+        return self.target_head(states.to(self.target_head.weight.dtype)).float().softmax(-1)
 
     def _generator(self) -> torch.Generator | None:
         """None (the global CPU generator, checkpointed) in training; a fixed seed in eval."""

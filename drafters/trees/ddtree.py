@@ -13,6 +13,7 @@ one-hot proposals, which is exact. Giving them their marginal rows as if drawn w
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,20 @@ class DDTree:
 
     def grow(self, root: int, log_probs: torch.Tensor) -> TokenTree:
         """The tree below `root` from (D, V) marginal log-probabilities."""
-        depth = log_probs.shape[0] if self.depth is None else min(self.depth, log_probs.shape[0])
-        builder = best_first(root, log_probs[:depth], self.total_tokens)
+        depth = self._depth(log_probs.shape[0])
+        return self._sized(best_first(root, log_probs[:depth], self.total_tokens))
+
+    def grow_over(self, root: int, ranked_children: RankedChildren, block_depth: int
+                  ) -> TokenTree:
+        """The tree below `root` whose nodes' children `ranked_children` ranks (best_first_over),
+        for a block of `block_depth` positions whose rows depend on the parent's token."""
+        return self._sized(best_first_over(root, ranked_children, self._depth(block_depth),
+                                           self.total_tokens))
+
+    def _depth(self, block_depth: int) -> int:
+        return block_depth if self.depth is None else min(self.depth, block_depth)
+
+    def _sized(self, builder: TreeBuilder) -> TokenTree:
         tree = builder.build()
         return tree if self.cost is None else cut_to_cost(tree, self.cost, draft_forwards=1)
 
@@ -52,28 +65,51 @@ def best_first(root: int, log_probs: torch.Tensor, budget: int) -> TreeBuilder:
 
     Each depth's candidates are its `budget` best tokens (no kept path can use a worse one:
     its better siblings would outscore it), ranked once by topk, not a sort of the whole
-    vocabulary (~15 ms for 7 x 49k here); a popped node (path ..., rank r at depth d) queues
-    its next sibling (rank r + 1, same parent) and its first child (rank 0 at depth d + 1):
-    every node enters the heap once, after its parent and its better sibling. Ties pop
-    shallower, then earlier, first. Tokens the draft cannot propose never enter."""
+    vocabulary (~15 ms for 7 x 49k here). Tokens the draft cannot propose never enter."""
     ranked = log_probs.float().topk(min(max(budget, 1), log_probs.shape[-1]), dim=-1)
     values, tokens = ranked.values.tolist(), ranked.indices.tolist()
+    return best_first_over(root, lambda depth, parent_token: (values[depth], tokens[depth]),
+                           len(values), budget)
+
+
+# (depth d, the parent's token) -> the children's (log-probabilities, tokens), best first, of a
+# node at depth d: a block's marginal row d whatever the parent (best_first), or a row that
+# depends on the parent's token (DSpark's Markov head)
+RankedChildren = Callable[[int, int], tuple[list[float], list[int]]]
+
+
+def best_first_over(root: int, ranked_children: RankedChildren, max_depth: int, budget: int
+                    ) -> TreeBuilder:
+    """A scored TreeBuilder of the `budget` best paths by summed log-probabilities, the
+    children of each node ranked by `ranked_children` (asked once per node that gets one),
+    no deeper than `max_depth`.
+
+    A popped node (path ..., rank r among its parent's children) queues its next sibling
+    (rank r + 1) and its first child (rank 0): every node enters the heap once, after its
+    parent and its better sibling, so the paths come out best first whenever scores never
+    rise along a path. Ties pop shallower, then earlier, first."""
     builder = TreeBuilder(root, scored=True)
+    children: dict[int, tuple[list[float], list[int]]] = {}
     heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, order, parent, rank)
     pushed = 0
 
-    def push(parent: int, depth: int, rank: int) -> None:
+    def push(parent: int, rank: int) -> None:
         nonlocal pushed
-        if depth < len(values) and rank < len(values[depth]) and \
-                values[depth][rank] > float("-inf"):
-            score = builder.log_scores[parent] + values[depth][rank]
+        depth = builder.depth(parent)
+        if depth >= max_depth:
+            return
+        if parent not in children:
+            children[parent] = ranked_children(depth, builder.tokens[parent])
+        values = children[parent][0]
+        if rank < len(values) and values[rank] > float("-inf"):
+            score = builder.log_scores[parent] + values[rank]
             heapq.heappush(heap, (-score, depth, pushed, parent, rank))
             pushed += 1
 
-    push(0, 0, 0)
+    push(0, 0)
     while heap and len(builder) <= budget:
-        negative, depth, _, parent, rank = heapq.heappop(heap)
-        node = builder.add(parent, tokens[depth][rank], -negative)
-        push(parent, depth, rank + 1)
-        push(node, depth + 1, 0)
+        negative, _, _, parent, rank = heapq.heappop(heap)
+        node = builder.add(parent, children[parent][1][rank], -negative)
+        push(parent, rank + 1)
+        push(node, 0)
     return builder

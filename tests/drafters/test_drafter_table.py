@@ -46,6 +46,10 @@ DRAFTERS = [
     Row("eagle3", accepts=False, dynamic=True, samples=True),
     # fresh weights: tests/train/test_dflash.py covers acceptance
     Row("dflash", accepts=False, dynamic=True, samples=True, block=True),
+    # DFlash's block plus Markov and confidence heads (tests/drafters/test_dspark.py trains
+    # the Markov head away from zero); confidence: chains cut by the confidence head
+    Row("dspark", accepts=False, dynamic=True, samples=True, block=True),
+    Row("dspark", accepts=False, own_trees=("confidence",), label="dspark_confidence"),
     Row("medusa", {"num_heads": 5}, samples=True),  # fresh heads; tree16 is 5 deep
     # a block drafter: the self-draft with an untrained mask (its depth-1 row is the self-draft's)
     Row("pard", {"num_layers": 1}, dynamic=True, samples=True, block=True),
@@ -62,7 +66,8 @@ CASES = [(row, tree) for row in DRAFTERS for tree in row.trees]
 # A tiny model's step takes microseconds, whose measured t(n) is noise: the cost-sized tree
 # gets a hand-set, nearly flat one instead (trees of up to 16 nodes pay).
 FLAT_COST = {"cost": {"measure": False, "t_ms": {1: 10.0, 2: 10.2, 8: 10.8, 16: 11.5, 32: 30.0}}}
-TREE_OVERRIDES = {"adaptive": FLAT_COST, "recycling": FLAT_COST, "ddtree_auto": FLAT_COST}
+TREE_OVERRIDES = {"adaptive": FLAT_COST, "recycling": FLAT_COST, "ddtree_auto": FLAT_COST,
+                  "confidence": FLAT_COST}
 CASE_IDS = [f"{row.label or row.config}-{tree}" for row, tree in CASES]
 ARCHS = ["llama", "qwen2", "gpt2"]
 NEW_TOKENS = 80

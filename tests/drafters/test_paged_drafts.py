@@ -10,7 +10,7 @@ import torch
 import verify.runtime.openvino_step as openvino_step
 from drafters import build_drafter
 from drafters.engine import LevelRequest
-from drafters.openvino_dflash import OpenVINODFlashDrafter
+from drafters.openvino_dflash import OpenVINODFlashDrafter, OpenVINODSparkDrafter
 from drafters.paged_drafts import (
     OpenVINOMedusaDrafter,
     PagedDraftModelDrafter,
@@ -257,3 +257,32 @@ def test_what_the_draft_step_cannot_run_is_refused_by_name(targets):
         PagedDraftModelDrafter(gpt2.model, build_drafter(DRAFTERS["draft_model"], CHAIN,
                                                          paged_target).tree,
                                "draft_model", paged_target.step)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_openvino_dspark_proposes_the_pytorch_trees(arch, targets):
+    # DSpark's backbone on the DFlash graph (its outputs and base logits), its heads in
+    # PyTorch: the same block outputs, and the same Markov-conditioned trees from them
+    eager_target, paged_target = targets[arch]
+    config = {"name": "dspark", "block_size": 4, "draft_vocab_size": None, "markov_rank": 8,
+              "markov_init_std": 1.0}
+    torch.manual_seed(0)
+    paged = build_drafter(config, CHAIN, paged_target)
+    eager = build_drafter({**config, "step": "torch"}, CHAIN, eager_target)
+    eager.draft = paged.draft
+    assert isinstance(paged, OpenVINODSparkDrafter)
+    features_of = target_features(eager_target, paged.feature_layers)
+    prompt = torch.arange(3, 30)
+    ctx = DraftContext(prompt, features_of(prompt)[:-1], SamplingParams())
+    with torch.no_grad():
+        expected, got = eager.block_outputs(ctx), paged.block_outputs(ctx)
+        for one, other in zip(expected, got):
+            assert (one - other).abs().max() < TOLERANCE
+        tree = {"total_tokens": 6, "policy": "ddtree"}
+        trees = [build_drafter(config | {"step": step}, tree, target)
+                 for step, target in (("torch", eager_target), ("openvino", paged_target))]
+        trees[0].draft = trees[1].draft
+        proposed = [drafter.propose(DraftContext(prompt, features_of(prompt)[:-1],
+                                                 SamplingParams())) for drafter in trees]
+    assert torch.equal(proposed[0].tokens, proposed[1].tokens)
+    assert torch.equal(proposed[0].parents, proposed[1].parents)

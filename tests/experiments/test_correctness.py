@@ -96,6 +96,7 @@ def test_sampling_is_exact_and_the_wrong_rule_is_caught(drafter, tree, step):
 HAND_SET_COST = ["tree.cost.t_ms={1:10,2:10.2,8:10.8,16:11.5}"]
 T1 = ["distribution.top_p=1.0"]
 TOP_P_BATCHED = ["distribution.top_p=0.9", "distribution.batch_size=8"]
+STRONG_MARKOV = ["drafter.markov_init_std=2.0"]
 # suffix decoding, its hybrid with EAGLE (both policies) and cost-sized trees, at T = 1 and
 # with top_p in batches; the hybrid's suffix member drafts from earlier samples too (its
 # memory): still exact. Each case takes 20-75 s: CI runs three, the rest are marked slow.
@@ -116,11 +117,17 @@ NEW_DRAFTERS = {
     "dflash-chain": ("dflash", ["tree=chain4", *T1]),
     "dflash-ddtree": ("dflash", ["tree=ddtree8", *TOP_P_BATCHED]),
     "pard-chain": ("pard", ["tree=chain4", "drafter.num_layers=1", *T1]),
+    # DSpark with a strong random Markov head: each node's children drawn from its own
+    # token's row; best-first over those rows; chains cut by the confidence head
+    "dspark-chain": ("dspark", ["tree=chain4", *STRONG_MARKOV, *T1]),
+    "dspark-ddtree": ("dspark", ["tree=ddtree8", *STRONG_MARKOV, *TOP_P_BATCHED]),
+    "dspark-confidence": ("dspark", ["tree=confidence", "tree.cost=null", "tree.threshold=0.05",
+                                     *STRONG_MARKOV, *T1]),
 }
 # suffix alone is slow too: the batched merge hybrid drafts through its suffix member in CI
 SLOW_CASES = {"suffix", "suffix-adaptive-top_p-batched", "hybrid-pick", "eagle-adaptive",
               "recycling80-top_p-batched", "sam_hybrid", "dflash-ddtree",
-              "pard-chain"}
+              "pard-chain", "dspark-ddtree", "dspark-confidence"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)

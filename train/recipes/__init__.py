@@ -23,6 +23,7 @@ RECIPES = {
     "eagle": "train.recipes.eagle",
     "eagle3": "train.recipes.eagle",
     "dflash": "train.recipes.dflash",
+    "dspark": "train.recipes.dspark",
     "pard": "train.recipes.pard",
 }
 

@@ -43,15 +43,25 @@ def drafter_config(cfg: DictConfig) -> DFlashConfig:
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train a DFlash draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     dcfg = drafter_config(cfg)
+    return run_block(cfg, env, group, dcfg, lambda target, layers, vocab: DFlashDraft(
+        target.model, layers, dcfg.block_size, dcfg.num_layers, vocab),
+        lambda draft, target: DFlashLoss(draft, target.model.get_output_embeddings(), dcfg,
+                                         RowLoss.from_optim(cfg.optim)))
+
+
+def run_block(cfg: DictConfig, env: DistEnv, group: str | None, dcfg: DFlashConfig,
+              make_draft, make_objective) -> dict:
+    """Train a block draft (DFlash's recipe, DSpark's too): the feature cache of its layers,
+    the draft vocabulary from its training tokens, `make_draft(target, layers, vocab_ids)`,
+    `make_objective(draft, target)`; returns the end-of-training evaluation (rank 0)."""
     target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
     layers = resolve_layers(dcfg.feature_layers or eagle3_layers(total), total)
     # EAGLE-3's layers by default: EAGLE-3's very feature cache
     train_set, heldout = common.feature_sets(cfg, target, layers, env)
     vocab = most_frequent_tokens(train_set.learned_tokens(), dcfg.draft_vocab_size)
-    draft = DFlashDraft(target.model, layers, dcfg.block_size, dcfg.num_layers, vocab)
-    objective = DFlashLoss(draft, target.model.get_output_embeddings(), dcfg,
-                           RowLoss.from_optim(cfg.optim)).to(env.device)
+    draft = make_draft(target, layers, vocab)
+    objective = make_objective(draft, target).to(env.device)
     training = common.feature_training(cfg, env, target, train_set, objective, draft,
                                        save_draft, WEIGHTS_FILE, "position",
                                        lambda: heldout_accuracy(objective, heldout))
