@@ -100,8 +100,8 @@ class DSparkDraft(DFlashDraft):
             # zero: an untrained head leaves DFlash's block unchanged
             nn.init.normal_(self.markov_w2.weight, std=markov_init_std) if markov_init_std \
                 else nn.init.zeros_(self.markov_w2.weight)
-        if confidence_head:
-            self.confidence = nn.Linear(hidden + markov_rank, 1)
+        if confidence_head:  # no bias: vLLM's dspark layout has none
+            self.confidence = nn.Linear(hidden + markov_rank, 1, bias=False)
         self.to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
 
     def markov_bias(self, previous: torch.Tensor) -> torch.Tensor | float:

@@ -39,9 +39,10 @@ def test_the_three_terms_match_a_hand_computation():
     logits = torch.tensor([[[[2.0, 0.0, -1.0]]]])  # (B, A, D, V') = (1, 1, 1, 3)
     p = torch.tensor([[[[0.2, 0.7, 0.1]]]])
     hidden = torch.zeros(1, 1, 1, 64)
+    hidden[..., 0] = 1.0
     with torch.no_grad():
         objective.draft.confidence.weight.zero_()
-        objective.draft.confidence.bias.fill_(0.5)  # confidence logit 0.5 everywhere
+        objective.draft.confidence.weight[0, 0] = 0.5  # confidence logit 0.5
     per_row, accept = objective.row_terms(hidden, torch.zeros(1, 1, 1, dtype=torch.long),
                                           logits, p)
     q = torch.tensor([2.0, 0.0, -1.0]).softmax(-1)
