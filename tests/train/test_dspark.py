@@ -131,3 +131,23 @@ def test_confidence_logits_need_the_head():
     with pytest.raises(Exception, match="no confidence head"):
         objective.draft.confidence_logits(torch.zeros(64), torch.tensor(3))
     assert isinstance(objective.draft.markov_w1, nn.Embedding)
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+def test_training_continues_from_a_trained_draft(train_cfg, tmp_path, drafter):
+    from verify.runtime.files import load_tensors
+
+    run_training(train_cfg(f"drafter={drafter}", out="first"))
+    trained = tmp_path / "first" / "checkpoint"
+    # a learning rate of zero: the continued run must end where the trained draft was
+    run_training(train_cfg(f"drafter={drafter}", f"drafter.checkpoint={trained}",
+                           "optim.lr=0.0", out="second"))
+    before = load_tensors(trained / "draft.safetensors")
+    after = load_tensors(tmp_path / "second" / "checkpoint" / "draft.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    # the control: a fresh run of the same settings ends elsewhere
+    run_training(train_cfg(f"drafter={drafter}", "optim.lr=0.0", "seed=1", out="fresh"))
+    fresh = load_tensors(tmp_path / "fresh" / "checkpoint" / "draft.safetensors")
+    assert not all(torch.equal(before[name], fresh[name]) for name in before
+                   if name != "vocab_ids")

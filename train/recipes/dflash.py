@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.dflash import WEIGHTS_FILE, DFlashConfig, DFlashDraft, dflash_config, save_draft
+from drafters.dflash import (
+    WEIGHTS_FILE,
+    DFlashConfig,
+    DFlashDraft,
+    configured_draft,
+    dflash_config,
+    save_draft,
+)
 from drafters.vocab import coverage, most_frequent_tokens
 from train.dflash import DFlashLoss
 from train.distributed import DistEnv
@@ -43,25 +50,30 @@ def drafter_config(cfg: DictConfig) -> DFlashConfig:
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train a DFlash draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     dcfg = drafter_config(cfg)
-    return run_block(cfg, env, group, dcfg, lambda target, layers, vocab: DFlashDraft(
-        target.model, layers, dcfg.block_size, dcfg.num_layers, vocab),
-        lambda draft, target: DFlashLoss(draft, target.model.get_output_embeddings(), dcfg,
-                                         RowLoss.from_optim(cfg.optim)))
+    return run_block(cfg, env, group, dcfg, DFlashDraft, {},
+                     lambda draft, target: DFlashLoss(
+                         draft, target.model.get_output_embeddings(), dcfg,
+                         RowLoss.from_optim(cfg.optim)))
 
 
 def run_block(cfg: DictConfig, env: DistEnv, group: str | None, dcfg: DFlashConfig,
-              make_draft, make_objective) -> dict:
-    """Train a block draft (DFlash's recipe, DSpark's too): the feature cache of its layers,
-    the draft vocabulary from its training tokens, `make_draft(target, layers, vocab_ids)`,
-    `make_objective(draft, target)`; returns the end-of-training evaluation (rank 0)."""
+              kind: type[DFlashDraft], fresh: dict, make_objective) -> dict:
+    """Train a block draft of `kind` (DFlash's recipe, DSpark's too): a fresh one (`fresh`:
+    the subclass's own arguments) with the draft vocabulary of its training tokens, or, with
+    drafter.checkpoint, that trained draft trained further (its layers, vocabulary and
+    weights; a new optimiser and schedule); `make_objective(draft, target)`. Returns the
+    end-of-training evaluation (rank 0)."""
     target = common.training_target(cfg, env)
     total = num_layers(target.model.config)
-    layers = resolve_layers(dcfg.feature_layers or eagle3_layers(total), total)
+    draft = configured_draft(dcfg, target, kind) if dcfg.checkpoint else None
     # EAGLE-3's layers by default: EAGLE-3's very feature cache
+    layers = draft.feature_layers if draft is not None else \
+        resolve_layers(dcfg.feature_layers or eagle3_layers(total), total)
     train_set, heldout = common.feature_sets(cfg, target, layers, env)
-    vocab = most_frequent_tokens(train_set.learned_tokens(), dcfg.draft_vocab_size)
-    draft = make_draft(target, layers, vocab)
-    objective = make_objective(draft, target).to(env.device)
+    if draft is None:
+        vocab = most_frequent_tokens(train_set.learned_tokens(), dcfg.draft_vocab_size)
+        draft = kind(target.model, layers, dcfg.block_size, dcfg.num_layers, vocab, **fresh)
+    objective = make_objective(draft.train(), target).to(env.device)
     training = common.feature_training(cfg, env, target, train_set, objective, draft,
                                        save_draft, WEIGHTS_FILE, "position",
                                        lambda: heldout_accuracy(objective, heldout))

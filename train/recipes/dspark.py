@@ -33,7 +33,8 @@ def drafter_config(cfg: DictConfig) -> DSparkConfig:
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train a DSpark draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     dcfg = drafter_config(cfg)
-    return run_block(cfg, env, group, dcfg, lambda target, layers, vocab: DSparkDraft(
-        target.model, layers, dcfg.block_size, dcfg.num_layers, vocab, dcfg.markov_rank,
-        dcfg.confidence_head),
-        lambda draft, target: DSparkLoss(draft, target.model.get_output_embeddings(), dcfg))
+    fresh = {"markov_rank": dcfg.markov_rank, "confidence_head": dcfg.confidence_head,
+             "markov_init_std": dcfg.markov_init_std}
+    return run_block(cfg, env, group, dcfg, DSparkDraft, fresh,
+                     lambda draft, target: DSparkLoss(
+                         draft, target.model.get_output_embeddings(), dcfg))
