@@ -1,8 +1,8 @@
 """Write the reproduction write-ups from saved JSON: one markdown file per paper.
 
     python -m experiments.reproduce paper=eagle2     # one paper
-    python -m experiments.reproduce                  # all: leviathan, medusa, eagle, eagle2,
-                                                     # eagle3, spec_bench
+    python -m experiments.reproduce                  # all: every experiments/reproduce/papers/
+                                                     # module
 
 Each write-up (experiments/reproduce/<paper>.md) holds the paper's published figures, then per
 claim our command, our figures read from experiments/reports/, and a verdict computed from
