@@ -423,5 +423,11 @@ def prompts_of(heldout: FeatureSet, count: int) -> list[torch.Tensor]:
 
 def prompt_length(sequence: SequenceFeatures) -> int:
     """A held-out answer's prompt: the tokens before its first learned one."""
-    learned = sequence.loss_mask.nonzero()
-    return int(learned[0]) if len(learned) else len(sequence.input_ids)
+    return first_learned(sequence.loss_mask)
+
+
+def first_learned(loss_mask: torch.Tensor) -> int:
+    """The index of a (T,) loss mask's first learned token (T when none): a sequence's prompt
+    is the tokens before it."""
+    learned = loss_mask.nonzero()
+    return int(learned[0]) if len(learned) else len(loss_mask)
