@@ -22,7 +22,11 @@ from experiments.common import CONF_DIR
 from experiments.learning_curves import format_table, run_row
 from train import run_training
 from train.checkpoint import check_same_run
+from train.distill import Answer, encode_until
 from train.opd import OpdWeights, acceptance_counts, opd_loss, position_weights
+from train.prompts import interleave, load_prompt_files
+from train.recipes import OPD_DRAFTERS, recipe_for
+from train.recipes.opd import rollout_prompts
 from train.rollout import Rollout, RolloutStep, roll_out, target_states
 from train.schema import check_settings
 from verify.loop import generate
@@ -175,7 +179,8 @@ def test_rollouts_follow_the_target_and_record_every_steps_chain_and_acceptance(
 def test_the_packed_forward_gives_what_separate_forwards_do(kind):
     target = load_target(tiny=kind)
     tokens = torch.randint(0, 200, (12,), generator=torch.Generator().manual_seed(0))
-    steps = [RolloutStep(4, torch.tensor([5, 6, 7]), 1), RolloutStep(6, torch.tensor([9, 10, 11]), 0),
+    steps = [RolloutStep(4, torch.tensor([5, 6, 7]), 1),
+             RolloutStep(6, torch.tensor([9, 10, 11]), 0),
              RolloutStep(7, torch.tensor([1, 2, 3]), 3)]
     layers = (1, 2)
     features, states = target_states(target.model, Rollout(tokens, 4, steps), layers, 3)
@@ -220,6 +225,28 @@ def test_stage_opd_composes_typed_with_its_defaults():
 def test_opd_settings_a_run_cannot_mean_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         check_settings(_compose("drafter=dflash", "stage=opd", *overrides))
+
+
+def test_every_drafter_with_opd_has_its_recipes_parts():
+    for name in OPD_DRAFTERS:
+        assert callable(recipe_for(name).opd_parts), name
+
+
+def test_rollout_prompts_are_training_prompts_never_held_out_ones(tiny):
+    cfg = _compose("experiment=smoke", "drafter=dflash", "stage=opd", "opd.prompts=files")
+    data = cfg.data
+    texts = interleave(load_prompt_files(data.root, list(data.sources)), data.seed)
+    heldout = encode_until(tiny, texts, data.heldout_prompts, data.max_prompt_tokens)
+    files = rollout_prompts(cfg, tiny, [], [], (1, 2), 3)
+    assert len(files) > 100 and not any(torch.equal(p, h) for p in files for h in heldout)
+    assert torch.equal(files[0], encode_until(tiny, texts, data.heldout_prompts + 1,
+                                              data.max_prompt_tokens)[-1])
+    cfg.opd.prompts = "data"  # the distilled answers' prompts (experiment=smoke reads no ShareGPT)
+    answers = [Answer(torch.tensor([3, 4, 5]), torch.tensor([6, 7]), None),
+               Answer(torch.tensor([3, 4, 5]), torch.tensor([8]), None),  # a duplicate
+               Answer(torch.tensor([9]), torch.tensor([1]), None)]
+    prompts = rollout_prompts(cfg, tiny, answers, heldout, (1, 2), 3)
+    assert [p.tolist() for p in prompts] == [[3, 4, 5], [9]]
 
 
 @pytest.fixture

@@ -48,8 +48,7 @@ from train.features import (
 from train.loop import adamw, batch_indices
 from train.opd import OnPolicyLoss, OpdWeights
 from train.prompts import interleave, load_prompt_files
-from train.recipes import OPD_DRAFTERS, recipe_for
-from train.recipes import common
+from train.recipes import OPD_DRAFTERS, common, recipe_for
 from train.rollout import roll_out, rollout_batch, target_states
 from verify.protocol import Drafter
 from verify.runtime.features import num_layers
