@@ -144,7 +144,7 @@ class OpdConfig:
     temperature: float = 0.0  # rollout sampling (0: greedy, nothing drawn)
     forward_kl_weight: float = 1.0  # accepted positions: KL(p_target || q_draft)
     reverse_kl_weight: float = 1.0  # rejected positions: KL(q_draft || p_target), decayed
-    reject_decay: float = 0.5  # the k-th position after the first rejection weighs decay**(k-1)
+    reject_decay: float = 0.5  # a step's k-th rejected position weighs reject_decay ** (k - 1)
     # where rollout prompts come from, never the held-out ones: "data", the prompts of
     # cfg.data's training sequences (conversations' first turns, a corpus's, distilled
     # answers'); "files", every training prompt of data.sources under data.root

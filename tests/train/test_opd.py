@@ -157,12 +157,16 @@ def _drafter(target, chain=3) -> DFlashDrafter:
     return DFlashDrafter(draft, TreeTopology.chain(chain))
 
 
-def test_rollouts_follow_the_target_and_record_every_steps_chain_and_acceptance(tiny):
+@pytest.mark.parametrize("step", ["eager", "openvino"])  # openvino: the fast step's rollouts
+def test_rollouts_follow_the_target_and_record_every_steps_chain_and_acceptance(step):
+    torch.manual_seed(0)
+    target = load_target(tiny="llama", step=step)
     prompts = [torch.tensor([5, 9, 17, 3]), torch.tensor([40, 41, 42, 43, 40, 41])]
-    rollouts = roll_out(tiny, _drafter(tiny), 3, prompts, 12, GREEDY)
+    rollouts = roll_out(target, _drafter(target), 3, prompts, 12, GREEDY)
     for prompt, rollout in zip(prompts, rollouts):
-        plain = generate(tiny.step, prompt, 12, eos_token_id=tiny.eos_token_ids)
+        plain = generate(target.step, prompt, 12, eos_token_id=target.eos_token_ids)
         assert torch.equal(rollout.tokens, torch.cat([prompt, plain.tokens]))
+        assert len(rollout.steps) == len(plain.steps)  # every step drafted a chain
         root = len(prompt)
         for step in rollout.steps:  # each step's root follows the last one's accepted + bonus
             assert step.root == root and len(step.drafted) == 3

@@ -190,8 +190,10 @@ def rollout_batcher(cfg: DictConfig, env: DistEnv, target: Target, drafter: Draf
     def make_batch(step: int) -> dict:
         picked = batch_indices(step, len(prompts), cfg.opd.prompts_per_step, cfg.seed, env)
         generator = None if sampling.greedy else rollout_generator(cfg.seed, step)
+        drafter.draft.eval()  # drafting as decoding drafts (a fork puts it there too)
         rollouts = roll_out(target, drafter, chain, [prompts[i] for i in picked.tolist()],
                             cfg.opd.max_new_tokens, sampling, generator)
+        drafter.draft.train()  # then the step trains it
         scored = [target_states(target.model, rollout, drafter.feature_layers, chain)
                   for rollout in rollouts]
         batch = rollout_batch(rollouts, [f for f, _ in scored], [s for _, s in scored])
