@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from drafters import DRAFTERS
+from drafters.block import BlockDrafter
 from train.distill import distilled_data, encode_prompts
 from train.distributed import DistEnv
 from train.features import (
@@ -50,7 +51,6 @@ from train.opd import OnPolicyLoss, OpdWeights
 from train.prompts import interleave, load_prompt_files
 from train.recipes import OPD_DRAFTERS, common, recipe_for
 from train.rollout import roll_out, rollout_batch, target_states
-from verify.protocol import Drafter
 from verify.runtime.features import num_layers
 from verify.runtime.model import Target, context_window
 from verify.sampling import SamplingParams
@@ -136,7 +136,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                                                       **rollout_metrics(results)})
 
 
-def loaded_drafter(cfg: DictConfig, target: Target, chain: int) -> Drafter:
+def loaded_drafter(cfg: DictConfig, target: Target, chain: int) -> BlockDrafter:
     """The drafter loading drafter.checkpoint (its PyTorch form: its draft is the module
     trained, so every rollout drafts with the current weights) on a chain of `chain`."""
     drafter_cfg = OmegaConf.to_container(cfg.drafter, resolve=True)
@@ -181,7 +181,7 @@ def rollout_prompts(cfg: DictConfig, target: Target, answers: list, heldout_answ
     return prompts
 
 
-def rollout_batcher(cfg: DictConfig, env: DistEnv, target: Target, drafter: Drafter,
+def rollout_batcher(cfg: DictConfig, env: DistEnv, target: Target, drafter: BlockDrafter,
                     chain: int, prompts: list[torch.Tensor]) -> Callable[[int], dict]:
     """make_batch(step): the step's rollouts with the drafter's current weights, each scored in
     one packed target forward, as train.rollout.rollout_batch's batch on env.device."""
