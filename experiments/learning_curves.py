@@ -15,6 +15,8 @@ trained on) whose next token the draft's first guess matches: greedy decoding's 
 acceptance on a chain.
 CPU-minutes are the training process's CPU time (all its threads; evaluations and the
 feature prefill excluded). The figures are the runs' own: nothing is re-measured here.
+A Draft-OPD run (train.py stage=opd) also records its training rollouts: their tau and
+depth-1 acceptance join its table, and their tau a second row of plots.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from train.curve import CURVE_FILE, curve_config, read_curve
 from verify.runtime.files import read_json
 
 DRAFTER_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
+STAGE_NAMES = {"opd": " + OPD"}  # train.py stage=<stage>: what a run's name adds
 MILESTONES = 6  # curve rows a run's table shows, evenly spaced, the last always among them
 
 
@@ -47,7 +50,8 @@ def run_row(folder: str | Path) -> dict:
                          "held-out evaluation (after curve_every steps)")
     config = run_config(folder)
     name = config["drafter"]["name"]
-    return {"run": str(folder), "drafter": DRAFTER_NAMES.get(name, name),
+    stage = STAGE_NAMES.get(config.get("stage", "sft"), "")  # stage=opd: after its SFT run
+    return {"run": str(folder), "drafter": DRAFTER_NAMES.get(name, name) + stage,
             "data": config["data"]["name"], "max_steps": config["optim"]["max_steps"],
             "batch_sequences": config["optim"]["batch_sequences"], "curve": curve}
 
@@ -106,23 +110,42 @@ def format_table(rows: list[dict]) -> str:
     parts = [markdown_table(head, [summary_cells(r) for r in rows])]
     for r in rows:
         depths = len(r["curve"][-1]["top1"])
+        rollouts = has_rollouts(r)
         lines = [[str(p["step"]), f"{p['tokens'] / 1e6:.2f}", f"{cpu_minutes(p):.1f}",
-                  *(f"{v:.3f}" for v in p["top1"])] for p in milestones(r["curve"])]
+                  *(f"{v:.3f}" for v in p["top1"]), *(rollout_cells(p) if rollouts else [])]
+                 for p in milestones(r["curve"])]
         parts.append(f"{r['drafter']} ({r['run']}):\n\n" + markdown_table(
-            ["step", "tokens (M)", "CPU-min", *(f"top-1 depth {d + 1}" for d in range(depths))],
-            lines))
+            ["step", "tokens (M)", "CPU-min", *(f"top-1 depth {d + 1}" for d in range(depths)),
+             *(["rollout tau", "rollout depth-1 acceptance"] if rollouts else [])], lines))
     parts.append("Held-out top-1 at depth d: the share of held-out positions of the target's "
                  "own greedy answers where the draft's first guess d tokens ahead is the "
                  "target's token (depth 1: greedy chain acceptance). CPU-min: the training "
                  "process's CPU time, evaluations and the feature prefill excluded. Late gain: "
                  "depth-1 top-1 gained per CPU-hour over the last quarter of the run's CPU "
                  "time (near 0: saturated).")
+    if any(has_rollouts(r) for r in rows):
+        parts.append("Rollout tau (stage=opd): tokens per target forward of the training "
+                     "rollouts since the previous row (the draft's own chains, the target "
+                     "verifying); rollout depth-1 acceptance: the share of their steps "
+                     "accepting the first draft. Their decoding is in the CPU-minutes.")
     return "\n\n".join(parts)
+
+
+def has_rollouts(row: dict) -> bool:
+    """Whether a run's curve records its training rollouts (train.py stage=opd)."""
+    return all("rollout" in p for p in row["curve"])
+
+
+def rollout_cells(point: dict) -> list[str]:
+    rollout = point["rollout"]
+    first = rollout["acceptance"][0] if rollout["acceptance"] else 0.0
+    return [f"{rollout['tau']:.2f}", f"{first:.3f}"]
 
 
 def plot_curves(rows: list[dict], path: Path) -> Path:
     """Depth-1 held-out top-1 (solid; depth 2 dashed) against steps, trained tokens and
-    CPU-minutes, one colour per run."""
+    CPU-minutes, one colour per run; below them, for runs that record rollouts (stage=opd),
+    their tau against the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +155,20 @@ def plot_curves(rows: list[dict], path: Path) -> Path:
 
     axes_x = [("step", lambda p: p["step"]), ("trained tokens (M)", lambda p: p["tokens"] / 1e6),
               ("training CPU-minutes", cpu_minutes)]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
+    with_rollouts = [(index, row) for index, row in enumerate(rows) if has_rollouts(row)]
+    fig, grid = plt.subplots(2 if with_rollouts else 1, 3, figsize=(14, 8 if with_rollouts else 4),
+                             sharey="row", squeeze=False)
+    axes = grid[0]
+    for index, row in with_rollouts:  # stage=opd: the training rollouts' tau, a row below
+        for ax, (_, x_of) in zip(grid[1], axes_x):
+            ax.plot([x_of(p) for p in row["curve"]], [p["rollout"]["tau"] for p in row["curve"]],
+                    color=f"C{index}", label=f"{row['drafter']} rollout tau")
+    if with_rollouts:
+        for ax, (label, _) in zip(grid[1], axes_x):
+            ax.set(xlabel=label)
+            ax.grid(alpha=0.3)
+        grid[1][0].set(ylabel="training rollouts' tau")
+        grid[1][0].legend(fontsize=8)
     for index, row in enumerate(rows):
         colour = f"C{index}"
         for ax, (_, x_of) in zip(axes, axes_x):

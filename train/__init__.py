@@ -21,7 +21,7 @@ def run_training(cfg: DictConfig, group: str | None = None) -> dict:
     from train.recipes import RECIPES, recipe_for  # heavy imports only when something trains
     from train.schema import check_settings
 
-    recipe = recipe_for(cfg.drafter.name)
+    recipe = recipe_for(cfg.drafter.name, cfg.get("stage", "sft"))
     if recipe is None:
         print(f"drafter {cfg.drafter.name!r} has nothing to train: it drafts without learned "
               f"weights. Trainable: {sorted(RECIPES)}")
@@ -62,11 +62,23 @@ def format_results(results: dict) -> str:
         f"held-out decoding, {decoding['tree']}: tau {decoding['tau']:.2f}{predicted}; greedy "
         f"output identical to the target's on {decoding['identical']}/{decoding['prompts']} "
         "prompts",
+        *_rollout_lines(results),
         f"checkpoint: {results['checkpoint']}  (use: {_how_to_use(results)})",
         f"evaluation: {results['eval']}  ({_tree_hint(results)})",
         f"logs: {results['logged_to']}",
     ]
     return "\n".join(lines)
+
+
+def _rollout_lines(results: dict) -> list[str]:
+    """stage=opd: what its rollouts did over this process's steps (train.opd.RolloutStats)."""
+    rollouts = results.get("rollouts")
+    if not rollouts:
+        return []
+    acceptance = ", ".join(f"{a:.2f}" for a in rollouts["acceptance"])
+    return [f"rollouts ({rollouts['steps']} steps): tau {rollouts['tau']:.2f}; acceptance by "
+            f"depth {acceptance}; per drafted position forward KL "
+            f"{rollouts['forward_kl']:.4f}, reverse KL {rollouts['reverse_kl']:.4f}"]
 
 
 def _how_to_use(results: dict) -> str:

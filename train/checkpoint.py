@@ -91,8 +91,12 @@ def _check_same_target(found: Path, saved: Mapping, target: Target) -> None:
 
 def check_same_run(found: Path, saved: dict, asked: dict) -> None:
     """Refuse to resume a run whose training settings differ (NOT_TRAINING_KEYS aside),
-    naming each key with its saved and asked values."""
-    described = describe_settings(saved, asked, NOT_TRAINING_KEYS)
+    naming each key with its saved and asked values. A run saved before training stages
+    existed was supervised (stage sft), and a supervised run reads no opd.* setting."""
+    if "stage" in asked:
+        saved = {"stage": "sft", **saved}
+    skip = NOT_TRAINING_KEYS if asked.get("stage") == "opd" else (*NOT_TRAINING_KEYS, "opd")
+    described = describe_settings(saved, asked, skip)
     if described:
         raise ValueError(f"the checkpoint in {found} was trained with other settings "
                          f"({described}); resuming would mix two runs: {WAYS_OUT}")

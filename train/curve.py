@@ -22,6 +22,9 @@ from verify.runtime.files import UnreadableFileError, read_json, write_json
 CURVE_FILE = "curve.json"
 COUNTERS = ("tokens", "train_seconds", "train_cpu_seconds")
 ROW_KEYS = ("step", *COUNTERS, "top1")  # what every row holds (its readers count on them)
+# what a row keeps of an evaluation: held-out accuracy by depth, and for stage=opd "rollout",
+# the training rollouts since the last row (train.opd.RolloutStats: tau, acceptance by depth)
+RECORDED = ("top1", "top5", "alpha", "rollout")
 
 
 class Curve:
@@ -29,10 +32,10 @@ class Curve:
     `folder`/curve.json.
 
     `evaluate()` returns the recipe's held-out accuracy ({"top1": [per depth], "alpha": ...},
-    train.features.heldout_accuracy) and leaves the module it evaluates in eval mode; `train`
-    is that module, put back in training mode after each evaluation. `config`, the run's
-    resolved config, is written beside the rows: a reader of a run still training (no
-    checkpoint yet) learns from it what the run is."""
+    train.features.heldout_accuracy; RECORDED names what a row keeps) and leaves the module
+    it evaluates in eval mode; `train` is that module, put back in training mode after each
+    evaluation. `config`, the run's resolved config, is written beside the rows: a reader of
+    a run still training (no checkpoint yet) learns from it what the run is."""
 
     def __init__(self, folder: Path, every: int, evaluate: Callable[[], dict],
                  train: torch.nn.Module, start_step: int, config: dict):
@@ -63,7 +66,7 @@ class Curve:
                                       - self.excluded_wall, 2),
                "train_cpu_seconds": round(self.carried["train_cpu_seconds"] + cpu - self.cpu
                                           - self.excluded_cpu, 2),
-               **{key: accuracy[key] for key in ("top1", "top5", "alpha") if key in accuracy},
+               **{key: accuracy[key] for key in RECORDED if key in accuracy},
                "eval_seconds": round(time.perf_counter() - wall, 2)}
         self.excluded_wall += time.perf_counter() - wall
         self.excluded_cpu += time.process_time() - cpu

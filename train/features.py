@@ -84,13 +84,33 @@ def answer_sequences(answers: list[Answer]) -> list[TokenSequence]:
 def training_features(data, target: Target, answers: list[Answer], heldout: list[Answer],
                       layers: Sequence[int], env: DistEnv | None = None
                       ) -> tuple[FeatureSet | LiveFeatures, FeatureSet]:
-    """Features at `layers` of the training sequences (a regeneration's captured features,
-    data.corpus; self-distilled `answers`; then `data.sharegpt_tokens` tokens of ShareGPT
-    conversations prefilled) and of the held-out
+    """Features at `layers` of the training sequences (`training_sequences`: a regeneration's
+    captured features, data.corpus; self-distilled `answers`; then `data.sharegpt_tokens`
+    tokens of ShareGPT conversations prefilled) and of the held-out
     answers. `data`: the run's data config (sharegpt_tokens, max_sequence_tokens, seed,
     cache_dir, cache_hidden: false computes the training features live, batch by batch; the
     held-out ones, a few thousand tokens, are cached either way). Under torchrun (`env`), the
     ranks extract shares of each cache. Raises ValueError when there is nothing to train on."""
+    sources, corpus = training_sequences(data, target, answers, heldout, layers)
+    if not data.cache_hidden and not corpus:
+        train = LiveFeatures(target, [s for source in sources for s in source], layers)
+    else:  # one cache per source, so that a mix reuses what each source alone extracted
+        if not data.cache_hidden:
+            raise ValueError("data.corpus holds its features on disk: train on it with "
+                             "data.cache_hidden=true")
+        cache = _feature_cache(data)
+        parts = [extract_features(target, source, layers, cache, env=env) for source in sources]
+        train = FeatureSet.join(corpus + parts)
+    return train, heldout_features(data, target, heldout, layers, env)
+
+
+def training_sequences(data, target: Target, answers: list[Answer], heldout: list[Answer],
+                       layers: Sequence[int]
+                       ) -> tuple[list[list[TokenSequence]], list[FeatureSet]]:
+    """The training data before any extraction: the token sequences of each source to prefill
+    (the distilled `answers`, then data.sharegpt_tokens of conversations; empty sources left
+    out) and data.corpus's captured features (a list of one, or none), without the sequences
+    that begin with a `heldout` prompt. ValueError when there is nothing to train on."""
     sources = [answer_sequences(answers)]
     if data.sharegpt_tokens:
         given = data.get("conversations")
@@ -103,16 +123,19 @@ def training_features(data, target: Target, answers: list[Answer], heldout: list
     if not sources and not corpus:
         raise ValueError("no training data: set data.corpus, data.sharegpt_tokens or "
                          "data.num_prompts")
-    cache = None if data.cache_dir is None else Path(data.cache_dir) / "features"
-    if not data.cache_hidden and not corpus:
-        train = LiveFeatures(target, [s for source in sources for s in source], layers)
-    else:  # one cache per source, so that a mix reuses what each source alone extracted
-        if not data.cache_hidden:
-            raise ValueError("data.corpus holds its features on disk: train on it with "
-                             "data.cache_hidden=true")
-        parts = [extract_features(target, source, layers, cache, env=env) for source in sources]
-        train = FeatureSet.join(corpus + parts)
-    return train, extract_features(target, answer_sequences(heldout), layers, cache, env=env)
+    return sources, corpus
+
+
+def heldout_features(data, target: Target, heldout: list[Answer], layers: Sequence[int],
+                     env: DistEnv | None = None) -> FeatureSet:
+    """The held-out answers' features at `layers`, cached under data.cache_dir."""
+    return extract_features(target, answer_sequences(heldout), layers, _feature_cache(data),
+                            env=env)
+
+
+def _feature_cache(data) -> Path | None:
+    """Where feature shards go: <data.cache_dir>/features, or None for the default root."""
+    return None if data.cache_dir is None else Path(data.cache_dir) / "features"
 
 
 def without_prompts(features: FeatureSet, prompts: Sequence[torch.Tensor]) -> FeatureSet:
@@ -400,5 +423,11 @@ def prompts_of(heldout: FeatureSet, count: int) -> list[torch.Tensor]:
 
 def prompt_length(sequence: SequenceFeatures) -> int:
     """A held-out answer's prompt: the tokens before its first learned one."""
-    learned = sequence.loss_mask.nonzero()
-    return int(learned[0]) if len(learned) else len(sequence.input_ids)
+    return first_learned(sequence.loss_mask)
+
+
+def first_learned(loss_mask: torch.Tensor) -> int:
+    """The index of a (T,) loss mask's first learned token (T when none): a sequence's prompt
+    is the tokens before it."""
+    learned = loss_mask.nonzero()
+    return int(learned[0]) if len(learned) else len(loss_mask)

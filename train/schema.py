@@ -129,6 +129,30 @@ class EvalConfig:
     chain: int = 4  # draft model: the chain its tau check decodes
 
 
+@dataclass
+class OpdConfig:
+    """stage=opd (train.recipes.opd): Draft-OPD, on-policy distillation of a trained block
+    draft (drafter.checkpoint). Each step the draft drafts `prompts_per_step` rollouts with the
+    target verifying (the sequence is the target's, the draft's chains its own), then learns
+    from the target's distributions at the nodes it drafted: forward KL(p || q) where the
+    target accepted, reverse KL(q || p) where it rejected, draft position k after `a` accepted
+    weighted reject_decay ** (k - a - 1) (train.opd). How long: optim.max_steps."""
+
+    prompts_per_step: int = 4  # rollouts per optimizer step
+    max_new_tokens: int = 64  # tokens each rollout decodes
+    chain: int | None = None  # draft tokens per rollout step (a chain); null: block_size - 1
+    temperature: float = 0.0  # rollout sampling (0: greedy, nothing drawn)
+    forward_kl_weight: float = 1.0  # accepted positions: KL(p_target || q_draft)
+    reverse_kl_weight: float = 1.0  # rejected positions: KL(q_draft || p_target), decayed
+    reject_decay: float = 0.5  # a step's k-th rejected position weighs reject_decay ** (k - 1)
+    # where rollout prompts come from, never the held-out ones: "data", the prompts of
+    # cfg.data's training sequences (conversations' first turns, a corpus's, distilled
+    # answers'); "files", every training prompt of data.sources under data.root
+    prompts: str = "data"
+
+
+STAGES = ("sft", "opd")  # stage: supervised training (each recipe's own), Draft-OPD after it
+OPD_PROMPTS = ("data", "files")  # opd.prompts
 STRATEGIES = ("ddp", "fsdp")
 LOSSES = ("ce", "lk", "lk_hybrid")  # optim.loss (train.losses.RowLoss)
 
@@ -157,6 +181,9 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    # sft: the drafter's own training; opd: Draft-OPD from drafter.checkpoint (OpdConfig)
+    stage: str = "sft"
+    opd: OpdConfig = field(default_factory=OpdConfig)
     seed: int = 0
     out_dir: str = MISSING
     resume: bool = True  # continue from out_dir's checkpoint when there is one
@@ -179,6 +206,10 @@ def check_settings(cfg) -> None:
     if cfg.optim.loss not in LOSSES:
         raise ValueError(f"optim.loss must be one of {LOSSES}, got {cfg.optim.loss!r}")
     check_curve_settings(cfg.get("curve_every", 0), cfg.save_every, cfg.optim.max_steps)
+    if cfg.get("stage", "sft") not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {cfg.stage!r}")
+    if cfg.get("stage") == "opd":
+        check_opd_settings(cfg.opd)
     if cfg.dist.strategy not in STRATEGIES:
         raise ValueError(f"dist.strategy must be one of {STRATEGIES}, got "
                          f"{cfg.dist.strategy!r}")
@@ -189,6 +220,27 @@ def check_settings(cfg) -> None:
                          f"data.sharegpt_tokens={cfg.data.sharegpt_tokens} reads none of it (a "
                          "preset may set it): set data.sharegpt_tokens=<tokens to train on>, "
                          "or drop data.conversations")
+
+
+def check_opd_settings(opd) -> None:
+    """Refuse opd.* settings a Draft-OPD run cannot mean: ValueError naming the key."""
+    for key in ("prompts_per_step", "max_new_tokens"):
+        if opd[key] < 1:
+            raise ValueError(f"opd.{key} must be at least 1, got {opd[key]}")
+    if opd.chain is not None and opd.chain < 1:
+        raise ValueError(f"opd.chain must be at least 1 (or null: block_size - 1), got "
+                         f"{opd.chain}")
+    if not opd.temperature >= 0:
+        raise ValueError(f"opd.temperature must be >= 0 (0: greedy), got {opd.temperature}")
+    weights = (opd.forward_kl_weight, opd.reverse_kl_weight)
+    if min(weights) < 0 or max(weights) == 0:
+        raise ValueError(f"opd.forward_kl_weight and opd.reverse_kl_weight must be >= 0 and "
+                         f"not both 0, got {weights[0]} and {weights[1]}")
+    if not 0 <= opd.reject_decay <= 1:
+        raise ValueError(f"opd.reject_decay must be in [0, 1] (the k-th rejected position "
+                         f"weighs reject_decay ** (k - 1)), got {opd.reject_decay}")
+    if opd.prompts not in OPD_PROMPTS:
+        raise ValueError(f"opd.prompts must be one of {OPD_PROMPTS}, got {opd.prompts!r}")
 
 
 def check_curve_settings(curve_every: int, save_every: int, max_steps: int) -> None:

@@ -106,3 +106,18 @@ def test_a_run_still_training_is_read_as_far_as_it_got(tmp_path):
     assert (row["drafter"], row["data"], row["max_steps"]) == ("EAGLE-1", "sharegpt", 400)
     assert [(p["step"], p["tokens"], p["top1"]) for p in row["curve"]] == [(100, 5000,
                                                                             [0.3, 0.1])]
+
+
+def test_a_draft_opd_run_shows_its_rollouts_in_the_table_and_a_second_plot_row(tmp_path):
+    curve = [{**p, "rollout": {"steps": 10, "tau": 1.5 + i / 10, "acceptance": [0.4, 0.1]}}
+             for i, p in enumerate(CURVE)]
+    folder = _run(tmp_path, "opd", "dflash", curve)
+    config = json.loads((folder / "checkpoint" / "run_config.json").read_text())
+    (folder / "checkpoint" / "run_config.json").write_text(json.dumps({**config,
+                                                                      "stage": "opd"}))
+    rows = [run_row(folder), run_row(_run(tmp_path, "sft", "dflash"))]
+    table = format_table(rows)
+    assert "| DFlash + OPD | regenerated | 400/400 |" in table
+    assert "| DFlash | regenerated |" in table
+    assert "| 400 | 0.40 | 40.0 | 0.520 | 0.310 | 1.80 | 0.400 |" in table
+    assert plot_curves(rows, tmp_path / "curves.png").stat().st_size > 1000

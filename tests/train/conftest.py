@@ -60,12 +60,14 @@ def descend():
 
 @pytest.fixture
 def resumes_exactly(interrupt):
-    """resumes_exactly(make_cfg, out_dir, weights, whole="whole"): the run `make_cfg(out="cut")`
-    configures (into out_dir/cut), stopped by a Ctrl-C at step 3, after step 2's checkpoint,
-    and run again, must resume there and save its checkpoint's file `weights` equal, tensor
-    for tensor, to that of the uninterrupted run into out_dir/`whole` (which ran already)."""
-    def check(make_cfg, out_dir, weights: str, whole: str = "whole") -> None:
-        resume = interrupt(features_module, 3)
+    """resumes_exactly(make_cfg, out_dir, weights, whole="whole", batches=train.features): the
+    run `make_cfg(out="cut")` configures (into out_dir/cut), stopped by a Ctrl-C at step 3 (when
+    the module `batches` asks batch_indices for it), after step 2's checkpoint, and run again,
+    must resume there and save its checkpoint's file `weights` equal, tensor for tensor, to
+    that of the uninterrupted run into out_dir/`whole` (which ran already)."""
+    def check(make_cfg, out_dir, weights: str, whole: str = "whole",
+              batches=features_module) -> None:
+        resume = interrupt(batches, 3)
         with pytest.raises(KeyboardInterrupt):
             run_training(make_cfg(out="cut"))
         assert torch.load(out_dir / "cut/checkpoint/train_state.pt")["step"] == 2

@@ -151,3 +151,23 @@ def test_training_continues_from_a_trained_draft(train_cfg, tmp_path, drafter):
     fresh = load_tensors(tmp_path / "fresh" / "checkpoint" / "draft.safetensors")
     assert not all(torch.equal(before[name], fresh[name]) for name in before
                    if name != "vocab_ids")
+
+
+def test_a_dspark_draft_takes_the_opd_stage(train_cfg, tmp_path):
+    import json
+
+    from verify.runtime.files import load_tensors
+
+    run_training(train_cfg("drafter=dspark", out="sft"))
+    trained = tmp_path / "sft" / "checkpoint"
+    results = run_training(train_cfg("drafter=dspark", "stage=opd",
+                                     f"drafter.checkpoint={trained}", "opd.prompts_per_step=2",
+                                     "opd.max_new_tokens=8", out="opd"))
+    before = load_tensors(trained / "draft.safetensors")
+    after = load_tensors(tmp_path / "opd" / "checkpoint" / "draft.safetensors")
+    assert before.keys() == after.keys()
+    # the Markov head learns from the draft's own proposals
+    assert not torch.equal(before["markov_w2.weight"], after["markov_w2.weight"])
+    written = json.loads((tmp_path / "opd" / "eval.json").read_text())
+    assert written["stage"] == "opd" and written["rollouts"]["steps"] > 0
+    assert results["decoding"]["identical"] == results["decoding"]["prompts"]

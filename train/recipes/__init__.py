@@ -27,7 +27,16 @@ RECIPES = {
     "pard": "train.recipes.pard",
 }
 
+# stage=opd (train.recipes.opd, Draft-OPD after supervised training): the block drafters whose
+# recipe gives it `opd_parts(cfg, target, draft)` (train.recipes.opd.BlockParts)
+OPD_DRAFTERS = ("dflash", "dspark")
+STAGE_RECIPES = {"opd": "train.recipes.opd"}  # stage -> the module that runs it (sft: RECIPES)
 
-def recipe_for(drafter: str) -> ModuleType | None:
-    """The recipe module that trains `drafter`, or None for drafters without weights."""
+
+def recipe_for(drafter: str, stage: str = "sft") -> ModuleType | None:
+    """The recipe module that trains `drafter` at `stage` (sft: the drafter's own, None for
+    drafters without weights; another stage: the stage's, which refuses drafters it cannot
+    train)."""
+    if stage in STAGE_RECIPES:
+        return importlib.import_module(STAGE_RECIPES[stage])
     return importlib.import_module(RECIPES[drafter]) if drafter in RECIPES else None

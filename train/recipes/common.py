@@ -56,10 +56,15 @@ def feature_sets(cfg: DictConfig, target: Target, layers: tuple[int, ...], env: 
     """The training and held-out sequences of cfg.data with the target's hidden states at
     `layers` (absolute) and its last state, which the soft targets read (train.features).
     Drafters reading the same layers share one cache: an equal data budget by construction."""
-    total = num_layers(target.model.config)
-    stored = layers if layers[-1] == total else (*layers, total)
+    stored = stored_layers(layers, num_layers(target.model.config))
     answers, heldout_answers = distilled_data(cfg.data, target, env)
     return training_features(cfg.data, target, answers, heldout_answers, stored, env=env)
+
+
+def stored_layers(layers: tuple[int, ...], total: int) -> tuple[int, ...]:
+    """The (absolute) layers a feature cache holds for a draft reading `layers` of a target of
+    `total` layers: them, then the last state, which the soft targets read."""
+    return layers if layers[-1] == total else (*layers, total)
 
 
 def training_target(cfg: DictConfig, env: DistEnv, frozen: bool = True) -> Target:

@@ -35,6 +35,7 @@ from train.features import (
 )
 from train.losses import RowLoss
 from train.recipes import common
+from train.recipes.opd import BlockParts
 from verify.runtime.features import eagle3_layers, num_layers, resolve_layers
 from verify.runtime.model import Target
 
@@ -81,11 +82,20 @@ def run_block(cfg: DictConfig, env: DistEnv, group: str | None, dcfg: DFlashConf
                                      lambda: evaluate(cfg, target, objective, heldout), _flat)
 
 
-def evaluate(cfg: DictConfig, target: Target, objective: DFlashLoss, heldout: FeatureSet
-             ) -> dict:
+def opd_parts(cfg: DictConfig, target: Target, draft: DFlashDraft) -> BlockParts:
+    """What Draft-OPD (stage=opd, train.recipes.opd) trains a loaded DFlash draft with: its
+    supervised objective (block_logits, the target head; held-out accuracy), checkpoint and
+    evaluation."""
+    objective = DFlashLoss(draft, target.model.get_output_embeddings(), drafter_config(cfg),
+                           RowLoss.from_optim(cfg.optim))
+    return BlockParts(objective, save_draft, WEIGHTS_FILE, evaluate, _flat)
+
+
+def evaluate(cfg: DictConfig, target: Target, objective: DFlashLoss, heldout: FeatureSet,
+             extra: dict | None = None) -> dict:
     """Held-out accuracy and acceptance by draft position, and tau with the saved draft on the
     run's tree (`+tree=<option>`; else a chain of block_size - 1, the paper's), decoded
-    through build_drafter and the loop; eval.json."""
+    through build_drafter and the loop; eval.json, with `extra` (a stage's own results)."""
     accuracy = heldout_accuracy(objective, heldout)
     accuracy["vocab_coverage"] = coverage(objective.draft.vocab_ids, heldout.learned_tokens())
     tree = eval_tree(cfg, objective.draft.block_size)
@@ -94,7 +104,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: DFlashLoss, heldout: Fe
     label = tree.get("name", f"chain of {objective.draft.block_size - 1}")
     decoding = decode_check(target, drafter, prompts, cfg.eval.max_new_tokens, label)
     return common.write_eval(cfg, {"accuracy": accuracy, "decoding": decoding,
-                                   "drafter": cfg.drafter.name})
+                                   "drafter": cfg.drafter.name, **(extra or {})})
 
 
 def eval_tree(cfg: DictConfig, block_size: int) -> dict:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from drafters.dflash import WEIGHTS_FILE, save_draft
 from drafters.dspark import DSparkConfig, DSparkDraft, dspark_config
 from train.distributed import DistEnv
 from train.dspark import DSparkLoss
-from train.recipes.dflash import run_block
+from train.recipes.dflash import _flat, evaluate, run_block
+from train.recipes.opd import BlockParts
+from verify.runtime.model import Target
 
 LEARNING_CURVE = True
 
@@ -38,3 +41,11 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     return run_block(cfg, env, group, dcfg, DSparkDraft, fresh,
                      lambda draft, target: DSparkLoss(
                          draft, target.model.get_output_embeddings(), dcfg))
+
+
+def opd_parts(cfg: DictConfig, target: Target, draft: DSparkDraft) -> BlockParts:
+    """What Draft-OPD (stage=opd, train.recipes.opd) trains a loaded DSpark draft with: its
+    objective (block_logits with the draft's own tokens before each position: the Markov
+    head's on-policy input), checkpoint and evaluation, DFlash's otherwise."""
+    objective = DSparkLoss(draft, target.model.get_output_embeddings(), drafter_config(cfg))
+    return BlockParts(objective, save_draft, WEIGHTS_FILE, evaluate, _flat)
