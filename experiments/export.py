@@ -11,8 +11,7 @@ drafters.export, `speculators_dflash` (DFlash drafts, for vLLM) in drafters.expo
 After writing, the folder is read back through our own loader and its draft logits are
 compared with the checkpoint's on the same random features (a DSpark draft's Markov biases
 and confidence logits too): the command fails rather than leave a folder that drafts
-differently. Serving commands: README, "Serving what you
-trained".
+differently. Serving commands: README, "Serving what you trained".
 """
 
 from __future__ import annotations

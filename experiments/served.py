@@ -101,7 +101,7 @@ KINDS = {"eagle3": Kind("eagle3", ("eagle3",), "checkpoint", "eagle3", "speculat
 BLOCK_KINDS = ("dflash", "dspark")  # drafted a block at a time: served at their block size
 VLLM_MODELS = Path("model_executor", "models")  # in the vllm package: a method's model files
 # The vllm package's folder, found as import would find it but without importing it (vLLM's
-# import takes seconds); nothing printed where there is none
+# import takes seconds); an empty line where there is none
 FIND_VLLM = ("import importlib.util as u; s = u.find_spec('vllm'); "
              "print(*(s.submodule_search_locations or []) if s else [], sep='\\n')")
 
@@ -222,8 +222,9 @@ def vllm_package(python: Path) -> Path | None:
                                timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    folders = [line for line in found.stdout.splitlines() if line] \
-        if found.returncode == 0 else []
+    if found.returncode != 0:
+        return None
+    folders = [line for line in found.stdout.splitlines() if line]
     return Path(folders[0]) if folders else None
 
 
