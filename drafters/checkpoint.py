@@ -88,8 +88,8 @@ FOLDER_KINDS: dict[str, tuple[str, str]] = {
     "draft_model": ("a distilled draft model", "python train.py drafter=draft_model"),
     "hf_model": ("a Hugging Face model folder",
                  "any causal LM with the target's vocabulary drafts as drafter=draft_model"),
-    "speculators": ("a speculators export", "python -m experiments.export format=speculators "
-                                            "or speculators_dflash"),
+    "speculators": ("a speculators export", "python -m experiments.export format=speculators, "
+                                            "speculators_dflash or speculators_dspark"),
     "vllm_medusa": ("a vLLM Medusa export", "python -m experiments.export format=vllm_medusa"),
     "run": ("a training run's folder", "its checkpoint/ subfolder holds the drafter"),
     "unknown": ("nothing treedraft recognises", "no config.json naming a drafter or a model"),
@@ -155,7 +155,8 @@ def checkpoint_kind(folder: str | Path) -> str:
 
 def _kind_of_config(config: Mapping) -> str:
     """The kind a config.json names: an export's format first (a speculators export of a
-    DFlash draft keeps its feature layers), then each drafter's own keys."""
+    DFlash or DSpark draft keeps its feature layers; all are "speculators", told apart by
+    their speculators_model_type where they are read), then each drafter's own keys."""
     if "speculators_model_type" in config:
         return "speculators"
     if config.get("model_type") == "medusa":

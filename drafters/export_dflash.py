@@ -27,10 +27,15 @@ What vLLM reads (facts from vLLM 0.32's `transformers_utils/configs/speculators/
   of that id by this one: our learned mask input. The id is the target vocabulary's last by
   default: vLLM replaces *every* input equal to it, a root included, so it must be an id the
   target never emits (choose another with `mask_token_id` where the last one is a real token).
+
+The writer and reader are a block format's (`BlockFormat`): DFlash's here, DSpark's (the same
+files plus its heads) in drafters.export_dspark.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,6 +56,25 @@ MASK_FILE = "mask_embedding.pt"
 NOT_WEIGHTS = ("vocab_ids", "mask_embedding")  # written as d2t/t2d and MASK_FILE instead
 
 
+@dataclass(frozen=True)
+class BlockFormat:
+    """The speculators format of a block draft (DFlash's backbone): DFlash's own, or one that
+    adds heads to it (drafters.export_dspark). `model_type` is its speculators_model_type and
+    algorithm; `names` our parameter names -> the format's, where they differ; `fields(draft)`
+    the config keys of the draft's own heads and `heads(config, folder)` the draft's
+    hyperparameters read back from them (ValueError for a config the draft cannot hold)."""
+
+    model_type: str
+    architecture: str
+    draft: type[DFlashDraft]
+    names: Mapping[str, str] = field(default_factory=dict)
+    fields: Callable[[DFlashDraft], dict] = lambda draft: {}
+    heads: Callable[[dict, Path], dict] = lambda config, folder: {}
+
+
+DFLASH = BlockFormat("dflash", "DFlashSpeculator", DFlashDraft)
+
+
 def export_speculators_dflash(draft: DFlashDraft, folder: str | Path, target: Target,
                               verifier: str | None = None, embedding: bool = True,
                               mask_token_id: int | None = None) -> Path:
@@ -58,19 +82,32 @@ def export_speculators_dflash(draft: DFlashDraft, folder: str | Path, target: Ta
     `verifier` the target as the engine knows it (target.name when None); `embedding` writes
     the target's token embedding; `mask_token_id` the id vLLM feeds masked slots (None: the
     target vocabulary's last). Returns the folder."""
+    return write_block_export(DFLASH, draft, folder, target, verifier, embedding, mask_token_id)
+
+
+def write_block_export(fmt: BlockFormat, draft: DFlashDraft, folder: str | Path,
+                       target: Target, verifier: str | None = None, embedding: bool = True,
+                       mask_token_id: int | None = None) -> Path:
+    """Write `draft` in the block format `fmt` (export_speculators_dflash's arguments);
+    ValueError for a draft of another kind than the format holds (a DSpark draft's heads in
+    the dflash format would be lost)."""
+    if type(draft) is not fmt.draft:
+        raise ValueError(f"the speculators {fmt.model_type} format holds {fmt.draft.NAME} "
+                         f"drafts, not {draft.NAME} ones")
     vocab = draft.target_vocab_size
     mask_id = vocab - 1 if mask_token_id is None else mask_token_id
     if not 0 <= mask_id < vocab:
         raise ValueError(f"mask_token_id={mask_id} is outside the target's vocabulary "
                          f"(0..{vocab - 1}): vLLM embeds it")
-    tensors = {name: t for name, t in draft.state_dict().items() if name not in NOT_WEIGHTS}
+    tensors = {fmt.names.get(name, name): t for name, t in draft.state_dict().items()
+               if name not in NOT_WEIGHTS}
     tensors.update(vocabulary_maps(draft))
     if embedding:
         tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
     hidden = draft.lm_head.weight.shape[1]
     config = {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": [fmt.architecture],
+        "speculators_model_type": fmt.model_type,
         "speculators_version": SPECULATORS_SCHEMA,
         "transformer_layer_config": layer_config(draft),
         "draft_vocab_size": draft.vocab_size,
@@ -78,8 +115,9 @@ def export_speculators_dflash(draft: DFlashDraft, folder: str | Path, target: Ta
         "aux_hidden_state_layer_ids": list(draft.feature_layers),
         "mask_token_id": mask_id,
         "block_size": draft.block_size,
+        **fmt.fields(draft),
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": fmt.model_type,
             "proposal_methods": [{"proposal_type": "greedy",
                                   "speculative_tokens": draft.block_size - 1,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
@@ -120,13 +158,24 @@ def load_speculators_dflash(folder: str | Path, target: Target,
     uses); ValueError for another format, another target's draft (fingerprint where exported
     here, else sizes and embedding), tensors that are not exactly the draft's, or a mask
     embedding recorded for another mask_token_id."""
+    return read_block_export(DFLASH, folder, target, allow_other_target)
+
+
+def read_block_export(fmt: BlockFormat, folder: str | Path, target: Target,
+                      allow_other_target: bool = False) -> DFlashDraft:
+    """The draft of a folder in the block format `fmt` (load_speculators_dflash's checks, and
+    the format's own on its heads' config)."""
     folder = Path(folder)
-    config, state, vocab_ids = read_speculators(folder, "dflash", target, allow_other_target)
+    config, state, vocab_ids = read_speculators(folder, fmt.model_type, target,
+                                                allow_other_target)
     layer = config["transformer_layer_config"]
-    draft = DFlashDraft(target.model, tuple(config["aux_hidden_state_layer_ids"]),
-                        config["block_size"], layer["num_hidden_layers"], vocab_ids)
-    expected = {name: t.shape for name, t in draft.state_dict().items()
-                if name not in NOT_WEIGHTS}
+    hyperparameters = {"feature_layers": config["aux_hidden_state_layer_ids"],
+                       "block_size": config["block_size"],
+                       "num_layers": layer["num_hidden_layers"], **fmt.heads(config, folder)}
+    draft = fmt.draft.rebuilt(target.model, hyperparameters, vocab_ids)
+    ours = {name: fmt.names.get(name, name) for name in draft.state_dict()
+            if name not in NOT_WEIGHTS}  # our name -> the file's
+    expected = {ours[name]: t.shape for name, t in draft.state_dict().items() if name in ours}
     expected.update({name: t.shape for name, t in vocabulary_maps(draft).items()})
     if "embed_tokens.weight" in state:
         expected["embed_tokens.weight"] = target.model.get_input_embeddings().weight.shape
@@ -136,7 +185,7 @@ def load_speculators_dflash(folder: str | Path, target: Target,
     if mask["mask_token_id"] != config["mask_token_id"]:
         raise ValueError(f"{folder / MASK_FILE} is for mask_token_id {mask['mask_token_id']}, "
                          f"its config.json names {config['mask_token_id']}")
-    weights = {name: state[name] for name in expected if name in draft.state_dict()}
+    weights = {name: state[theirs] for name, theirs in ours.items()}
     draft.load_state_dict({**weights, "mask_embedding": mask["embedding"],
                            **({} if vocab_ids is None else {"vocab_ids": vocab_ids})})
     return draft

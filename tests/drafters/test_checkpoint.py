@@ -93,6 +93,7 @@ def test_pard_adapts_from_a_draft_model_or_a_models_folder_not_from_a_heads(fold
     ({"model_type": "llama", "vocab_size": 256}, "hf_model"),
     ({"model_type": "medusa", "num_heads": 3}, "vllm_medusa"),
     ({"speculators_model_type": "dflash"}, "speculators"),
+    ({"speculators_model_type": "dspark", "drafter": "dspark"}, "speculators"),  # the export first
     ({"something": "else"}, "unknown"),
 ])
 def test_a_folder_s_kind_comes_from_its_config(tmp_path, config, kind):

@@ -22,10 +22,11 @@ LAYERS = (1, 2)  # absolute hidden-state indices: decoder layer 0's and 1's outp
 TOLERANCE = 1e-4  # float32 rounding between the two computations
 
 
-def dflash_draft(target, vocab=None, block_size=4, layers=LAYERS):
-    """A random draft with sharp attention (q/k norm weights ~1): random norms near 0.1 make
-    it nearly uniform, blind to which position is where."""
-    draft = randomize(DFlashDraft(target.model, layers, block_size, 2, vocab))
+def dflash_draft(target, vocab=None, block_size=4, layers=LAYERS, kind=DFlashDraft, **heads):
+    """A random draft (of `kind`, with `heads`: a DSparkDraft's) with sharp attention (q/k
+    norm weights ~1): random norms near 0.1 make it nearly uniform, blind to which position
+    is where."""
+    draft = randomize(kind(target.model, layers, block_size, 2, vocab, **heads))
     with torch.no_grad():
         for layer in draft.layers:
             layer.self_attn.q_norm.weight.mul_(10)

