@@ -41,8 +41,8 @@ from drafters.paged_drafts import (
     PagedPardDrafter,
 )
 from drafters.trees import TreePolicy, is_chain, is_static, tree_policy
-from drafters.trees.cost import measured_cost
 from drafters.trees.confidence import ConfidenceChain
+from drafters.trees.cost import measured_cost
 from drafters.trees.ddtree import DDTree
 from verify.protocol import Drafter
 from verify.rules import RULES, RuleConfig, rule_parts

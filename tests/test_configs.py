@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 import experiments  # noqa: F401  (registers the <command>_schema nodes conf/<command>.yaml name)
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters.trees import tree_policy
+from drafters.trees.confidence import ConfidenceChain
 from drafters.trees.cost import measured_cost
 from experiments.common import CONF_DIR
 from experiments.methods import contenders, parse_compare, report_stem
@@ -89,6 +90,8 @@ def test_tree_configs_are_valid_tree_policies(tree):
     policy = tree_policy(measured_cost(cfg.tree, load_target(tiny="llama").model))
     if isinstance(policy, TreeTopology):
         assert policy.size - 1 == len(cfg.tree.choices)
+    elif isinstance(policy, ConfidenceChain):  # a chain as deep as the block, cut by cost
+        assert policy.depth == cfg.tree.depth and policy.cost is not None
     else:
         assert policy.total_tokens == cfg.tree.total_tokens
 

@@ -32,8 +32,9 @@ OMP_NUM_THREADS=1 python train.py experiment=corpus_drafters drafter=dspark stag
 OMP_NUM_THREADS=1 python train.py experiment=corpus_drafters drafter=dspark \\
     drafter.checkpoint=$R/corpus/checkpoint data.corpus=$F out_dir=$R/corpus-sft-more \\
     optim.max_steps=<the OPD run's CPU-seconds / a supervised step's>
-python -m experiments.bench ... 'compare=[..., "dspark:chain7:checkpoint=$R/corpus-opd/checkpoint,label=opd",
-    "dspark:chain7:checkpoint=$R/corpus-sft-more/checkpoint,label=sft more"]'   # papers/dspark"""
+python -m experiments.bench ... 'compare=[...,
+    "dspark:chain7:checkpoint=$R/corpus-opd/checkpoint,label=opd",
+    "dspark:chain7:checkpoint=$R/corpus-sft-more/checkpoint,label=sft more"]'  # papers/dspark"""
 BEFORE, OPD, SFT = "dspark/chain7", "dspark/chain7 (opd)", "dspark/chain7 (sft more)"
 
 
