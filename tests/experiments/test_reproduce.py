@@ -98,3 +98,45 @@ def test_the_traversal_verdict_follows_the_gain_on_8_and_16_node_trees(tmp_path,
     # tau 1.5 from steps accepting 0 or 1 (sd 0.5) over 100 forwards: a s.e. of 0.05 each
     error = gain * ((0.05 / 1.5) ** 2 + (0.05 / (1.5 * gain)) ** 2) ** 0.5
     assert f"{100 * (gain - 1):+.1f}% (± {100 * error:.1f}%)" in section
+
+
+def fake_block_bench(folder: Path, taus: dict[str, float], first: float = 0.3) -> None:
+    """A Spec-Bench run of the methods papers/dspark and papers/draft_opd read."""
+    def drafted(tau, speedup=1.0):
+        return {"tau": tau, "acceptance_per_depth": [first], "draft_ms_per_step": 2.0,
+                "verify_ms_per_step": 40.0, "speedup": {"overall": speedup},
+                "tokens_per_s": {"overall": 10.0 * speedup}, "new_tokens": 10,
+                "seconds": 1.0, "mean_tree_size": 3.0}
+    methods = {"hf_greedy": {"speedup": {"overall": 1.0}, "tokens_per_s": {"overall": 10.0},
+                             "new_tokens": 10, "seconds": 1.0},
+               "plain_loop": drafted(1.0, 2.0)}
+    methods.update({name: drafted(tau, 2.0 * tau / 1.5) for name, tau in taus.items()})
+    path = folder / "dspark" / "x.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": [{"baseline": "hf_greedy", "prompts": 1,
+                                          "methods": methods}]}))
+
+
+BLOCK_TAUS = {"dspark/ddtree8": 1.6, "dflash/chain7": 1.3, "dflash/ddtree8": 1.4,
+              "eagle3/chain7": 1.4, "eagle3/eagle2": 1.5, "dspark/confidence": 1.5}
+
+
+@pytest.mark.parametrize("dspark_tau, verdict", [(2.0, HELD), (1.6, PARTLY), (1.4, NOT_HELD)])
+def test_the_dspark_verdict_follows_its_gain_over_eagle3(tmp_path, dspark_tau, verdict):
+    fake_block_bench(tmp_path, {**BLOCK_TAUS, "dspark/chain7": dspark_tau,
+                                "dspark/ddtree8": dspark_tau})
+    text = render(PAPERS["dspark"], tmp_path)
+    section = text.split("## Longer accepted lengths than EAGLE-3")[1].split("## ")[0]
+    assert f"**Verdict: {verdict}.**" in section
+    assert f"{dspark_tau / 1.5 - 1:+.0%} against EAGLE-3's" in section
+
+
+@pytest.mark.parametrize("opd, sft, verdict", [(1.7, 1.55, HELD), (1.6, 1.55, PARTLY),
+                                               (1.52, 1.55, NOT_HELD)])
+def test_the_draft_opd_verdict_needs_1_1x_and_more_than_supervised_steps(tmp_path, opd, sft,
+                                                                         verdict):
+    fake_block_bench(tmp_path, {**BLOCK_TAUS, "dspark/chain7": 1.5,
+                                "dspark/chain7 (opd)": opd, "dspark/chain7 (sft more)": sft})
+    text = render(PAPERS["draft_opd"], tmp_path)
+    assert f"**Verdict: {verdict}.**" in text
+    assert f"tau to {opd / 1.5:.2f}x the supervised draft's" in text
