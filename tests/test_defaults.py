@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters.dflash import DFlashConfig
+from drafters.dspark import DSparkConfig
 from drafters.draft_model import DraftModelConfig
 from drafters.eagle import EagleConfig
 from drafters.hybrid import HybridConfig
@@ -33,6 +34,7 @@ CONF = Path(CONF_DIR)
 DRAFTER_SCHEMAS = {
     "dflash": DFlashConfig,
     "draft_model": DraftModelConfig,
+    "dspark": DSparkConfig,
     "eagle": EagleConfig,
     "eagle3": EagleConfig,
     "hybrid": HybridConfig,

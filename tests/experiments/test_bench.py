@@ -154,7 +154,7 @@ def test_a_compare_entry_sets_the_acceptance_rules_settings():
 @pytest.mark.parametrize("entry, message", [
     ("eagle", "is not <drafter>:<tree>"),
     (":chain4", "is not <drafter>:<tree>"),
-    ("eagel:chain4", "unknown drafter 'eagel'; known: ['dflash', 'draft_model', 'eagle'"),
+    ("eagel:chain4", "unknown drafter 'eagel'; known: ['dflash', 'draft_model', 'dspark', 'eagle'"),
     ("eagle:tree9", "unknown tree 'tree9'; known: ['adaptive', 'chain1'"),
     ("eagle:chain4:num_layers=1", "eagle cannot set ['num_layers']"),
     ("eagle:chain4:name=medusa", "eagle cannot set ['name']"),

@@ -124,10 +124,11 @@ NEW_DRAFTERS = {
     "dspark-confidence": ("dspark", ["tree=confidence", "tree.cost=null", "tree.threshold=0.05",
                                      *STRONG_MARKOV, *T1]),
 }
-# suffix alone is slow too: the batched merge hybrid drafts through its suffix member in CI
+# suffix alone is slow too: the batched merge hybrid drafts through its suffix member in CI;
+# DSpark's cases run outside CI (its recorded rows: tests/drafters/test_dspark.py)
 SLOW_CASES = {"suffix", "suffix-adaptive-top_p-batched", "hybrid-pick", "eagle-adaptive",
               "recycling80-top_p-batched", "sam_hybrid", "dflash-ddtree",
-              "pard-chain", "dspark-ddtree", "dspark-confidence"}
+              "pard-chain", "dspark-chain", "dspark-ddtree", "dspark-confidence"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
