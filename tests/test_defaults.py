@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 import train.schema  # noqa: F401  (registers train_schema, which conf/train.yaml builds on)
 from drafters.dflash import DFlashConfig
-from drafters.dspark import DSparkConfig
 from drafters.draft_model import DraftModelConfig
+from drafters.dspark import DSparkConfig
 from drafters.eagle import EagleConfig
 from drafters.hybrid import HybridConfig
 from drafters.medusa import MedusaConfig
