@@ -63,6 +63,12 @@ class DSparkConfig(DFlashConfig):
     confidence_weight: float = 1.0  # BCE of the confidence against 1 - ||q - p||_1 / 2
 
 
+def head_arguments(config: DSparkConfig) -> dict:
+    """DSparkDraft's own arguments for a fresh draft of `config` (DFlashDraft's aside)."""
+    return {"markov_rank": config.markov_rank, "confidence_head": config.confidence_head,
+            "markov_init_std": config.markov_init_std}
+
+
 def dspark_config(cfg: Mapping) -> DSparkConfig:
     config: DSparkConfig = check_block_config(typed_config(DSparkConfig, cfg, "DSpark"))
     if config.markov_init_std < 0:
@@ -234,9 +240,7 @@ def confidence_chain(draft: DSparkDraft, rows: MarkovRows, hidden: torch.Tensor,
 def from_config(cfg: Mapping, tree: TreePolicy, target: Target) -> DSparkDrafter:
     """conf/drafter/dspark.yaml: a fresh (untrained) draft, or `checkpoint: <folder>`."""
     config = dspark_config(cfg)
-    draft = configured_draft(config, target, DSparkDraft, markov_rank=config.markov_rank,
-                             confidence_head=config.confidence_head,
-                             markov_init_std=config.markov_init_std)
+    draft = configured_draft(config, target, DSparkDraft, **head_arguments(config))
     if isinstance(tree, ConfidenceChain) and draft.confidence is None:
         raise TreeError("tree policy 'confidence' cuts chains by DSpark's confidence head, "
                         f"which this draft lacks ({config.checkpoint or 'a fresh draft'} with "

@@ -86,8 +86,13 @@ def opd_parts(cfg: DictConfig, target: Target, draft: DFlashDraft) -> BlockParts
     """What Draft-OPD (stage=opd, train.recipes.opd) trains a loaded DFlash draft with: its
     supervised objective (block_logits, the target head; held-out accuracy), checkpoint and
     evaluation."""
-    objective = DFlashLoss(draft, target.model.get_output_embeddings(), drafter_config(cfg),
-                           RowLoss.from_optim(cfg.optim))
+    return block_parts(DFlashLoss(draft, target.model.get_output_embeddings(),
+                                  drafter_config(cfg), RowLoss.from_optim(cfg.optim)))
+
+
+def block_parts(objective: DFlashLoss) -> BlockParts:
+    """A block draft's Draft-OPD parts around its `objective` (DFlash's or DSpark's): the
+    checkpoint, evaluation and metrics every block recipe shares."""
     return BlockParts(objective, save_draft, WEIGHTS_FILE, evaluate, _flat)
 
 

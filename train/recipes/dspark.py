@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from drafters.dflash import WEIGHTS_FILE, save_draft
-from drafters.dspark import DSparkConfig, DSparkDraft, dspark_config
+from drafters.dspark import DSparkConfig, DSparkDraft, dspark_config, head_arguments
 from train.distributed import DistEnv
 from train.dspark import DSparkLoss
-from train.recipes.dflash import _flat, evaluate, run_block
+from train.recipes.dflash import block_parts, run_block
 from train.recipes.opd import BlockParts
 from verify.runtime.model import Target
 
@@ -36,9 +35,7 @@ def drafter_config(cfg: DictConfig) -> DSparkConfig:
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     """Train a DSpark draft as `cfg` says; returns the end-of-training evaluation (rank 0)."""
     dcfg = drafter_config(cfg)
-    fresh = {"markov_rank": dcfg.markov_rank, "confidence_head": dcfg.confidence_head,
-             "markov_init_std": dcfg.markov_init_std}
-    return run_block(cfg, env, group, dcfg, DSparkDraft, fresh,
+    return run_block(cfg, env, group, dcfg, DSparkDraft, head_arguments(dcfg),
                      lambda draft, target: DSparkLoss(
                          draft, target.model.get_output_embeddings(), dcfg))
 
@@ -47,5 +44,5 @@ def opd_parts(cfg: DictConfig, target: Target, draft: DSparkDraft) -> BlockParts
     """What Draft-OPD (stage=opd, train.recipes.opd) trains a loaded DSpark draft with: its
     objective (block_logits with the draft's own tokens before each position: the Markov
     head's on-policy input), checkpoint and evaluation, DFlash's otherwise."""
-    objective = DSparkLoss(draft, target.model.get_output_embeddings(), drafter_config(cfg))
-    return BlockParts(objective, save_draft, WEIGHTS_FILE, evaluate, _flat)
+    return block_parts(DSparkLoss(draft, target.model.get_output_embeddings(),
+                                  drafter_config(cfg)))
