@@ -377,21 +377,27 @@ def load_speculators_eagle3(folder: str | Path, target: Target, allow_other_targ
     return draft
 
 
+def configured_draft(config: EagleConfig, target: Target) -> EagleDraft:
+    """The draft an EAGLE drafter config names: its checkpoint (`trained_draft`; its saved
+    settings apply, and a draft of the other variant is refused by name), else a fresh one
+    made with the config's layers, inputs and layout."""
+    if not config.checkpoint:
+        layers = config.feature_layers or default_layers(config.variant,
+                                                         num_layers(target.model.config))
+        return EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head,
+                          inputs=config.inputs, layout=config.layout)
+    draft = trained_draft(config.checkpoint, target, config.allow_other_target)
+    if draft.variant != config.variant:  # it would run, and report, under the wrong name
+        raise ValueError(f"{config.checkpoint} holds an {draft.variant} draft (feature "
+                         f"layers {list(draft.feature_layers)}, layout {draft.layout}), "
+                         f"not an {config.variant} one: load it with "
+                         f"drafter={'eagle3' if draft.variant == 'eagle3' else 'eagle'}")
+    return draft
+
+
 def from_config(cfg: Mapping, tree: TreeTopology | DynamicTree, target: Target) -> EagleDrafter:
     """conf/drafter/eagle.yaml / eagle3.yaml: a fresh (untrained) draft, or `checkpoint:
     <folder>` for a trained one (whose saved settings then apply): ours, or a speculators
     EAGLE-3 folder (`trained_draft`)."""
     config = eagle_config(cfg)
-    if config.checkpoint:
-        draft = trained_draft(config.checkpoint, target, config.allow_other_target)
-        if draft.variant != config.variant:  # it would run, and report, under the wrong name
-            raise ValueError(f"{config.checkpoint} holds an {draft.variant} draft (feature "
-                             f"layers {list(draft.feature_layers)}, layout {draft.layout}), "
-                             f"not an {config.variant} one: load it with "
-                             f"drafter={'eagle3' if draft.variant == 'eagle3' else 'eagle'}")
-    else:
-        layers = config.feature_layers or default_layers(config.variant,
-                                                         num_layers(target.model.config))
-        draft = EagleDraft(target.model, tuple(layers), train_lm_head=config.train_lm_head,
-                           inputs=config.inputs, layout=config.layout)
-    return EagleDrafter(draft, tree, name=config.name)
+    return EagleDrafter(configured_draft(config, target), tree, name=config.name)

@@ -71,6 +71,21 @@ class DFlashLoss(nn.Module):
         DSpark's Markov head reads (None: the sequence's own tokens); DFlash reads none."""
         return self.draft.logits(self.block_hidden(input_ids, features, starts, valid)).float()
 
+    def chain_logits(self, input_ids: torch.Tensor, features: torch.Tensor,
+                     starts: torch.Tensor, valid: torch.Tensor, drafted: torch.Tensor
+                     ) -> torch.Tensor:
+        """The draft's float logits (B, A, D, V') at the first D positions of the blocks
+        anchored at the roots `starts` (B, A) that drafted the chains `drafted` (B, A, D)
+        (Draft-OPD, train.opd): `block_logits` fed the chain as `previous` (the root, then
+        the draft's own tokens; what DSpark's Markov head reads). Positions past a shorter
+        chain repeat its last token: each is read by its own position's head alone, and cut."""
+        roots = input_ids.gather(1, starts)
+        chain = torch.cat([roots[..., None], drafted[..., :-1]], dim=-1)
+        extra = self.draft.block_size - 1 - chain.shape[-1]
+        previous = torch.cat([chain, drafted[..., -1:].expand(*drafted.shape[:2], extra)], dim=-1)
+        logits = self.block_logits(input_ids, features, starts, valid, previous)
+        return logits[:, :, :drafted.shape[-1]]
+
     def block_hidden(self, input_ids: torch.Tensor, features: torch.Tensor,
                      starts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The draft's normed outputs (B, A, D, H) at the draft positions of blocks anchored

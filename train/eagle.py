@@ -66,15 +66,48 @@ class EagleLoss(nn.Module):
         """The draft's predicted features (B, T, H) at steps 0..steps - 1: step 0 reads the
         target's fused features (B, T, H), step s the step s - 1 outputs one row down; row j
         always reads token (B, T) j + 1 and sits at position j."""
+        return self.unroll_over(inputs, [tokens] * steps)
+
+    def unroll_over(self, inputs: torch.Tensor, step_tokens: list[torch.Tensor]
+                    ) -> Iterator[torch.Tensor]:
+        """`unroll` with the tokens of each step given: step s's row j reads
+        step_tokens[s][j] (B, T), one step per entry."""
+        tokens = step_tokens[0]
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        cache = DynamicCache(config=self.draft.body.config) if steps > 1 else None
+        cache = DynamicCache(config=self.draft.body.config) if len(step_tokens) > 1 else None
         hidden = None
-        for step in range(steps):
+        for step, tokens in enumerate(step_tokens):
             if step > 0:  # chain order: row j continues the chain row j - 1 was on
                 inputs = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
             mask = ttt_mask(tokens.shape[1], step, inputs.dtype, inputs.device) if step else None
             hidden = self.draft(inputs, tokens, positions, mask, cache)
             yield hidden
+
+    def chain_logits(self, input_ids: torch.Tensor, features: torch.Tensor,
+                     starts: torch.Tensor, valid: torch.Tensor, drafted: torch.Tensor
+                     ) -> torch.Tensor:
+        """The draft's float logits (B, A, D, V') along the chains drafted (B, A, D) after
+        the roots at `starts` (B, A) (Draft-OPD, train.opd), as decoding computed them: depth
+        k of the chain rooted at r is step k - 1 of the unroll at row r + k - 2, which reads
+        the drafted token d_{k-1} (the root's own at k = 1) on the depth k - 1 output. The
+        context is the real features (B, T, C) up to r - 1, without training noise; rows past
+        a sequence's end are padding a chain may run into. Invalid steps' logits are 0."""
+        depth, width = drafted.shape[-1], self.input_width
+        inputs = self.draft.fuse_features(features[:, :-1, :width])
+        inputs = nn.functional.pad(inputs, (0, 0, 0, depth))  # (B, T - 1 + D, H)
+        tokens = nn.functional.pad(input_ids[:, 1:], (0, depth))
+        rows = torch.arange(len(input_ids), device=starts.device)[:, None].expand_as(starts)
+        rows, roots, chains = rows[valid], starts[valid], drafted[valid]  # (N,), (N,), (N, D)
+        step_tokens = [tokens]
+        for step in range(1, depth):
+            stepped = tokens.clone()
+            stepped[rows, roots - 1 + step] = chains[:, step - 1]
+            step_tokens.append(stepped)
+        per_step = [self.draft.logits(hidden[rows, roots - 1 + step]).float()
+                    for step, hidden in enumerate(self.unroll_over(inputs, step_tokens))]
+        logits = per_step[0].new_zeros(*drafted.shape, per_step[0].shape[-1])
+        logits[valid] = torch.stack(per_step, dim=1)  # (N, D, V')
+        return logits
 
     def _rows(self, input_ids, features, learn):
         """Inputs (B, T-1, H) of rows 0..T-2, their next tokens (B, T-1), the target states

@@ -1,12 +1,14 @@
 """Draft-OPD's objective (On-Policy Distillation for speculative draft models, arXiv
-2605.29343): a block draft learns from the target's feedback on the states its own drafting
+2605.29343): a trained draft learns from the target's feedback on the states its own drafting
 put it in (rollouts: train.rollout).
 
 A rollout step drafted the chain d_1..d_C after the root at position r, and the target
-accepted its first a tokens. The draft's block anchored at r, fed its own drafts as `previous`
-([root, d_1, .., d_{C-1}]: what DSpark's Markov head reads; DFlash reads none), gives q_k at
-draft positions k = 1..C; the target's p_k is its LM head over the draft vocabulary (the frozen
-rows `target_head`, as train.dflash's soft targets) at the state before position k: the root's
+accepted its first a tokens. The draft run along that chain gives q_k at draft positions
+k = 1..C, each conditioned on the drafted prefix as decoding conditioned it (the supervised
+objective's `chain_logits`: a block draft's block anchored at r fed [root, d_1, .., d_{C-1}]
+as `previous`, which DSpark's Markov head reads; an EAGLE draft unrolled along the chain, depth
+k reading d_{k-1} on its own depth k - 1 output). The target's p_k is its LM head over the
+draft vocabulary (the frozen rows `target_head`) at the state before position k: the root's
 for k = 1, drafted node d_{k-1}'s after, so conditioned on the drafted prefix, rejected tokens
 included.
 
@@ -79,7 +81,7 @@ def opd_loss(draft_logits: torch.Tensor, target_logp: torch.Tensor, accepted: to
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Draft-OPD's loss over a batch of rollout steps (the module's docstring).
 
-    draft_logits (B, A, D, V') float, the draft's blocks at the steps' roots; target_logp
+    draft_logits (B, A, D, V') float, the draft along the steps' chains; target_logp
     (B, A, D, V') the target's log-probabilities at the same positions; accepted (B, A) long,
     a per step (0..D); valid (B, A) bool, the steps that count. Returns the loss and its parts,
     summed over the positions (detached): forward_kl and reverse_kl (weighted, as in the loss)
@@ -152,14 +154,15 @@ class RolloutStats:
 class OnPolicyLoss(nn.Module):
     """Draft-OPD's objective on a batch of rollouts (train.rollout.rollout_batch).
 
-    `block` is the drafter's supervised objective (train.dflash.DFlashLoss or a subclass:
-    DSpark's), whose `block_logits` run the draft and whose frozen `target_head` turns the
-    target's last states into p over the draft vocabulary. `window` and `run` gather
-    RolloutStats: since the last learning-curve row, and over this process's steps."""
+    `objective` is the drafter's supervised objective (train.dflash.DFlashLoss, DSpark's
+    subclass, train.eagle.EagleLoss), whose `chain_logits` run the draft along its drafted
+    chains and whose frozen `target_head` turns the target's last states into p over the
+    draft vocabulary. `window` and `run` gather RolloutStats: since the last learning-curve
+    row, and over this process's steps."""
 
-    def __init__(self, block: nn.Module, weights: OpdWeights):
+    def __init__(self, objective: nn.Module, weights: OpdWeights):
         super().__init__()
-        self.block, self.weights = block, weights
+        self.objective, self.weights = objective, weights
         self.window, self.run = RolloutStats(), RolloutStats()
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, learn: torch.Tensor,
@@ -171,22 +174,11 @@ class OnPolicyLoss(nn.Module):
         (B, A, D) the chains; target_states (B, A, D, H). Returns the loss and counts (D, 4)
         (acceptance_counts)."""
         depth = drafted.shape[-1]
-        previous = self.previous(input_ids.gather(1, starts), drafted)
-        logits = self.block.block_logits(input_ids, features, starts, valid, previous)
-        logits = logits[:, :, :depth]  # a chain shorter than the block learns its positions
+        logits = self.objective.chain_logits(input_ids, features, starts, valid, drafted)
         with torch.no_grad():
-            head = self.block.target_head
+            head = self.objective.target_head
             target_logp = head(target_states.to(head.weight.dtype)).float().log_softmax(-1)
         loss, parts = opd_loss(logits, target_logp, accepted, valid, self.weights)
         for stats in (self.window, self.run):
             stats.add(accepted, valid, depth, parts)
         return loss, acceptance_counts(logits, target_logp, accepted, valid)
-
-    def previous(self, roots: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-        """roots (B, A), drafted (B, A, D) -> (B, A, D') the token before each of the block's
-        D' = block_size - 1 positions: the root, then the draft's own tokens. Positions past a
-        shorter chain (D < D') repeat its last token: they are read by their own position's
-        head alone (DSpark's) and left out of the loss."""
-        chain = torch.cat([roots[..., None], drafted[..., :-1]], dim=-1)
-        extra = self.block.draft.block_size - 1 - chain.shape[-1]
-        return torch.cat([chain, drafted[..., -1:].expand(*drafted.shape[:2], extra)], dim=-1)

@@ -131,16 +131,19 @@ class EvalConfig:
 
 @dataclass
 class OpdConfig:
-    """stage=opd (train.recipes.opd): Draft-OPD, on-policy distillation of a trained block
-    draft (drafter.checkpoint). Each step the draft drafts `prompts_per_step` rollouts with the
-    target verifying (the sequence is the target's, the draft's chains its own), then learns
-    from the target's distributions at the nodes it drafted: forward KL(p || q) where the
-    target accepted, reverse KL(q || p) where it rejected, draft position k after `a` accepted
-    weighted reject_decay ** (k - a - 1) (train.opd). How long: optim.max_steps."""
+    """stage=opd (train.recipes.opd): Draft-OPD, on-policy distillation of a trained EAGLE-1,
+    EAGLE-3, DFlash or DSpark draft (drafter.checkpoint). Each step the draft drafts
+    `prompts_per_step` rollouts with the target verifying (the sequence is the target's, the
+    draft's chains its own), then learns from the target's distributions at the nodes it
+    drafted: forward KL(p || q) where the target accepted, reverse KL(q || p) where it
+    rejected, draft position k after `a` accepted weighted reject_decay ** (k - a - 1)
+    (train.opd). How long: optim.max_steps."""
 
     prompts_per_step: int = 4  # rollouts per optimizer step
     max_new_tokens: int = 64  # tokens each rollout decodes
-    chain: int | None = None  # draft tokens per rollout step (a chain); null: block_size - 1
+    # draft tokens per rollout step (a chain); null: a block draft's block_size - 1, an EAGLE
+    # draft's eval.depth
+    chain: int | None = None
     temperature: float = 0.0  # rollout sampling (0: greedy, nothing drawn)
     forward_kl_weight: float = 1.0  # accepted positions: KL(p_target || q_draft)
     reverse_kl_weight: float = 1.0  # rejected positions: KL(q_draft || p_target), decayed
@@ -228,7 +231,7 @@ def check_opd_settings(opd) -> None:
         if opd[key] < 1:
             raise ValueError(f"opd.{key} must be at least 1, got {opd[key]}")
     if opd.chain is not None and opd.chain < 1:
-        raise ValueError(f"opd.chain must be at least 1 (or null: block_size - 1), got "
+        raise ValueError(f"opd.chain must be at least 1 (or null: the drafter's default), got "
                          f"{opd.chain}")
     if not opd.temperature >= 0:
         raise ValueError(f"opd.temperature must be >= 0 (0: greedy), got {opd.temperature}")

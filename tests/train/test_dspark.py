@@ -133,7 +133,7 @@ def test_confidence_logits_need_the_head():
     assert isinstance(objective.draft.markov_w1, nn.Embedding)
 
 
-@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+@pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3", "eagle"])
 def test_training_continues_from_a_trained_draft(train_cfg, tmp_path, drafter):
     from verify.runtime.files import load_tensors
 

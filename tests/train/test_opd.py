@@ -17,17 +17,22 @@ from safetensors.torch import load_file
 import train.opd as opd_module
 import train.recipes.opd as opd_recipe
 import train.schema  # noqa: F401  (registers train_schema)
-from drafters.dflash import DFlashDraft, DFlashDrafter
+from drafters.dflash import DFlashConfig, DFlashDraft, DFlashDrafter
+from drafters.dspark import DSparkConfig, DSparkDraft, DSparkDrafter
+from drafters.eagle import EagleConfig, EagleDraft, EagleDrafter, default_layout
 from experiments.common import CONF_DIR
 from experiments.learning_curves import format_table, run_row
 from train import run_training
 from train.checkpoint import check_same_run
+from train.dflash import DFlashLoss
 from train.distill import Answer, encode_until
+from train.dspark import DSparkLoss
+from train.eagle import EagleLoss
 from train.opd import OpdWeights, acceptance_counts, opd_loss, position_weights
 from train.prompts import interleave, load_prompt_files
 from train.recipes import OPD_DRAFTERS, recipe_for
 from train.recipes.opd import rollout_prompts
-from train.rollout import Rollout, RolloutStep, roll_out, target_states
+from train.rollout import Rollout, RolloutStep, roll_out, rollout_batch, target_states
 from train.schema import check_settings
 from verify.loop import generate
 from verify.runtime.features import eagle3_layers
@@ -179,6 +184,46 @@ def test_rollouts_follow_the_target_and_record_every_steps_chain_and_acceptance(
         assert root >= len(rollout.tokens) - 1
 
 
+def _learned(kind: str, target, chain: int):
+    """A fresh drafter of `kind` drafting chains of `chain` and its supervised objective on
+    the same draft (the eagle ones with a draft vocabulary: every other token)."""
+    torch.manual_seed(1)
+    head = target.model.get_output_embeddings()
+    if kind in ("eagle1", "eagle3"):
+        layers = (-1,) if kind == "eagle1" else eagle3_layers(2)
+        vocab = torch.arange(0, head.weight.shape[0], 2)
+        draft = EagleDraft(target.model, layers, vocab, layout=default_layout(kind))
+        return (EagleDrafter(draft, TreeTopology.chain(chain)),
+                EagleLoss(draft, head, EagleConfig(variant=kind)))
+    if kind == "dspark":
+        draft = DSparkDraft(target.model, eagle3_layers(2), chain + 1, 1, None, 8, True, 0.5)
+        return (DSparkDrafter(draft, TreeTopology.chain(chain)),
+                DSparkLoss(draft, head, DSparkConfig(block_size=chain + 1)))
+    draft = DFlashDraft(target.model, eagle3_layers(2), chain + 1, 1)
+    return (DFlashDrafter(draft, TreeTopology.chain(chain)),
+            DFlashLoss(draft, head, DFlashConfig(block_size=chain + 1)))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "dflash", "dspark"])
+def test_the_draft_along_its_recorded_chains_gives_the_tokens_it_drafted(kind, tiny):
+    # chain_logits is what the loss learns on: greedy rollouts drafted each chain's top-1,
+    # so the draft rerun along the recorded chains must pick every drafted token again
+    drafter, objective = _learned(kind, tiny, 3)
+    prompts = [torch.tensor([5, 9, 17, 3, 8]), torch.tensor([40, 41, 42])]
+    rollouts = roll_out(tiny, drafter, 3, prompts, 16, GREEDY)
+    scored = [target_states(tiny.model, r, drafter.feature_layers, 3) for r in rollouts]
+    batch = rollout_batch(rollouts, [f for f, _ in scored], [s for _, s in scored])
+    objective.eval()
+    with torch.no_grad():
+        logits = objective.chain_logits(batch["input_ids"], batch["features"], batch["starts"],
+                                        batch["valid"], batch["drafted"])
+    picked = logits.argmax(-1)
+    vocab = objective.draft.vocab_ids
+    picked = picked if vocab is None else vocab[picked]
+    valid = batch["valid"]
+    assert int(valid.sum()) >= 6 and torch.equal(picked[valid], batch["drafted"][valid])
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_the_packed_forward_gives_what_separate_forwards_do(kind):
     target = load_target(tiny=kind)
@@ -260,11 +305,11 @@ def no_target(monkeypatch):
     monkeypatch.setattr(opd_recipe.common, "training_target", refuse)
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "eagle3", "medusa", "draft_model", "pard"])
+@pytest.mark.parametrize("drafter", ["medusa", "draft_model", "pard"])
 def test_a_drafter_without_opd_is_refused_naming_the_ones_with_it(drafter, no_target, tmp_path):
     cfg = _compose(f"drafter={drafter}", "stage=opd", f"out_dir={tmp_path}")
     with pytest.raises(ValueError, match=f"drafter={drafter} has no Draft-OPD; the drafters "
-                                         "that have it: dflash, dspark"):
+                                         "that have it: eagle, eagle3, dflash, dspark"):
         run_training(cfg)
 
 
@@ -344,3 +389,24 @@ def test_a_resumed_opd_run_ends_with_the_uninterrupted_runs_weights(sft_run, tmp
     make = partial(_opd_cfg, sft_run, tmp_path, "opd.temperature=1.0")
     run_training(make(out="whole"))
     resumes_exactly(make, tmp_path, "draft.safetensors", batches=opd_recipe)
+
+
+def test_an_eagle3_draft_takes_the_stage_after_its_supervised_run(tmp_path):
+    # EAGLE's rollouts draft through the EAGLE engine and learn along the unrolled chain
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        base = ["experiment=eagle_smoke", f"data.cache_dir={tmp_path / 'cache'}"]
+        run_training(compose("train", [*base, f"out_dir={tmp_path / 'sft'}"]))
+        cfg = compose("train", [*base, "stage=opd", "opd.prompts_per_step=2",
+                                "opd.max_new_tokens=8", "curve_every=2",
+                                f"drafter.checkpoint={tmp_path / 'sft' / 'checkpoint'}",
+                                f"out_dir={tmp_path / 'opd'}"])
+    results = run_training(cfg)
+    before = load_file(str(tmp_path / "sft" / "checkpoint" / "draft.safetensors"))
+    after = load_file(str(tmp_path / "opd" / "checkpoint" / "draft.safetensors"))
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k])
+                                                 for k in before)
+    rollouts = json.loads((tmp_path / "opd" / "eval.json").read_text())["rollouts"]
+    assert rollouts["steps"] > 0 and len(rollouts["acceptance"]) == 3  # eval.depth's chain
+    assert len(results["accuracy"]["top1"]) == cfg.eval.depth  # EAGLE's held-out depths
+    assert results["decoding"]["identical"] == results["decoding"]["prompts"]
+    assert run_row(tmp_path / "opd")["drafter"] == "EAGLE-3 + OPD"

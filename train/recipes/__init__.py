@@ -27,9 +27,10 @@ RECIPES = {
     "pard": "train.recipes.pard",
 }
 
-# stage=opd (train.recipes.opd, Draft-OPD after supervised training): the block drafters whose
-# recipe gives it `opd_parts(cfg, target, draft)` (train.recipes.opd.BlockParts)
-OPD_DRAFTERS = ("dflash", "dspark")
+# stage=opd (train.recipes.opd, Draft-OPD after supervised training): the drafters whose
+# recipe gives it `opd_chain(cfg, config)` (the rollout chain) and `opd_parts(cfg, target,
+# draft)` (train.recipes.opd.OpdParts)
+OPD_DRAFTERS = ("eagle", "eagle3", "dflash", "dspark")
 STAGE_RECIPES = {"opd": "train.recipes.opd"}  # stage -> the module that runs it (sft: RECIPES)
 
 

@@ -35,7 +35,7 @@ from train.features import (
 )
 from train.losses import RowLoss
 from train.recipes import common
-from train.recipes.opd import BlockParts
+from train.recipes.opd import OpdParts
 from verify.runtime.features import eagle3_layers, num_layers, resolve_layers
 from verify.runtime.model import Target
 
@@ -82,18 +82,29 @@ def run_block(cfg: DictConfig, env: DistEnv, group: str | None, dcfg: DFlashConf
                                      lambda: evaluate(cfg, target, objective, heldout), _flat)
 
 
-def opd_parts(cfg: DictConfig, target: Target, draft: DFlashDraft) -> BlockParts:
+def opd_chain(cfg: DictConfig, config: DFlashConfig) -> int:
+    """Draft-OPD's rollout chain for a block draft (DFlash's, DSpark's): opd.chain, else the
+    whole block's; ValueError past the block."""
+    longest = config.block_size - 1
+    if (cfg.opd.chain or longest) > longest:
+        raise ValueError(f"opd.chain={cfg.opd.chain} is longer than the block drafts: at most "
+                         f"drafter.block_size - 1 = {longest}")
+    return cfg.opd.chain or longest
+
+
+def opd_parts(cfg: DictConfig, target: Target, draft: DFlashDraft) -> OpdParts:
     """What Draft-OPD (stage=opd, train.recipes.opd) trains a loaded DFlash draft with: its
-    supervised objective (block_logits, the target head; held-out accuracy), checkpoint and
+    supervised objective (chain_logits, the target head; held-out accuracy), checkpoint and
     evaluation."""
     return block_parts(DFlashLoss(draft, target.model.get_output_embeddings(),
                                   drafter_config(cfg), RowLoss.from_optim(cfg.optim)))
 
 
-def block_parts(objective: DFlashLoss) -> BlockParts:
+def block_parts(objective: DFlashLoss) -> OpdParts:
     """A block draft's Draft-OPD parts around its `objective` (DFlash's or DSpark's): the
-    checkpoint, evaluation and metrics every block recipe shares."""
-    return BlockParts(objective, save_draft, WEIGHTS_FILE, evaluate, _flat)
+    held-out accuracy, checkpoint, evaluation and metrics every block recipe shares."""
+    return OpdParts(objective, lambda heldout: heldout_accuracy(objective, heldout), save_draft,
+                    WEIGHTS_FILE, evaluate, _flat)
 
 
 def evaluate(cfg: DictConfig, target: Target, objective: DFlashLoss, heldout: FeatureSet,

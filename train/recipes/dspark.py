@@ -17,7 +17,8 @@ from drafters.dspark import DSparkConfig, DSparkDraft, dspark_config, head_argum
 from train.distributed import DistEnv
 from train.dspark import DSparkLoss
 from train.recipes.dflash import block_parts, run_block
-from train.recipes.opd import BlockParts
+from train.recipes.dflash import opd_chain as opd_chain  # Draft-OPD's chain: the block's
+from train.recipes.opd import OpdParts
 from verify.runtime.model import Target
 
 LEARNING_CURVE = True
@@ -40,9 +41,9 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                          draft, target.model.get_output_embeddings(), dcfg))
 
 
-def opd_parts(cfg: DictConfig, target: Target, draft: DSparkDraft) -> BlockParts:
+def opd_parts(cfg: DictConfig, target: Target, draft: DSparkDraft) -> OpdParts:
     """What Draft-OPD (stage=opd, train.recipes.opd) trains a loaded DSpark draft with: its
-    objective (block_logits with the draft's own tokens before each position: the Markov
-    head's on-policy input), checkpoint and evaluation, DFlash's otherwise."""
+    objective (chain_logits: the draft's own tokens before each position, the Markov head's
+    on-policy input), checkpoint and evaluation, DFlash's otherwise (its opd_chain too)."""
     return block_parts(DSparkLoss(draft, target.model.get_output_embeddings(),
                                   drafter_config(cfg)))

@@ -1,14 +1,17 @@
-"""stage=opd: Draft-OPD after supervised training, for the block drafters (OPD_DRAFTERS).
+"""stage=opd: Draft-OPD after supervised training, for the learned drafters in OPD_DRAFTERS
+(EAGLE-1, EAGLE-3, DFlash, DSpark).
 
     python train.py drafter=dflash stage=opd drafter.checkpoint=<run>/checkpoint
+    python train.py drafter=eagle3 stage=opd drafter.checkpoint=<run>/checkpoint opd.chain=7
     python train.py drafter=dflash stage=opd drafter.checkpoint=<run>/checkpoint \\
         target.step=openvino curve_every=10 save_every=50     # rollouts on OpenVINO's kernels
 
 Setup: the target as cfg.target says (its step decodes the rollouts: target.step=openvino is
 the fastest here; the packed forwards that score them run its eager model), the drafter built
-from drafter.checkpoint by its own builder on a chain of opd.chain (refusing another drafter's
-checkpoint, another target's, another block size), the drafter's supervised objective on that
-draft (its recipe's `opd_parts`: block_logits, the target head), the rollout prompts
+from drafter.checkpoint by its own builder on a chain of opd.chain (its recipe's `opd_chain`;
+refusing another drafter's checkpoint, another target's, another block size), the drafter's
+supervised objective on that draft (its recipe's `opd_parts`: chain_logits, the target head),
+the rollout prompts
 (opd.prompts; never the held-out ones) and the held-out answers' features.
 
 Train (optim.max_steps, checkpoints and resuming through train.recipes.common): each step
@@ -36,13 +39,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from drafters import DRAFTERS
-from drafters.block import BlockDrafter
 from train.distill import distilled_data, encode_prompts
 from train.distributed import DistEnv
 from train.features import (
+    FeatureSet,
     batch_to_device,
     first_learned,
-    heldout_accuracy,
     heldout_features,
     training_sequences,
 )
@@ -51,6 +53,7 @@ from train.opd import OnPolicyLoss, OpdWeights
 from train.prompts import interleave, load_prompt_files
 from train.recipes import OPD_DRAFTERS, common, recipe_for
 from train.rollout import roll_out, rollout_batch, target_states
+from verify.protocol import Drafter
 from verify.runtime.features import num_layers
 from verify.runtime.model import Target, context_window
 from verify.sampling import SamplingParams
@@ -61,16 +64,18 @@ LEARNING_CURVE = True
 
 
 @dataclass
-class BlockParts:
-    """What a block drafter's recipe hands this stage (its `opd_parts(cfg, target, draft)`).
+class OpdParts:
+    """What a learned drafter's recipe hands this stage (its `opd_parts(cfg, target, draft)`).
 
-    objective: its supervised objective on `draft` (train.dflash.DFlashLoss or a subclass),
-    read for `block_logits` and its frozen `target_head`, and for held-out accuracy;
+    objective: its supervised objective on `draft` (train.dflash.DFlashLoss, DSpark's,
+    train.eagle.EagleLoss), read for `chain_logits` (the draft along a drafted chain) and its
+    frozen `target_head`; accuracy(heldout) -> dict: its held-out accuracy by depth;
     save_draft(draft, folder, target, extra, state) and weights_file: its checkpoint;
     evaluate(cfg, target, objective, heldout, extra) -> results: its end-of-training
     evaluation, writing eval.json with `extra` added; metrics(results): what the logger gets."""
 
     objective: nn.Module
+    accuracy: Callable[[FeatureSet], dict]
     save_draft: Callable[..., None]
     weights_file: str
     evaluate: Callable[..., dict]
@@ -79,26 +84,27 @@ class BlockParts:
 
 def drafter_config(cfg: DictConfig):
     """The drafter's settings, refused (ValueError) from cfg alone before anything loads: a
-    drafter without Draft-OPD, no drafter.checkpoint to start from, a chain longer than the
-    block, and whatever the drafter's own recipe refuses."""
+    drafter without Draft-OPD, no drafter.checkpoint to start from, a chain the drafter
+    cannot draft (its recipe's `opd_chain`: longer than a block), and whatever the drafter's
+    own recipe refuses."""
     name = cfg.drafter.name
     if name not in OPD_DRAFTERS:
-        raise ValueError(f"stage=opd (Draft-OPD) trains block drafters from their supervised "
+        raise ValueError(f"stage=opd (Draft-OPD) trains learned drafters from their supervised "
                          f"checkpoint: drafter={name} has no Draft-OPD; the drafters that have "
                          f"it: {', '.join(OPD_DRAFTERS)}")
     if not cfg.drafter.get("checkpoint"):
         raise ValueError(f"stage=opd starts from a trained draft: set drafter.checkpoint="
                          f"<run>/checkpoint (python train.py drafter={name} writes one)")
     config = recipe_for(name).drafter_config(cfg)
-    if rollout_chain(cfg) > config.block_size - 1:
-        raise ValueError(f"opd.chain={cfg.opd.chain} is longer than the block drafts: at most "
-                         f"drafter.block_size - 1 = {config.block_size - 1}")
+    recipe_for(name).opd_chain(cfg, config)
     return config
 
 
 def rollout_chain(cfg: DictConfig) -> int:
-    """The draft tokens a rollout step proposes: opd.chain, else the whole block's."""
-    return cfg.opd.chain or cfg.drafter.block_size - 1
+    """The draft tokens a rollout step proposes: opd.chain, else the drafter's default (its
+    recipe's `opd_chain`: a block draft's whole block, an EAGLE draft's eval.depth)."""
+    recipe = recipe_for(cfg.drafter.name)
+    return recipe.opd_chain(cfg, recipe.drafter_config(cfg))
 
 
 def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
@@ -110,7 +116,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
     target = common.training_target(cfg, env)
     drafter = loaded_drafter(cfg, target, chain)
     draft = drafter.draft
-    parts: BlockParts = recipe_for(cfg.drafter.name).opd_parts(cfg, target, draft)
+    parts: OpdParts = recipe_for(cfg.drafter.name).opd_parts(cfg, target, draft)
     objective = OnPolicyLoss(parts.objective, OpdWeights.from_config(cfg.opd)).to(env.device)
     layers = common.stored_layers(draft.feature_layers, num_layers(target.model.config))
     answers, heldout_answers = distilled_data(cfg.data, target, env)
@@ -124,7 +130,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
         restore=common.restore_from(cfg, target, draft, parts.weights_file, optimizer,
                                     scheduler),
         label="position",
-        heldout_eval=lambda: {**heldout_accuracy(parts.objective, heldout),
+        heldout_eval=lambda: {**parts.accuracy(heldout),
                               "rollout": objective.window.take()})
 
     def evaluate() -> dict:
@@ -136,7 +142,7 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                                                       **rollout_metrics(results)})
 
 
-def loaded_drafter(cfg: DictConfig, target: Target, chain: int) -> BlockDrafter:
+def loaded_drafter(cfg: DictConfig, target: Target, chain: int) -> Drafter:
     """The drafter loading drafter.checkpoint (its PyTorch form: its draft is the module
     trained, so every rollout drafts with the current weights) on a chain of `chain`."""
     drafter_cfg = OmegaConf.to_container(cfg.drafter, resolve=True)
@@ -181,7 +187,7 @@ def rollout_prompts(cfg: DictConfig, target: Target, answers: list, heldout_answ
     return prompts
 
 
-def rollout_batcher(cfg: DictConfig, env: DistEnv, target: Target, drafter: BlockDrafter,
+def rollout_batcher(cfg: DictConfig, env: DistEnv, target: Target, drafter: Drafter,
                     chain: int, prompts: list[torch.Tensor]) -> Callable[[int], dict]:
     """make_batch(step): the step's rollouts with the drafter's current weights, each scored in
     one packed target forward, as train.rollout.rollout_batch's batch on env.device."""
