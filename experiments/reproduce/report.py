@@ -72,11 +72,10 @@ def render(paper: Paper, reports: Path) -> str:
     for claim in paper.claims:
         out += [f"## {claim.title}", "", f"**The paper:** {claim.paper_says}", "",
                 "**Our command:**", "", "```bash", claim.command, "```", ""]
-        try:
-            finding = claim.check(reports)
-        except MissingReport as missing:
+        finding = checked(claim, reports)
+        if isinstance(finding, MissingReport):
             verdicts.append((claim.title, NOT_RUN))
-            out += [f"**Verdict: {NOT_RUN}.** {missing}", ""]
+            out += [f"**Verdict: {NOT_RUN}.** {finding}", ""]
             continue
         verdicts.append((claim.title, finding.verdict))
         out += [finding.table.markdown(), "", f"**Verdict: {finding.verdict}.** {finding.reason}",
@@ -85,6 +84,21 @@ def render(paper: Paper, reports: Path) -> str:
             out += [claim.why, ""]
     out += ["## Summary", "", Table(["claim", "verdict"], verdicts).markdown(), ""]
     return "\n".join(out)
+
+
+def checked(claim: Claim, reports: Path) -> Finding | MissingReport:
+    """The claim's finding on the saved reports, or the MissingReport saying it was not run."""
+    try:
+        return claim.check(reports)
+    except MissingReport as missing:
+        return missing
+
+
+def verdicts(paper: Paper, reports: Path) -> list[tuple[str, str]]:
+    """(claim title, verdict) of each of the paper's claims, as its write-up's summary."""
+    found = [(claim.title, checked(claim, reports)) for claim in paper.claims]
+    return [(title, NOT_RUN if isinstance(finding, MissingReport) else finding.verdict)
+            for title, finding in found]
 
 
 def read_report(reports: Path, pattern: str, how: str) -> dict:

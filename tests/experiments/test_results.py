@@ -153,6 +153,19 @@ def test_a_directive_must_name_one_file(tmp_path, pattern, error):
         render_page(source, tmp_path / "reports", tmp_path)
 
 
+def test_verdicts_are_each_claims_as_its_write_up_computes_them(tmp_path):
+    # with no saved JSON every claim of the named papers reads "not run"; an unknown one is named
+    source = tmp_path / "page.md"
+    source.write_text("# Page\n\n<!-- verdicts: leviathan, draft_opd -->\n")
+    page = render_page(source, tmp_path / "reports", tmp_path)
+    rows = [line for line in page.splitlines() if line.startswith("| [")]
+    assert len(rows) == 5 and all(row.endswith("| not run |") for row in rows)
+    assert rows[0].startswith("| [leviathan](") and "experiments/reproduce/leviathan.md" in rows[0]
+    source.write_text("# Page\n\n<!-- verdicts: leviathan, medussa -->\n")
+    with pytest.raises(ValueError, match=r"unknown papers \['medussa'\]"):
+        render_page(source, tmp_path / "reports", tmp_path)
+
+
 def test_a_report_of_no_known_command_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no known command"):
         kind_of({"rows": [{"mystery": 1}]}, tmp_path / "x.json")

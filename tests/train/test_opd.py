@@ -410,3 +410,22 @@ def test_an_eagle3_draft_takes_the_stage_after_its_supervised_run(tmp_path):
     assert len(results["accuracy"]["top1"]) == cfg.eval.depth  # EAGLE's held-out depths
     assert results["decoding"]["identical"] == results["decoding"]["prompts"]
     assert run_row(tmp_path / "opd")["drafter"] == "EAGLE-3 + OPD"
+
+
+@pytest.mark.slow
+def test_the_stage_raises_how_much_of_its_own_chains_the_target_accepts(tmp_path):
+    # what the stage is for, end to end on a tiny target: learning from the target's feedback
+    # on the draft's own chains raises the share of them it accepts (rollouts' depth-1
+    # acceptance, 0.02 in the first window); a target distribution read at the wrong
+    # positions would teach other tokens and leave it flat
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        base = ["experiment=eagle_smoke", f"data.cache_dir={tmp_path / 'cache'}"]
+        run_training(compose("train", [*base, f"out_dir={tmp_path / 'sft'}"]))
+        run_training(compose("train", [
+            *base, "stage=opd", "opd.prompts_per_step=2", "opd.max_new_tokens=16",
+            "optim.max_steps=200", "optim.lr=1e-2", "curve_every=50", "save_every=100",
+            f"drafter.checkpoint={tmp_path / 'sft' / 'checkpoint'}",
+            f"out_dir={tmp_path / 'opd'}"]))
+    rows = json.loads((tmp_path / "opd" / "curve.json").read_text())["rows"]
+    first, last = (rows[i]["rollout"]["acceptance"][0] for i in (0, -1))
+    assert last >= 0.2 and last >= 3 * first, (first, last)
