@@ -27,9 +27,10 @@ def run_script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=environment)
 
 
-# In the fast suite, so that the script cannot drift from the commands it runs: 82-100 s
-# measured here (12 processes, each paying its imports; ~77 s of CPU on 2 cores shared with
-# other work).
+# 82-100 s here (12 processes, each paying its imports): the fast suite's longest test by far,
+# for a script that only a session lent a GPU runs. So it runs with `make test-all`, and a
+# session with a GPU runs it (or the script's own --dry-run) before the device call.
+@pytest.mark.slow
 def test_the_dry_run_runs_every_step_and_writes_every_result(tmp_path):
     out = tmp_path / "check"
     done = run_script("--dry-run", str(out))

@@ -100,8 +100,10 @@ def test_the_traversal_verdict_follows_the_gain_on_8_and_16_node_trees(tmp_path,
     assert f"{100 * (gain - 1):+.1f}% (± {100 * error:.1f}%)" in section
 
 
-def fake_block_bench(folder: Path, taus: dict[str, float], first: float = 0.3) -> None:
-    """A Spec-Bench run of the methods papers/dspark and papers/draft_opd read."""
+def fake_block_bench(folder: Path, taus: dict[str, float], first: float = 0.3,
+                     run: str = "dspark") -> None:
+    """A Spec-Bench run of the methods papers/dspark and papers/draft_opd read, saved in
+    `run` (dspark: papers/dspark's; draft-opd-eagle3: the EAGLE-3 draft's OPD run)."""
     def drafted(tau, speedup=1.0):
         return {"tau": tau, "acceptance_per_depth": [first], "draft_ms_per_step": 2.0,
                 "verify_ms_per_step": 40.0, "speedup": {"overall": speedup},
@@ -111,7 +113,7 @@ def fake_block_bench(folder: Path, taus: dict[str, float], first: float = 0.3) -
                              "new_tokens": 10, "seconds": 1.0},
                "plain_loop": drafted(1.0, 2.0)}
     methods.update({name: drafted(tau, 2.0 * tau / 1.5) for name, tau in taus.items()})
-    path = folder / "dspark" / "x.json"
+    path = folder / run / "x.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rows": [{"baseline": "hf_greedy", "prompts": 1,
                                           "methods": methods}]}))
@@ -133,10 +135,15 @@ def test_the_dspark_verdict_follows_its_gain_over_eagle3(tmp_path, dspark_tau, v
 
 @pytest.mark.parametrize("opd, sft, verdict", [(1.7, 1.55, HELD), (1.6, 1.55, PARTLY),
                                                (1.52, 1.55, NOT_HELD)])
-def test_the_draft_opd_verdict_needs_1_1x_and_more_than_supervised_steps(tmp_path, opd, sft,
-                                                                         verdict):
-    fake_block_bench(tmp_path, {**BLOCK_TAUS, "dspark/chain7": 1.5,
-                                "dspark/chain7 (opd)": opd, "dspark/chain7 (sft more)": sft})
+@pytest.mark.parametrize("draft", ["dspark", "eagle3"])
+def test_the_draft_opd_verdict_needs_1_1x_and_more_than_supervised_steps(tmp_path, draft, opd,
+                                                                         sft, verdict):
+    run = "dspark" if draft == "dspark" else "draft-opd-eagle3"
+    fake_block_bench(tmp_path, {**BLOCK_TAUS, f"{draft}/chain7": 1.5,
+                                f"{draft}/chain7 (opd)": opd,
+                                f"{draft}/chain7 (sft more)": sft}, run=run)
     text = render(PAPERS["draft_opd"], tmp_path)
-    assert f"**Verdict: {verdict}.**" in text
-    assert f"tau to {opd / 1.5:.2f}x the supervised draft's" in text
+    title = "a block draft (DSpark)" if draft == "dspark" else "EAGLE-3"
+    section = text.split(f"more supervised training: {title}\n")[1].split("\n## ")[0]
+    assert f"**Verdict: {verdict}.**" in section
+    assert f"tau on the chain to {opd / 1.5:.2f}x the supervised draft's" in section
