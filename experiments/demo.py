@@ -86,8 +86,9 @@ def longer_preset_note(depth1: float, report: Path = LONGER_PRESET_REPORT) -> st
             f"(docs/results/learning-curves.md).")
 
 
-def size_tree(checkpoint: str) -> list[str]:
-    """The EAGLE-2 budget for this machine; returns the tree overrides that select it."""
+def size_tree(checkpoint: str) -> tuple[list[str], dict]:
+    """The EAGLE-2 budget for this machine; returns the tree overrides that select it and the
+    search's row for the chosen tree (its prediction)."""
     print("\n## 2. EAGLE-2 tree budget for the trained draft, from measured t(n) and tau\n")
     # small trees: on a 2-core CPU one or two draft tokens verify at about the cost of one
     # (t(2) ~ t(1)), three or more cost ~1.4x (measured: docs/results/step-cost.md); a draft
@@ -100,8 +101,27 @@ def size_tree(checkpoint: str) -> list[str]:
     out = Path(TRAIN_OUT) / f"{TREE_NAME}.yaml"
     write_dynamic_tree_config(tree, out, TREE_NAME, note)
     print(f"{format_budget_table(rows)}\n\ntree: {out}")
-    return ["tree=eagle2", f"tree.name={TREE_NAME}", f"tree.depth={tree.depth}",
-            f"tree.top_k={tree.top_k}", f"tree.total_tokens={tree.total_tokens}"]
+    return (["tree=eagle2", f"tree.name={TREE_NAME}", f"tree.depth={tree.depth}",
+             f"tree.top_k={tree.top_k}", f"tree.total_tokens={tree.total_tokens}"],
+            next(r for r in rows if r["chosen"]))
+
+
+def prediction_line(chosen: dict, summary: dict) -> str:
+    """The tree search's predicted tokens/s for the tree it chose against the benchmark's
+    for the trained draft on it, each step's prefill share left out as the prediction leaves
+    it out (the search decodes held-out training prompts, the benchmark Spec-Bench's)."""
+    name = f"{DRAFTER}/{TREE_NAME}"
+    m = summary["methods"][name]
+    step_ms = (m["draft_ms_per_step"] + m["verify_ms_per_step"] + m["other_ms_per_step"]
+               - m["prefill_ms_per_step"])
+    measured = 1000 * m["tau"] / step_ms
+    return (f"tree search: predicted {chosen['predicted_tokens_per_s']:.1f} tokens/s for "
+            f"{name} (tau {chosen['tau']:.2f}, {1000 * chosen['t_s']:.1f} + "
+            f"{1000 * chosen['draft_s_per_step']:.1f} + {1000 * chosen['loop_s_per_step']:.2f} "
+            f"ms verify + draft + loop a step); the benchmark measured {measured:.1f} (tau "
+            f"{m['tau']:.2f}, {m['verify_ms_per_step']:.1f} + {m['draft_ms_per_step']:.1f} + "
+            f"{m['other_ms_per_step'] - m['prefill_ms_per_step']:.2f} ms), prefill excluded in "
+            f"both: {measured / chosen['predicted_tokens_per_s']:.2f}x the prediction")
 
 
 def fastest_exact(checkpoint: str) -> str:
@@ -144,8 +164,8 @@ def main(argv: list[str]) -> int:
     num_prompts = overrides.get("num_prompts", "13")
     max_new = overrides.get("max_new_tokens", "64")
     trained = train_draft()
-    drafter = [f"drafter={DRAFTER}", f"drafter.checkpoint={trained['checkpoint']}",
-               *size_tree(trained["checkpoint"])]
+    tree, chosen = size_tree(trained["checkpoint"])
+    drafter = [f"drafter={DRAFTER}", f"drafter.checkpoint={trained['checkpoint']}", *tree]
     cfg = _compose("correctness", drafter + [*STEP, "greedy.reference=plain",
                                              f"greedy.num_prompts={num_prompts}",
                                              f"greedy.max_new_tokens={max_new}",
@@ -160,7 +180,7 @@ def main(argv: list[str]) -> int:
     summary = run_benchmark(cfg)
     bench = write_report(Path(cfg.out_dir), f"demo-{DRAFTER}-{TREE_NAME}", [summary], cfg)
     print(f"\n## 4. Benchmark against plain decoding ({STEP[0]})\n\n{format_tables(summary)}")
-    print(f"\n{fastest_line(summary)}")
+    print(f"\n{prediction_line(chosen, summary)}\n\n{fastest_line(summary)}")
     print(f"\ncheckpoint: {trained['checkpoint']}\nlogs: {trained['logged_to']}\n"
           f"results: {trained['eval']}, {correctness}, {bench}")
     return 1 if any(row["passed"] is False for row in rows) else 0

@@ -44,12 +44,15 @@ class StepStats:
 class GenerationResult:
     """tokens: (M,) the new tokens (EOS included when generated); steps: one per target forward
     after the prefill; states: with keep_states, (M, H) the target's last-layer state (what
-    its LM head read) that predicted each new token, on the model's device and in its dtype."""
+    its LM head read) that predicted each new token, on the model's device and in its dtype.
+    prefill_s: the prefill's seconds; decode_s: the seconds from its end to this row's last
+    step (drafting, verifying and the loop's own time); a batch's rows share both."""
 
     tokens: torch.Tensor
     steps: list[StepStats] = field(default_factory=list)
     prefill_s: float = 0.0
     states: torch.Tensor | None = None
+    decode_s: float = 0.0
 
     @property
     def tally(self) -> TokensPerForward:
@@ -68,6 +71,12 @@ class GenerationResult:
     @property
     def verify_s(self) -> float:
         return sum(s.verify_s for s in self.steps)
+
+    @property
+    def loop_s(self) -> float:
+        """The loop's own seconds over the steps (decode_s less drafting and verifying): its
+        bookkeeping between them. For a decode of one row (a batch's rows share steps)."""
+        return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
 
 
 def generate(step: TargetStep | PreTrainedModel, input_ids: torch.Tensor,
@@ -168,11 +177,15 @@ def generate_batch(step: TargetStep | PreTrainedModel,
         # a step that pads trees to a few shapes pads a drafting decode's root-only steps too
         tree_width = (max(pad_rows, getattr(step, "drafting_width", 1)) if drafter is not None
                       else pad_rows)
+        decode_start = clock()
         while active:
             drafting = max_batch_for_speculation is None or len(active) <= max_batch_for_speculation
             _step(verifier, batch_drafter if drafting else None, active, rule, sampling, generator,
                   features, clock, tree_width if drafting else pad_rows, drafting,
                   target_top_k)
+            now = clock()
+            for sequence in active:  # a finished row keeps the time of its last step
+                sequence.result.decode_s = now - decode_start
             active = _drop_finished(verifier, batch_drafter, active, max_new_tokens, stop)
         for sequence in sequences:
             sequence.result.tokens = _truncate(sequence.tokens, max_new_tokens, stop)

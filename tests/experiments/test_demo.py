@@ -6,7 +6,16 @@ import json
 from hydra import compose, initialize_config_dir
 
 from experiments.common import CONF_DIR
-from experiments.demo import DRAFTER, HYBRID_LABEL, PLAIN, STEP, fastest_exact, fastest_line
+from experiments.demo import (
+    DRAFTER,
+    HYBRID_LABEL,
+    PLAIN,
+    STEP,
+    TREE_NAME,
+    fastest_exact,
+    fastest_line,
+    prediction_line,
+)
 from experiments.methods import contenders
 
 
@@ -53,6 +62,19 @@ def test_where_no_tree_pays_the_last_line_says_so_and_why():
     assert line.startswith("no tree pays on this machine: the fastest exact method, "
                            "eagle/eagle2, runs at 0.85x plain decoding")
     assert "12.0 ms drafting + 40.0 ms verifying for 1.60 tokens, a plain step 30.0 ms" in line
+
+
+def test_the_tree_searchs_prediction_is_put_beside_what_the_benchmark_measured():
+    chosen = {"predicted_tokens_per_s": 40.0, "tau": 1.5, "t_s": 0.030, "draft_s_per_step": 0.005,
+              "loop_s_per_step": 0.0005}
+    method = {**_method(30.0, 1.2, 1.0, draft_ms=6.0, verify_ms=32.0, tau=1.4),
+              "other_ms_per_step": 3.0, "prefill_ms_per_step": 2.5}
+    line = prediction_line(chosen, {"methods": {f"{DRAFTER}/{TREE_NAME}": method}})
+    # measured: 1.4 tokens in 6 + 32 + 0.5 ms (the prefill's 2.5 ms share left out)
+    assert line.startswith(f"tree search: predicted 40.0 tokens/s for {DRAFTER}/{TREE_NAME}")
+    assert "30.0 + 5.0 + 0.50 ms verify + draft + loop" in line
+    assert "the benchmark measured 36.4 (tau 1.40, 32.0 + 6.0 + 0.50 ms)" in line
+    assert line.endswith("0.91x the prediction")  # 36.4 / 40
 
 
 def test_the_demo_benchmarks_on_the_openvino_step_against_plain_decoding_there():

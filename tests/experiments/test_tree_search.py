@@ -219,10 +219,14 @@ def test_dynamic_mode_end_to_end_on_a_tiny_target(tmp_path, capsys):
     for r in rows[1:]:
         assert r["tau"] >= 1 and r["t_s"] > 0 and r["draft_s_per_step"] > 0
         assert 1 < r["mean_tree_size"] <= r["n"]
+        # the loop's own time is charged beside t(n) and the draft's, from the same decoding
+        assert 0 < r["loop_s_per_step"] < r["t_s"] + r["draft_s_per_step"]
         assert r["predicted_tokens_per_s"] == pytest.approx(
-            r["tau"] / (r["t_s"] + r["draft_s_per_step"]))
+            r["tau"] / (r["t_s"] + r["draft_s_per_step"] + r["loop_s_per_step"]))
+        assert r["decoded_tokens_per_s"] > 0  # what its decoding ran at, beside the prediction
     chosen = best_cost([BudgetCost(r["total_tokens"], r["tau"], r["t_s"],
-                                   r["draft_s_per_step"]) for r in rows[1:]]).budget
+                                   r["draft_s_per_step"], loop_s=r["loop_s_per_step"])
+                        for r in rows[1:]]).budget
     assert [r["total_tokens"] for r in rows if r["chosen"]] == [chosen]
     written = OmegaConf.load(tmp_path / "tree" / "auto.yaml")
     assert written.name == "eagle2_auto"
@@ -230,7 +234,7 @@ def test_dynamic_mode_end_to_end_on_a_tiny_target(tmp_path, capsys):
     header = (tmp_path / "tree" / "auto.yaml").read_text().split("\nname:")[0]
     assert "mode=dynamic on tiny-llama (float32, cpu" in header.replace("\n# ", " ")
     printed = capsys.readouterr().out
-    assert "| total_tokens | t(n) ms | draft ms/step | tau |" in printed
+    assert "| total_tokens | t(n) ms | draft ms/step | loop ms/step | tau |" in printed
     assert "plain decoding" in printed and "**chosen**" in printed
 
 

@@ -1,6 +1,8 @@
 """The generation loop: plain decoding, a noisy oracle drafter over a long generation (cache
 compaction), EOS and length handling, and bad inputs."""
 
+import time
+
 import pytest
 import torch
 
@@ -53,6 +55,26 @@ def test_plain_decoding_matches_hf_generate(model):
     result = generate(model, prompt, 40)
     assert torch.equal(result.tokens, hf_greedy(model, prompt, 40))
     assert result.tau == 1.0 and len(result.steps) == 39
+
+
+class SlowDrafter(NoisyOracle):
+    """The oracle, with 5 ms of its own bookkeeping in `update`: loop time the loop reports
+    as drafting (a drafter's update is its work), not as the loop's own."""
+
+    def update(self, tree, acceptance):
+        time.sleep(0.005)
+
+
+def test_the_decode_time_is_drafting_verifying_and_the_loops_own(model):
+    prompt = torch.arange(5, 25)
+    reference = hf_greedy(model, prompt, 24)
+    result = generate(model, prompt, 24, drafter=SlowDrafter(reference, len(prompt)))
+    steps = len(result.steps)
+    assert result.draft_s >= 0.005 * steps  # the updates' sleep is counted as drafting
+    assert result.decode_s == pytest.approx(result.draft_s + result.verify_s + result.loop_s)
+    assert 0 < result.loop_s < 0.005 * steps  # the loop's own time is what is left, and small
+    plain = generate(model, prompt, 24)
+    assert plain.decode_s > plain.verify_s and plain.loop_s > 0
 
 
 def test_long_generation_with_compaction_stays_exact(model):
