@@ -95,6 +95,7 @@ FOLDER_KINDS: dict[str, tuple[str, str]] = {
     "unknown": ("nothing treedraft recognises", "no config.json naming a drafter or a model"),
 }
 RUN_CHECKPOINT = "checkpoint"  # a run's checkpoint subfolder (train.recipes.common.checkpoint_dir)
+KEPT_DIR = "checkpoints"  # a run's kept drafts, step-<N>/ each (train.py keep_every=)
 # drafter=eagle and eagle3 differ only in their defaults: either trains either variant
 # (drafter.variant), and eagle.from_config names a checkpoint of the other variant itself
 EAGLE_KINDS = ("eagle1", "eagle3")

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from drafters import build_drafter, check_rule_fits
+from drafters.checkpoint import KEPT_DIR
 from drafters.draft_model import load_draft_model, truncated_copy
 from experiments.bench_report import summarise
 from experiments.common import CONF_DIR, pick_questions, report_name
@@ -250,6 +251,7 @@ def contenders(cfg: DictConfig) -> list[Contender]:
     """The drafters to time: `drafter=`/`tree=` first, then the `compare` entries; a name
     already taken (the same drafter and tree twice, no label) gets " #2", " #3", ..."""
     found = [Contender(f"{cfg.drafter.name}/{cfg.tree.name}", cfg.drafter, cfg.tree)]
+    found += kept_contenders(cfg)
     for entry in cfg.compare:
         contender = parse_compare(entry, sampling_params(cfg).greedy)
         taken, name, suffix = {c.name for c in found}, contender.name, 2
@@ -257,6 +259,21 @@ def contenders(cfg: DictConfig) -> list[Contender]:
             name, suffix = f"{contender.name} #{suffix}", suffix + 1
         found.append(contender._replace(name=name))
     return found
+
+
+def kept_contenders(cfg: DictConfig) -> list[Contender]:
+    """drafter=/tree= with each draft that the run cfg.kept kept (train.py keep_every=), in
+    step order; ValueError when the folder keeps none."""
+    if not cfg.get("kept"):
+        return []
+    folders = sorted(Path(cfg.kept, KEPT_DIR).glob("step-*"),
+                     key=lambda folder: int(folder.name.removeprefix("step-")))
+    if not folders:
+        raise ValueError(f"kept={cfg.kept} holds no kept drafts ({KEPT_DIR}/step-<N>/): train "
+                         "with keep_every=<steps> to keep them")
+    return [Contender(f"{cfg.drafter.name}/{cfg.tree.name} ({folder.name.replace('-', ' ')})",
+                      OmegaConf.merge(cfg.drafter, {"checkpoint": str(folder)}), cfg.tree)
+            for folder in folders]
 
 
 def build_methods(cfg: DictConfig, target: Target, drafters: list[Contender]) -> dict:

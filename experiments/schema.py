@@ -50,6 +50,7 @@ class BenchConfig:
     top_k: int = MISSING
     seed: int = MISSING
     compare: list[str] = MISSING
+    kept: str | None = None  # a training run's out_dir: each draft it kept joins drafter=/tree=
     peers: list[str] = MISSING
     reference: str | None = MISSING
     hf_prompt_lookup_num_tokens: int = MISSING

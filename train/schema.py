@@ -193,6 +193,10 @@ class TrainConfig:
     save_every: int = 100  # steps between checkpoints
     # steps between held-out evaluations written to <out_dir>/curve.json (train.curve; 0: none)
     curve_every: int = 0
+    # steps between kept copies of the draft, <out_dir>/checkpoints/step-<N>/ (its files
+    # without the training state: drafter.checkpoint= loads one, experiments.bench kept=
+    # benchmarks them all); a multiple of save_every; 0: none
+    keep_every: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
 
 
@@ -209,6 +213,7 @@ def check_settings(cfg) -> None:
     if cfg.optim.loss not in LOSSES:
         raise ValueError(f"optim.loss must be one of {LOSSES}, got {cfg.optim.loss!r}")
     check_curve_settings(cfg.get("curve_every", 0), cfg.save_every, cfg.optim.max_steps)
+    check_keep_every(cfg.get("keep_every", 0), cfg.save_every)
     if cfg.get("stage", "sft") not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {cfg.stage!r}")
     if cfg.get("stage") == "opd":
@@ -254,6 +259,17 @@ def check_curve_settings(curve_every: int, save_every: int, max_steps: int) -> N
         raise ValueError(f"save_every={save_every} is not a multiple of curve_every="
                          f"{curve_every}: a resumed run would find no curve row at its "
                          "checkpoint's step; make save_every a multiple of curve_every")
+
+
+def check_keep_every(keep_every: int, save_every: int) -> None:
+    """Refuse a keep_every the saves cannot follow: copies are kept where a checkpoint is
+    written, so every kept step must be a save step."""
+    if keep_every < 0:
+        raise ValueError(f"keep_every must be >= 0 (0: no kept copies), got {keep_every}")
+    if keep_every and keep_every % save_every:
+        raise ValueError(f"keep_every={keep_every} is not a multiple of save_every={save_every}:"
+                         " copies are kept when a checkpoint is written; make keep_every a "
+                         "multiple of save_every")
 
 
 def register_configs() -> None:

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import build_drafter
-from drafters.checkpoint import RUN_CHECKPOINT
+from drafters.checkpoint import KEPT_DIR, RUN_CHECKPOINT
 from train.checkpoint import check_resumable, find_checkpoint, load_checkpoint, training_state
 from train.curve import Curve
 from train.distill import distilled_data
@@ -49,6 +49,11 @@ SaveCheckpoint = Callable[[Path, dict, Callable[[Path], None]], None]
 def checkpoint_dir(cfg: DictConfig) -> Path:
     """Where a run's checkpoint lives: loadable by the drafter, and resumed from."""
     return Path(cfg.out_dir) / RUN_CHECKPOINT
+
+
+def kept_dir(cfg: DictConfig, step: int) -> Path:
+    """Where keep_every keeps the draft of `step` (train.schema.TrainConfig.keep_every)."""
+    return Path(cfg.out_dir) / KEPT_DIR / f"step-{step}"
 
 
 def feature_sets(cfg: DictConfig, target: Target, layers: tuple[int, ...], env: DistEnv
@@ -116,12 +121,19 @@ def train(cfg: DictConfig, env: DistEnv, group: str | None, training: Training) 
     start = resume_step(cfg, training.restore)  # after wrap: fsdp restores into the shards
     logger = build_logger(cfg.logger, cfg, Path(cfg.out_dir), env.rank, group)
 
+    keep_every = cfg.get("keep_every", 0)
+    if keep_every and training.peft_model is not None:
+        raise ValueError("keep_every keeps the draft's own files, and a Medusa-2 run's adapter "
+                         "lives in its training state: run it with keep_every=0")
+
     def save(step: int) -> None:
         weights = full_state_dict(training.trained)  # every rank: fsdp gathers to rank 0
         optimizer_state = full_optimizer_state(training.optimizer)
         if env.is_main:
             training.save(checkpoint_dir(cfg), weights, training_state(
                 step, optimizer_state, training.scheduler, cfg, training.peft_model))
+            if keep_every and step % keep_every == 0:
+                training.save(kept_dir(cfg, step), weights, None)
         env.barrier()  # nobody runs ahead of a checkpoint that may be resumed from
 
     metrics = train_steps(model, training.optimizer, training.scheduler, training.make_batch,
