@@ -60,3 +60,17 @@ def test_kept_drafts_run_in_step_order_and_a_run_without_any_is_refused(tmp_path
 def test_keep_settings_the_saves_cannot_follow_are_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         check_settings(_eagle(tmp_path, *overrides))
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle3", "dflash"])
+def test_the_long_preset_trains_on_a_corpus_with_a_curve_and_ten_kept_drafts(drafter):
+    from train.recipes import recipe_for
+
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("train", ["experiment=corpus_long", f"drafter={drafter}",
+                                "data.corpus=/corpus"])
+    check_settings(cfg)  # keep_every a multiple of save_every, save_every of curve_every
+    assert cfg.data.name == "corpus" and cfg.data.corpus == "/corpus"
+    assert cfg.optim.max_steps == 10 * cfg.keep_every and cfg.curve_every > 0
+    assert cfg.out_dir.endswith(f"/{drafter}/corpus-long")
+    assert recipe_for(drafter).LEARNING_CURVE
