@@ -197,14 +197,22 @@ def is_duration(seconds: float) -> bool:
 EXCEPTION = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
 
 
+# pydantic's "N validation error(s) for <Model>", whose reasons follow on the next lines
+VALIDATION = re.compile(r"\d+ validation errors? for \w+$")
+
+
 def failure_reason(log: str, returncode: int) -> str:
     """Why a run failed: the first exception its log names (the root cause: a chained
-    traceback prints it first, and an engine's worker before the engine's own wrapper),
-    else the log's last line."""
+    traceback prints it first, and an engine's worker before the engine's own wrapper), with
+    the two lines under it where it is a pydantic validation error (vLLM's config checks:
+    which field, and why), else the log's last line."""
     found = EXCEPTION.search(log)
     lines = [line.strip() for line in log.splitlines() if line.strip()]
     reason = f"{found.group(1)}: {found.group(2)}" if found else (lines[-1] if lines else
                                                                  "no output")
+    if found and VALIDATION.search(found.group(2).strip()):
+        after = [line.strip() for line in log[found.end():].splitlines() if line.strip()]
+        reason = "; ".join([reason.strip(), *after[:2]])
     return f"{reason[:300]} (exit {returncode})"
 
 

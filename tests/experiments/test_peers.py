@@ -225,3 +225,19 @@ def test_an_engines_draft_model_method_gets_the_targets_first_layers_as_a_folder
     # a method without one is passed on as it is
     assert engines.engine_settings({"max_ngram_size": 3}, target,
                                    tmp_path) == {"max_ngram_size": 3}
+
+
+def test_a_validation_error_names_its_field_and_reason_not_only_its_model():
+    # vLLM checks its config with pydantic: the exception line says only which model failed,
+    # the two lines under it say which field and why
+    log = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+           "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+           "  Value error, dspark drafts need a qwen3 target [type=value_error, input_value=x]\n"
+           "    For further information visit https://errors.pydantic.dev\n"
+           "engine exited\n")
+    assert engines.failure_reason(log, 1) == (
+        "ValidationError: 1 validation error for VllmConfig; Value error, dspark drafts need a "
+        "qwen3 target [type=value_error, input_value=x]; For further information visit "
+        "https://errors.pydantic.dev (exit 1)")
+    plain = "ValueError: method broken is not supported\nmore lines\n"
+    assert engines.failure_reason(plain, 1) == "ValueError: method broken is not supported (exit 1)"
