@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters import build_drafter
-from drafters.dflash import DFlashDraft, save_draft
+from drafters.dflash import DFlashDraft, DFlashDrafter, save_draft
 from drafters.dspark import DSparkDraft, DSparkDrafter, MarkovRows, dspark_tree
 from drafters.trees.confidence import ConfidenceChain
 from drafters.trees.cost import StepCost
@@ -183,3 +183,50 @@ def test_a_step_proposes_from_one_block_forward(tiny):
                        torch.Generator().manual_seed(0))
     tree = drafter.propose(ctx)
     assert drafter.forwards == 1 and isinstance(tree, TokenTree) and len(tree) == 6
+
+
+class ProposedTokens:
+    """`drafter` with every tree it proposes recorded: `tokens` the drafted ones (root left
+    out), over a whole decode."""
+
+    def __init__(self, drafter):
+        self.drafter, self.tokens = drafter, []
+        self.feature_layers, self.target_top_k = drafter.feature_layers, drafter.target_top_k
+
+    def begin(self, prompt):
+        self.drafter.begin(prompt)
+
+    def propose(self, ctx):
+        tree = self.drafter.propose(ctx)
+        self.tokens.append(tree.tokens[1:])
+        return tree
+
+    def update(self, tree, acceptance):
+        self.drafter.update(tree, acceptance)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("tree", ["chain", "ddtree", "confidence"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_block_drafts_vocabulary_is_all_it_proposes_and_greedy_stays_exact(tiny, kind, tree,
+                                                                            temperature):
+    # the draft vocabulary of the even ids: no tree, greedy or sampled, holds an odd one
+    if kind == "dflash" and tree == "confidence":
+        pytest.skip("the confidence tree is DSpark's own")
+    target = tiny("llama")
+    even = torch.arange(0, 256, 2)
+    if kind == "dspark":
+        drafter = DSparkDrafter(dspark(target.model, init=2.0, vocab_ids=even), TREES[tree])
+    else:
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(DFlashDraft(target.model, eagle3_layers(2), 4, 1, even).eval(),
+                                TREES[tree])
+    recorded = ProposedTokens(drafter)
+    prompt = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41])
+    params = SamplingParams(temperature=temperature)
+    result = generate(target.model, prompt, 30, drafter=recorded, sampling=params,
+                      generator=torch.Generator().manual_seed(0))
+    drafted = torch.cat(recorded.tokens)
+    assert len(drafted) >= 20 and bool((drafted % 2 == 0).all())
+    if temperature == 0:
+        assert torch.equal(result.tokens, generate(target.model, prompt, 30).tokens)
