@@ -11,8 +11,7 @@ the fastest here; the packed forwards that score them run its eager model), the 
 from drafter.checkpoint by its own builder on a chain of opd.chain (its recipe's `opd_chain`;
 refusing another drafter's checkpoint, another target's, another block size), the drafter's
 supervised objective on that draft (its recipe's `opd_parts`: chain_logits, the target head),
-the rollout prompts
-(opd.prompts; never the held-out ones) and the held-out answers' features.
+the rollout prompts (opd.prompts; never the held-out ones) and the held-out answers' features.
 
 Train (optim.max_steps, checkpoints and resuming through train.recipes.common): each step
 decodes opd.prompts_per_step prompts (train.loop.batch_indices: a function of the seed and the
