@@ -75,8 +75,13 @@ def test_an_engine_gives_the_builtin_loops_files_and_the_comparison_says_so(tmp_
     builtin = run(target, records, tmp_path / "builtin")
     engine = regenerate_with_engine(target, records, tmp_path / "engine", fake_vllm)
     assert written(tmp_path / "engine") == written(tmp_path / "builtin")
-    assert {k: v for k, v in engine.items() if k != "this_run"} == {
-        k: v for k, v in builtin.items() if k != "this_run"}
+    # the accounts agree but for this run's own record and the hours each took (the engine's
+    # start-up can pass 1.8 s, 0.001 h once rounded)
+    def account(a):
+        return {k: v for k, v in a.items() if k not in ("this_run", "all_runs")}
+
+    assert account(engine) == account(builtin)
+    assert engine["all_runs"]["runs"] == builtin["all_runs"]["runs"] == 1
     assert engine["this_run"]["engine"] == "vllm" and builtin["this_run"]["engine"] == "builtin"
     compared = regenerate_command.compare_folders(tmp_path / "engine", tmp_path / "builtin",
                                                   target, records)
