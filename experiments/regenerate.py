@@ -52,6 +52,7 @@ from train.regenerate import (
     regeneration_folder,
     settings,
 )
+from verify.runtime.files import read_jsonl
 from verify.runtime.model import Target, load_target_from_config
 
 REPORT_STEM = "report"  # <folder>/report.json: the account as the results pages read it
@@ -234,8 +235,7 @@ def compare_folders(ours: Path, theirs: Path, target: Target, records: list) -> 
 def _answers(path: Path) -> dict[str, list[dict]]:
     if not path.is_file():
         raise ValueError(f"{path} missing: compare_to names a regeneration folder")
-    lines = path.read_text().splitlines()
-    return {(row := json.loads(line))["id"]: row["conversations"] for line in lines if line}
+    return {row["id"]: row["conversations"] for row in read_jsonl(path)}
 
 
 def _divergence(ours: list[dict], theirs: list[dict], target: Target, record_id: str) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from train.conversations import Record
 from train.distributed import DistEnv
-from verify.runtime.files import read_json, write_json, write_text
+from verify.runtime.files import read_json, read_jsonl, write_json, write_text
 from verify.runtime.fingerprint import describe_difference, describe_settings, identity
 from verify.runtime.model import Target
 
@@ -118,7 +118,9 @@ def read_outcomes(path: Path, repair: bool = False) -> list[Outcome]:
     whole = text[:text.rfind("\n") + 1]  # a kill can only cut the last line
     if repair and whole != text:
         write_text(path, whole)
-    return [Outcome(**json.loads(line)) for line in whole.splitlines() if line.strip()]
+    # split at "\n" alone: an answer may hold U+2028 or U+0085, which JSON leaves unescaped
+    # (ensure_ascii=False) and str.splitlines() would break a record at
+    return [Outcome(**json.loads(line)) for line in whole.split("\n") if line.strip()]
 
 
 def write_results(folder: Path, records: Sequence[Record], settings: dict, this_run: dict
@@ -176,7 +178,7 @@ def read_runs(folder: Path) -> list[dict]:
     path = folder / RUNS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def conversation_file(path: str | Path, target: Target) -> Path:

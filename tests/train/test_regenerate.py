@@ -20,7 +20,7 @@ from tests.train.test_lock import dead_pid, write_lock
 from train.conversations import read_records
 from train.distributed import DistEnv
 from train.lock import LOCK_FILE, OutDirLocked
-from train.regen_folder import conversation_file, read_outcomes
+from train.regen_folder import Outcome, RankLog, conversation_file, read_outcomes
 from train.regenerate import RegenConfig, regenerate
 from verify.loop import generate, until_eos
 from verify.runtime.model import Target, load_target
@@ -129,6 +129,20 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert account["this_run"]["conversations"] == 3  # the two finished ones were skipped
     assert written(tmp_path / "cut") == written(tmp_path / "whole")
     assert account["input"] == account["done"] == 5
+
+
+def test_an_answer_holding_unicode_line_separators_is_one_record(tmp_path):
+    # the target may write U+2028, U+2029 or U+0085: JSON keeps them unescaped
+    # (ensure_ascii=False), so a log read line by line must split at "\n" alone
+    log = RankLog(tmp_path, 0)
+    text = "one\u2028two\u2029three\x85four"
+    log.append(Outcome("c0", "done", conversations=[{"from": "gpt", "value": text}],
+                       answers=1, tokens=4))
+    log.append(Outcome("c1", "skipped", reason="too long"))
+    outcomes = read_outcomes(log.path)
+    assert [o.id for o in outcomes] == ["c0", "c1"]
+    assert outcomes[0].conversations[0]["value"] == text
+    assert RankLog(tmp_path, 0).finished == {"c0", "c1"}
 
 
 def test_two_ranks_share_the_work_and_give_the_one_rank_result(tmp_path, monkeypatch):
