@@ -211,9 +211,9 @@ def _loop_and_prefill(m: MethodFigures) -> str | None:
     """The rest of a step's wall time split into the loop's own time (its bookkeeping outside
     drafting and verifying) and the prompt's prefill shared over the steps: "0.2 + 2.0". None
     for a report saved before prefill was recorded (its one figure is shown)."""
-    if m.other_ms_per_step is None or m.prefill_ms_per_step is None:
+    if m.loop_ms_per_step is None:
         return None
-    return f"{m.other_ms_per_step - m.prefill_ms_per_step:.1f} + {m.prefill_ms_per_step:.1f}"
+    return f"{m.loop_ms_per_step:.1f} + {m.prefill_ms_per_step:.1f}"
 
 
 TABLE_COLUMNS = ["method", "tokens_per_s", "speedup", "tau", "accept_depth1", "draft_ms_per_step",

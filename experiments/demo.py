@@ -38,6 +38,7 @@ from experiments.common import CONF_DIR, write_report
 from experiments.correctness import evaluate, format_table
 from experiments.learning_curves import DRAFTER_NAMES
 from experiments.methods import run_benchmark
+from experiments.report_schema import MethodFigures
 from experiments.tree_search import search_dynamic
 from experiments.tree_search_dynamic import format_budget_table, write_dynamic_tree_config
 from train import run_training
@@ -111,17 +112,16 @@ def prediction_line(chosen: dict, summary: dict) -> str:
     for the trained draft on it, each step's prefill share left out as the prediction leaves
     it out (the search decodes held-out training prompts, the benchmark Spec-Bench's)."""
     name = f"{DRAFTER}/{TREE_NAME}"
-    m = summary["methods"][name]
-    step_ms = (m["draft_ms_per_step"] + m["verify_ms_per_step"] + m["other_ms_per_step"]
-               - m["prefill_ms_per_step"])
-    measured = 1000 * m["tau"] / step_ms
+    m = MethodFigures.from_json(summary["methods"][name])
+    loop_ms = m.loop_ms_per_step
+    measured = 1000 * m.tau / (m.draft_ms_per_step + m.verify_ms_per_step + loop_ms)
     return (f"tree search: predicted {chosen['predicted_tokens_per_s']:.1f} tokens/s for "
             f"{name} (tau {chosen['tau']:.2f}, {1000 * chosen['t_s']:.1f} + "
             f"{1000 * chosen['draft_s_per_step']:.1f} + {1000 * chosen['loop_s_per_step']:.2f} "
             f"ms verify + draft + loop a step); the benchmark measured {measured:.1f} (tau "
-            f"{m['tau']:.2f}, {m['verify_ms_per_step']:.1f} + {m['draft_ms_per_step']:.1f} + "
-            f"{m['other_ms_per_step'] - m['prefill_ms_per_step']:.2f} ms), prefill excluded in "
-            f"both: {measured / chosen['predicted_tokens_per_s']:.2f}x the prediction")
+            f"{m.tau:.2f}, {m.verify_ms_per_step:.1f} + {m.draft_ms_per_step:.1f} + "
+            f"{loop_ms:.2f} ms), prefill excluded in both: "
+            f"{measured / chosen['predicted_tokens_per_s']:.2f}x the prediction")
 
 
 def fastest_exact(checkpoint: str) -> str:

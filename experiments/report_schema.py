@@ -87,6 +87,14 @@ class MethodFigures:
     speedup_median: float | None = None
     speedup_range: list[float] | None = None  # [min, max] of speedup_runs
 
+    @property
+    def loop_ms_per_step(self) -> float | None:
+        """The loop's own milliseconds a step: the rest of the step's wall time (other) less
+        the prefill's share; None for a report saved before prefill was recorded."""
+        if self.other_ms_per_step is None or self.prefill_ms_per_step is None:
+            return None
+        return self.other_ms_per_step - self.prefill_ms_per_step
+
     @staticmethod
     def from_json(data: Mapping, what: str = "a bench method") -> MethodFigures:
         figures = _known_fields(MethodFigures, data, what)

@@ -68,7 +68,8 @@ def test_the_tree_searchs_prediction_is_put_beside_what_the_benchmark_measured()
     chosen = {"predicted_tokens_per_s": 40.0, "tau": 1.5, "t_s": 0.030, "draft_s_per_step": 0.005,
               "loop_s_per_step": 0.0005}
     method = {**_method(30.0, 1.2, 1.0, draft_ms=6.0, verify_ms=32.0, tau=1.4),
-              "other_ms_per_step": 3.0, "prefill_ms_per_step": 2.5}
+              "other_ms_per_step": 3.0, "prefill_ms_per_step": 2.5, "new_tokens": 64,
+              "seconds": 2.1}  # a bench method as the benchmark writes it
     line = prediction_line(chosen, {"methods": {f"{DRAFTER}/{TREE_NAME}": method}})
     # measured: 1.4 tokens in 6 + 32 + 0.5 ms (the prefill's 2.5 ms share left out)
     assert line.startswith(f"tree search: predicted 40.0 tokens/s for {DRAFTER}/{TREE_NAME}")

@@ -93,9 +93,14 @@ def run(cfg: DictConfig, env: DistEnv, group: str | None = None) -> dict:
                           RowLoss.from_optim(cfg.optim)).to(env.device)
     training = common.feature_training(
         cfg, env, target, train_set, objective, draft, save_draft, WEIGHTS_FILE, "step",
-        lambda: heldout_accuracy(objective, start.heldout, steps=cfg.eval.depth))
+        lambda: accuracy_by_depth(cfg, objective, start.heldout))
     return common.train_and_evaluate(
         cfg, env, group, training, lambda: evaluate(cfg, target, objective, start.heldout), _flat)
+
+
+def accuracy_by_depth(cfg: DictConfig, objective: EagleLoss, heldout: FeatureSet) -> dict:
+    """Held-out accuracy of the draft unrolled to eval.depth (the curve's, OPD's, eval.json's)."""
+    return heldout_accuracy(objective, heldout, steps=cfg.eval.depth)
 
 
 def opd_chain(cfg: DictConfig, config: EagleConfig) -> int:
@@ -111,7 +116,7 @@ def opd_parts(cfg: DictConfig, target: Target, draft: EagleDraft) -> OpdParts:
     objective = EagleLoss(draft, target.model.get_output_embeddings(), drafter_config(cfg),
                           RowLoss.from_optim(cfg.optim))
     return OpdParts(objective,
-                    lambda heldout: heldout_accuracy(objective, heldout, steps=cfg.eval.depth),
+                    lambda heldout: accuracy_by_depth(cfg, objective, heldout),
                     save_draft, WEIGHTS_FILE, evaluate, _flat)
 
 
@@ -119,7 +124,7 @@ def evaluate(cfg: DictConfig, target: Target, objective: EagleLoss, heldout: Fea
              extra: dict | None = None) -> dict:
     """Held-out accuracy by depth, and tau with the saved draft on an EAGLE-2 tree, decoded
     through build_drafter and the loop; eval.json, with `extra` (a stage's own results)."""
-    accuracy = heldout_accuracy(objective, heldout, steps=cfg.eval.depth)
+    accuracy = accuracy_by_depth(cfg, objective, heldout)
     accuracy["vocab_coverage"] = coverage(objective.draft.vocab_ids, heldout.learned_tokens())
     tree = {"depth": cfg.eval.depth, "top_k": cfg.eval.tree_top_k,
             "total_tokens": cfg.eval.tree_budget}
