@@ -63,7 +63,7 @@ ENGINE_NAMES = {"vllm": "vLLM", "openvino": "OpenVINO GenAI"}
 
 def run(cfg: DictConfig) -> dict:
     """Load the target, regenerate cfg.regen on every rank, print the account and write the
-    report (rank 0); returns the account (rank 0) or {}."""
+    report (rank 0); returns the account with the regeneration's "folder" (rank 0) or {}."""
     regen: RegenConfig = OmegaConf.to_object(cfg.regen)
     if regen.conversations < 1 or regen.batch_size < 1 or regen.max_new_tokens < 1:
         raise ValueError("regen.conversations, regen.batch_size and regen.max_new_tokens must "
@@ -107,6 +107,7 @@ def run(cfg: DictConfig) -> dict:
         print(format_account(account))
         print(f"conversations: {folder / CONVERSATIONS_FILE}\ntrain on them: python train.py "
               f"drafter=eagle3 data=regenerated data.conversations={folder}")
+        return {**account, "folder": str(folder)}
     return account
 
 

@@ -85,6 +85,19 @@ def test_the_demo_benchmarks_on_the_openvino_step_against_plain_decoding_there()
     assert cfg.target.step == "openvino" and list(cfg.peers) == [PLAIN]
 
 
+def test_the_demo_regenerates_a_prefix_of_the_corpus_with_eagles_features_and_no_report():
+    import experiments.schema  # noqa: F401  (registers the regeneration schema)
+    from experiments.demo import CORPUS
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        demo = compose("regenerate", CORPUS)
+        corpus = compose("regenerate", ["experiment=regenerate/corpus"])
+    assert demo.report is None and corpus.report is not None  # the committed account stays
+    assert demo.regen.conversations < corpus.regen.conversations
+    # everything else as the corpus's preset: the same folder key, so its prefix
+    assert {**demo.regen, "conversations": 0} == {**corpus.regen, "conversations": 0}
+    assert -1 in demo.regen.feature_layers  # what EAGLE-1 reads, captured while answering
+
+
 def test_after_training_a_note_quotes_what_the_longer_preset_reached(tmp_path):
     from experiments.demo import longer_preset_note
     report = tmp_path / "onpolicy.json"
@@ -100,3 +113,29 @@ def test_after_training_a_note_quotes_what_the_longer_preset_reached(tmp_path):
     assert "6000 of 8000 steps, 45 CPU-minutes) reached 0.610" in note
     report.write_text(json.dumps({"rows": rows[:1]}))
     assert longer_preset_note(0.4, report) is None  # the demo's drafter not in it
+
+
+def test_the_note_quotes_the_longer_presets_spec_bench_run_and_no_other(tmp_path):
+    from experiments.demo import longer_preset_note
+    curves, bench = tmp_path / "onpolicy.json", tmp_path / "onpolicy-spec-bench.json"
+    point = {"step": 700, "train_cpu_seconds": 1440.0, "top1": [0.369]}
+    curves.write_text(json.dumps({"rows": [{"drafter": "EAGLE-1", "max_steps": 1000,
+                                            "curve": [point]}]}))
+    method = {"tokens_per_s": {"overall": 30.0}, "speedup": {"overall": 0.9}, "new_tokens": 2945,
+              "seconds": 94.2, "tau": 1.36,
+              "acceptance_per_depth": [0.285, 0.2], "acceptance_stderr_per_depth": [0.02, 0.04]}
+
+    def bench_run(checkpoint: str) -> str:
+        config = {"drafter": {"name": "eagle", "checkpoint": checkpoint},
+                  "tree": {"name": "chain4"}, "target": {"step": "openvino"}}
+        return json.dumps({"config": config, "rows": [
+            {"baseline": "plain_loop", "prompts": 26, "methods": {"eagle/chain4": method}}]})
+
+    bench.write_text(bench_run("results/train/smollm2-135m-instruct/eagle/onpolicy/checkpoint"))
+    note = longer_preset_note(0.4, curves, bench)
+    assert note.endswith("reached 0.369, and on 26 Spec-Bench prompts (openvino step, chain4) "
+                         "depth-1 acceptance 0.285 ± 0.020, tau 1.36 "
+                         "(docs/results/learning-curves.md).")
+    # a benchmark of another draft says nothing about the preset
+    bench.write_text(bench_run("results/train/smollm2-135m-instruct/eagle/checkpoint"))
+    assert "Spec-Bench" not in longer_preset_note(0.4, curves, bench)
