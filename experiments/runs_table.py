@@ -88,7 +88,8 @@ def fill_absent(run: dict, absent: list[str]) -> dict:
 
 # Figures only newer evaluations record: (row key, column title, format).
 OPTIONAL_COLUMNS = [("coverage", "draft vocabulary coverage", "{:.3f}"),
-                    ("draft_ms", "ms per draft forward", "{:.1f}")]
+                    ("draft_ms", "ms per draft forward", "{:.1f}"),
+                    ("draft_step_ms", "draft ms per step", "{:.1f}")]
 
 
 def table_rows(runs: list[dict], x: str, series: str | None) -> list[dict]:
@@ -106,6 +107,7 @@ def table_rows(runs: list[dict], x: str, series: str | None) -> list[dict]:
             # recorded by newer evaluations only: shown when every run of the table has them
             "coverage": accuracy.get("vocab_coverage"),
             "draft_ms": decoding.get("draft_ms_per_forward"),
+            "draft_step_ms": decoding.get("draft_ms_per_step"),
         })
     return sorted(rows, key=lambda r: (str(r["series"]), _sortable(r["x"])))
 

@@ -94,6 +94,7 @@ def test_coverage_and_draft_cost_columns_appear_only_when_every_run_has_them(run
         run = json.loads(path.read_text())
         run["accuracy"]["vocab_coverage"] = coverage
         run["decoding"]["draft_ms_per_forward"] = draft_ms
+        run["decoding"]["draft_ms_per_step"] = 3 * draft_ms  # three forwards a step
         path.write_text(json.dumps(run))
 
     add_figures(runs / "eagle" / "a", 0.91, 3.25)
@@ -102,5 +103,5 @@ def test_coverage_and_draft_cost_columns_appear_only_when_every_run_has_them(run
     assert "coverage" not in format_table(some, "data.sharegpt_tokens", None)  # c lacks them
     both = table_rows(find_runs([str(runs / "eagle" / "[ab]")]), "data.sharegpt_tokens", None)
     table = format_table(both, "data.sharegpt_tokens", None)
-    assert "| draft vocabulary coverage | ms per draft forward |" in table
-    assert "| 50000 | 800 | 0.300 | 0.200 | 1.70 | 8/8 | 0.910 | 3.2 |" in table
+    assert "| draft vocabulary coverage | ms per draft forward | draft ms per step |" in table
+    assert "| 50000 | 800 | 0.300 | 0.200 | 1.70 | 8/8 | 0.910 | 3.2 | 9.8 |" in table

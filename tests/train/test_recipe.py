@@ -158,6 +158,8 @@ def test_the_run_reports_where_things_went_and_tree_search_reads_its_table(train
     assert "| 1 | token +3 |" in out  # one accuracy row per head
     table = load_accuracies(results["eval"])
     assert table == results["accuracy"]["rank_accuracy"] and len(table) == 2
+    # the heads' draft vocabulary: the share of held-out answer tokens it can propose
+    assert 0 < results["accuracy"]["vocab_coverage"] <= 1
 
 
 def test_the_command_line_entry_names_runs_by_their_overrides(tmp_path):

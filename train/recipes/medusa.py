@@ -28,7 +28,7 @@ from drafters.medusa import (
     medusa_config,
     save_heads,
 )
-from drafters.vocab import most_frequent_tokens
+from drafters.vocab import coverage, most_frequent_tokens
 from train.distill import Answer, distilled_data
 from train.distributed import DistEnv
 from train.evaluate import answer_states, decode_check, head_accuracy
@@ -190,6 +190,7 @@ def evaluate(cfg: DictConfig, target: Target, heads: MedusaHeads, heldout: list[
     target.model.eval()
     hidden = answer_states(target.model, heldout)
     accuracy = head_accuracy(heads, hidden, heldout, cfg.eval.top_k)
+    accuracy["vocab_coverage"] = coverage(heads.vocab_ids, [a.response for a in heldout])
     topology = build_tree(accuracy["rank_accuracy"], cfg.eval.tree_budget)
     choices = [list(c) for c in topology.choices]
     drafter = common.trained_drafter(cfg, target, {"choices": choices})
