@@ -10,6 +10,7 @@ and the verifier stays exact whatever the draft proposes.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
@@ -31,10 +32,16 @@ def check_vocab_ids(vocab_ids: torch.Tensor, target_vocab_size: int) -> torch.Te
 def most_frequent_tokens(sequences: Iterable[torch.Tensor], size: int | None
                          ) -> torch.Tensor | None:
     """The `size` most frequent token ids of `sequences`, sorted; None keeps the whole
-    vocabulary. Ties go to the lower id, so the choice is deterministic."""
+    vocabulary. Ties go to the lower id, so the choice is deterministic. Only tokens the
+    sequences hold are chosen: where they hold fewer distinct ones than `size`, the
+    vocabulary is all of them, and a warning says so (the checkpoint records the size)."""
     if size is None:
         return None
     counts = Counter(int(t) for sequence in sequences for t in sequence.tolist())
+    if len(counts) < size:
+        logging.getLogger(__name__).warning(
+            "draft vocabulary: %d tokens asked for, the training data holds %d distinct ones; "
+            "the vocabulary is those %d", size, len(counts), len(counts))
     ranked = sorted(counts, key=lambda token: (-counts[token], token))
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 

@@ -16,7 +16,7 @@ from drafters.eagle import (
 )
 from drafters.engine import LevelRequest
 from drafters.trees.dynamic import DynamicTree
-from drafters.vocab import coverage
+from drafters.vocab import coverage, most_frequent_tokens
 from verify.loop import generate, generate_batch
 from verify.protocol import DraftContext
 from verify.runtime.features import eagle3_layers
@@ -165,6 +165,16 @@ def test_a_draft_vocabulary_is_all_it_proposes_and_decoding_stays_exact(tree, ti
     assert len(proposed) > 1 and bool((proposed.tokens[1:] % 2 == 0).all())
     plain = generate(target.model, PROMPT, 24).tokens
     assert torch.equal(generate(target.model, PROMPT, 24, drafter=drafter).tokens, plain)
+
+
+def test_a_vocabulary_keeps_the_most_written_tokens_and_says_when_the_data_holds_fewer(caplog):
+    sequences = [torch.tensor([5, 5, 5, 9, 9, 2]), torch.tensor([7, 9])]
+    assert most_frequent_tokens(sequences, 2).tolist() == [5, 9]
+    assert most_frequent_tokens(sequences, 3).tolist() == [2, 5, 9]  # 2 and 7 tie: lower id
+    assert not caplog.records
+    assert most_frequent_tokens(sequences, 8).tolist() == [2, 5, 7, 9]  # all there is
+    assert "8 tokens asked for, the training data holds 4 distinct ones" in caplog.text
+    assert most_frequent_tokens(sequences, None) is None  # the whole vocabulary
 
 
 def test_vocabulary_coverage_counts_the_tokens_a_draft_can_propose():
