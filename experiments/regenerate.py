@@ -105,8 +105,11 @@ def run(cfg: DictConfig) -> dict:
                                                                  records)}
             write_account_report(folder, target, regen, account, cfg.report)
         print(format_account(account))
+        # with captured features the folder is a corpus: training reads them, no prefill
+        data = (f"data=corpus data.corpus={folder}" if regen.feature_layers
+                else f"data=regenerated data.conversations={folder}")
         print(f"conversations: {folder / CONVERSATIONS_FILE}\ntrain on them: python train.py "
-              f"drafter=eagle3 data=regenerated data.conversations={folder}")
+              f"drafter=eagle3 {data}")
         return {**account, "folder": str(folder)}
     return account
 
