@@ -47,14 +47,16 @@ def _drafter(kind: str, model):
     return DFlashDrafter(_perturbed(draft).eval(), TREE)
 
 
-# Medusa's case runs in CI (the cheapest forward); EAGLE's and DFlash's under make test-all
-@pytest.mark.parametrize("kind", [pytest.param("eagle", marks=pytest.mark.slow), "medusa",
-                                  pytest.param("dflash", marks=pytest.mark.slow)])
-def test_sampling_from_a_draft_vocabulary_is_exact_and_the_control_is_caught(kind):
+def tiny_correctness_target():
+    """The correctness evaluation's distribution settings (2,000 samples) and its tiny target."""
     with initialize_config_dir(CONF_DIR, version_base=None):
         dist = compose("correctness", ["distribution.samples=2000"]).distribution
-    model = build_tiny_model(dist.arch, seed=dist.seed, vocab_size=dist.vocab_size).eval()
-    drafter = _drafter(kind, model)
+    return dist, build_tiny_model(dist.arch, seed=dist.seed, vocab_size=dist.vocab_size).eval()
+
+
+def check_exact_sampling(model, drafter, dist) -> None:
+    """Exact sampling passes the chi-square test with drafts put to it; the wrong-residual
+    control fails it."""
     params = SamplingParams(dist.temperature, dist.top_k, dist.top_p)
     prompt = torch.arange(dist.prompt_length) % dist.prompt_period
     expected = sequence_distribution(model, prompt, dist.length, params)
@@ -63,3 +65,11 @@ def test_sampling_from_a_draft_vocabulary_is_exact_and_the_control_is_caught(kin
     assert exact["passed"] and exact["value"] >= 0.001, exact
     assert exact["detail"]["draft_tokens_per_sample"] > 0.5  # drafts were put to the test
     assert control["passed"] and control["value"] < 0.001, control
+
+
+# Medusa's case runs in CI (the cheapest forward); EAGLE's and DFlash's under make test-all
+@pytest.mark.parametrize("kind", [pytest.param("eagle", marks=pytest.mark.slow), "medusa",
+                                  pytest.param("dflash", marks=pytest.mark.slow)])
+def test_sampling_from_a_draft_vocabulary_is_exact_and_the_control_is_caught(kind):
+    dist, model = tiny_correctness_target()
+    check_exact_sampling(model, _drafter(kind, model), dist)

@@ -26,14 +26,11 @@ from drafters.draft_model import (
     truncated_copy,
 )
 from experiments.common import CONF_DIR
-from experiments.correctness import WrongResidualRule, distribution_row
-from experiments.stats import sequence_distribution
+from tests.drafters.test_draft_vocab_sampling import check_exact_sampling, tiny_correctness_target
 from train import run_training
 from train.draft_model import DistillLoss, divergence, initial_draft
 from verify.loop import generate
-from verify.rules import make_rule
-from verify.runtime.model import Target, build_tiny_model, hf_generate, load_target
-from verify.sampling import SamplingParams
+from verify.runtime.model import Target, hf_generate, load_target
 
 TOKENS = torch.tensor([40, 41, 42, 43, 40, 41, 42, 44, 40, 41, 42, 43, 7, 9])
 
@@ -241,9 +238,7 @@ def test_sampling_with_a_reduced_vocabulary_draft_is_exact(tmp_path, tree):
     # The correctness evaluation's tiny target (vocabulary 8) and its chi-square test, with a
     # saved draft that can propose 5 of the 8 tokens: sampled children (tree8, q recorded) or
     # top-k ones (eagle2). (experiments.correctness itself drafts with a self-draft there.)
-    with initialize_config_dir(CONF_DIR, version_base=None):
-        dist = compose("correctness", ["distribution.samples=2000"]).distribution
-    model = build_tiny_model(dist.arch, seed=dist.seed, vocab_size=dist.vocab_size)
+    dist, model = tiny_correctness_target()
     small = Target(model, None, "tiny")
     vocab = torch.tensor([0, 1, 2, 3, 6])
     save_draft_model(initial_draft(model, DraftModelConfig(num_layers=1), vocab), vocab,
@@ -251,14 +246,7 @@ def test_sampling_with_a_reduced_vocabulary_draft_is_exact(tmp_path, tree):
     drafter = build_drafter({"name": "draft_model", "path": str(tmp_path)}, conf("tree", tree),
                             small)
     assert torch.equal(drafter.vocab_ids, vocab)
-    params = SamplingParams(dist.temperature, dist.top_k, dist.top_p)
-    prompt = torch.arange(dist.prompt_length) % dist.prompt_period
-    expected = sequence_distribution(model, prompt, dist.length, params)
-    exact, control = (distribution_row(model, drafter, rule, prompt, expected, params, dist)
-                      for rule in (make_rule("sampling", params), WrongResidualRule()))
-    assert exact["passed"] and exact["value"] >= 0.001, exact
-    assert exact["detail"]["draft_tokens_per_sample"] > 0.5
-    assert control["passed"] and control["value"] < 0.001, control
+    check_exact_sampling(model, drafter, dist)
 
 
 def test_targets_computed_live_train_the_draft_the_cached_ones_do(tmp_path):
